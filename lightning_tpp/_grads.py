@@ -1,0 +1,108 @@
+"""Gradient collectives outside the model: data-parallel averaging and clipping by the global norm.
+
+Why not ``DistributedDataParallel``: the Trainer's closure and (later) the pipeline schedule decide when backward
+runs, and DDP's reducer would need ``no_sync`` bookkeeping for every micro-batch. One bucketed all-reduce per
+optimizer step, after the closure, is what DDP does at a step boundary and composes with accumulation for free.
+
+Global norm: a sharded parameter's squares are summed over the tensor-parallel group; a replicated parameter is
+counted once (tp rank 0), so the norm equals ``clip_grad_norm_`` on the single-device model::
+
+    ||g||^2 = sum_tp sum_sharded ||g_r||^2  +  sum_replicated ||g||^2
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+_BUCKET_BYTES = 32 * 2**20
+
+
+def _buckets(tensors: list[Tensor]) -> Iterable[list[Tensor]]:
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for group in by_kind.values():
+        bucket: list[Tensor] = []
+        size = 0
+        for t in group:
+            bucket.append(t)
+            size += t.numel() * t.element_size()
+            if size >= _BUCKET_BYTES:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+
+def all_reduce_coalesced(tensors: list[Tensor], group: Any, *, average: bool) -> None:
+    """Sum (or average) ``tensors`` in place over ``group`` in a few flat buckets."""
+    n = dist.get_world_size(group)
+    for bucket in _buckets(tensors):
+        flat = _flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat.div_(n)
+        for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            t.copy_(synced)
+
+
+def average_gradients(params: list[nn.Parameter], group: Any) -> None:
+    """Average gradients over a data-parallel group. A parameter without a gradient on some replicas (a branch not
+    taken) gets zeros there, as DDP does; one without a gradient anywhere keeps ``None``."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    device = params[0].device if params else torch.device("cpu")
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
+    grads = []
+    for p, present in zip(params, has.tolist()):
+        if present:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+    all_reduce_coalesced(grads, group, average=True)
+
+
+def global_grad_norm(params: Iterable[nn.Parameter], *, tp_rank: int, groups: list[Any],
+                     norm_type: float = 2.0) -> Tensor:
+    """Norm of all gradients of the whole (unsharded) model; every rank gets the same value."""
+    params = [p for p in params if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+    mine = [p.grad for p in params if hasattr(p, "_tpp_spec") or tp_rank == 0]
+    inf = norm_type == float("inf")
+    if not mine:
+        total = torch.zeros((), device=device)
+    elif inf:
+        total = torch.stack([g.detach().abs().max().float() for g in mine]).max()
+    else:
+        total = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in mine]).sum()
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    return total if inf else total ** (1.0 / norm_type)
+
+
+def clip_by_global_norm(params: list[nn.Parameter], max_norm: float, *, tp_rank: int, groups: list[Any],
+                        norm_type: float = 2.0) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` with the norm taken over every shard of every stage."""
+    total = global_grad_norm(params, tp_rank=tp_rank, groups=groups, norm_type=norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().mul_(coef.to(p.grad.dtype))
+    return total
+
+
+def broadcast_module(module: nn.Module, src: int = 0, group: Optional[Any] = None) -> None:
+    """Make every rank start from ``src``'s parameters and buffers (as DDP does at wrap time)."""
+    tensors = [t.data for t in list(module.parameters()) + list(module.buffers())]  # both deduplicated
+    for bucket in _buckets(tensors):
+        flat = _flatten_dense_tensors(bucket)
+        dist.broadcast(flat.view(torch.uint8) if flat.dtype == torch.bool else flat, src=src, group=group)
+        for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            t.copy_(synced)

@@ -1,0 +1,89 @@
+"""Mesh dimensions: validate ``dp x pp x tp`` against the world size and build the process groups.
+
+Rank layout (tp innermost, so that a tensor-parallel group sits on one node's fast links)::
+
+    world = 8, dp = 2, pp = 2, tp = 2
+
+    global rank:  0  1 | 2  3 || 4  5 | 6  7
+    tp group:     [0 1]  [2 3]   [4 5]  [6 7]
+    pp stage:       0      1       0      1
+    dp replica:   ------ 0 -----  ------ 1 -----
+
+The pure part (:func:`resolve_dims`, :meth:`MeshDims.coords`, :meth:`MeshDims.group_ranks`) takes plain integers and is
+tested in one process; :func:`build_mesh` is the only function here that touches ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+AXES = ("dp", "pp", "tp")
+
+
+@dataclass(frozen=True)
+class MeshDims:
+    """Sizes of the three mesh axes; ``dp * pp * tp == world_size``."""
+
+    dp: int
+    pp: int
+    tp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Position of ``rank`` on each axis (tp varies fastest)."""
+        return {"dp": rank // (self.pp * self.tp), "pp": (rank // self.tp) % self.pp, "tp": rank % self.tp}
+
+    def rank_of(self, *, dp: int, pp: int, tp: int) -> int:
+        return (dp * self.pp + pp) * self.tp + tp
+
+    def group_ranks(self, axis: str, rank: int) -> list[int]:
+        """Global ranks that share every coordinate of ``rank`` except ``axis``."""
+        if axis not in AXES:
+            raise ValueError(f"axis={axis!r} is not one of {AXES}")
+        c = self.coords(rank)
+        size = getattr(self, axis)
+        return [self.rank_of(**{**c, axis: i}) for i in range(size)]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resolve_dims(world_size: int, tp: int, pp: int, dp: Union[int, Literal["auto"]] = "auto") -> MeshDims:
+    """Check the requested sizes against ``world_size``; ``dp="auto"`` takes what tp and pp leave."""
+    for name, value in (("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if dp != "auto" and (not isinstance(dp, int) or isinstance(dp, bool) or dp < 1):
+        raise ValueError(f"dp={dp!r} must be a positive integer or 'auto'")
+    if world_size % (tp * pp) != 0:
+        valid = [(t, p) for t in _divisors(world_size) for p in _divisors(world_size // t)]
+        raise ValueError(
+            f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
+            f"with {world_size} processes choose (tp, pp) from {valid}, or change the number of devices/nodes"
+        )
+    if dp == "auto":
+        dp = world_size // (tp * pp)
+    if dp * tp * pp != world_size:
+        raise ValueError(
+            f"dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} does not match world size {world_size}; "
+            f"with tp={tp}, pp={pp} use dp={world_size // (tp * pp)} or dp='auto'"
+        )
+    return MeshDims(dp=dp, pp=pp, tp=tp)
+
+
+def build_mesh(dims: MeshDims, device_type: str) -> DeviceMesh:
+    """Create the ``("dp", "pp", "tp")`` device mesh; every rank must call this (it creates sub-groups)."""
+    if not torch.distributed.is_initialized():
+        raise RuntimeError("build_mesh needs an initialised torch.distributed process group")
+    world = torch.distributed.get_world_size()
+    if world != dims.world_size:
+        raise ValueError(f"mesh {dims} needs {dims.world_size} processes but the process group has {world}")
+    return init_device_mesh(device_type, (dims.dp, dims.pp, dims.tp), mesh_dim_names=AXES)

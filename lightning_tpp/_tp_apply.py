@@ -1,0 +1,369 @@
+"""Apply a :class:`~lightning_tpp._tp_plan.TPPlan` to a model in place, and rebuild full tensors from shards.
+
+Order inside a block's forward (the block is the attention / MLP module that owns the parallel layers)::
+
+    first call only:  gather full weights -> original-class copy -> compare outputs (eval, no grad) -> free copy
+    every call:       open the block's copy_to_tp scope; run the user's forward under _LocalShapes; close the scope
+
+Head-count attributes that the forward reads (``n_head``, ``num_heads``, ``split_size``, ...) are made local;
+``_LocalShapes`` repairs ``view``/``reshape``/``split`` calls whose sizes were computed from the *input* width
+(nanoGPT's ``y.view(B, T, C)``): such a call asks for exactly ``tp`` times the local elements, and the dimension
+equal to a global width or head count is divided by ``tp``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_tpp._comm import TPGroup, TPScope, all_reduce_flag
+from lightning_tpp._sharding import ShardSpec, shard_tensor, unshard_tensor
+from lightning_tpp._tp_layers import (
+    _ColumnParallel,
+    _ParallelMultiheadAttention,
+    _RowParallel,
+    _VocabParallelEmbedding,
+    is_transposed_linear,
+    swap_class,
+)
+from lightning_tpp._tp_plan import HEAD_DIM_NAMES, HEAD_NAMES, KV_NAMES, WIDTH_HINTS, BlockInfo, TPPlan
+
+
+class TensorParallelMismatchError(RuntimeError):
+    """A parallelised block does not compute what the original computed."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# shards <-> full tensors
+
+
+def gather_full(t: Tensor, group: TPGroup) -> Tensor:
+    """The full tensor of a sharded parameter (or its gradient: pass ``spec`` via the parameter)."""
+    spec: Optional[ShardSpec] = getattr(t, "_tpp_spec", None)
+    if spec is None or group.size == 1:
+        return t.detach().clone()
+    return gather_with_spec(t.detach(), spec, group)
+
+
+def gather_with_spec(t: Tensor, spec: ShardSpec, group: TPGroup) -> Tensor:
+    t = t.contiguous()
+    comm = t.float() if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) else t
+    shards = [torch.empty_like(comm) for _ in range(group.size)]
+    torch.distributed.all_gather(shards, comm, group=group.group)
+    return unshard_tensor(shards, spec).to(t.dtype)
+
+
+def _set_shard(module: nn.Module, attr: str, spec: ShardSpec, group: TPGroup, done: dict[int, nn.Parameter]) -> None:
+    old = getattr(module, attr)
+    if old is None:
+        return
+    if id(old) in done:
+        new = done[id(old)]
+        if new._tpp_spec != spec:  # type: ignore[attr-defined]
+            raise ValueError(f"parameter {attr} of {type(module).__name__} is shared with another layer that is split "
+                             f"differently ({new._tpp_spec} vs {spec}); replicate one of them in tp_plan")
+    else:
+        spec.check(old.shape[spec.dim], group.size, f"{type(module).__name__}.{attr}")
+        new = nn.Parameter(shard_tensor(old.data, spec, group.rank, group.size), requires_grad=old.requires_grad)
+        new._tpp_spec = spec  # type: ignore[attr-defined]
+        new._tpp_full_shape = tuple(old.shape)  # type: ignore[attr-defined]
+        done[id(old)] = new
+    setattr(module, attr, new)
+
+
+def _save_attr(module: nn.Module, name: str, value: Any) -> None:
+    saved = module.__dict__.setdefault("_tpp_saved_attrs", {})
+    saved.setdefault(name, getattr(module, name))
+    setattr(module, name, value)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# blocks
+
+
+class _LocalShapes(TorchFunctionMode):
+    def __init__(self, tp: int, global_sizes: frozenset[int]) -> None:
+        super().__init__()
+        self.tp, self.sizes = tp, global_sizes
+
+    def _local(self, shape: tuple[int, ...], numel: int) -> tuple[int, ...]:
+        if -1 in shape or math.prod(shape) != numel * self.tp:
+            return shape
+        for i in reversed(range(len(shape))):
+            if shape[i] in self.sizes and shape[i] % self.tp == 0:
+                return shape[:i] + (shape[i] // self.tp,) + shape[i + 1:]
+        return shape
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (Tensor.view, Tensor.reshape, torch.reshape) and len(args) >= 2 and isinstance(args[0], Tensor):
+            x, shape = args[0], args[1:]
+            if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+                shape = tuple(shape[0])
+            if all(type(s) is int for s in shape):
+                args = (x, self._local(tuple(shape), x.numel()))
+        elif func in (Tensor.split, torch.split) and len(args) >= 2 and isinstance(args[1], (list, tuple)):
+            x, sizes = args[0], list(args[1])
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+            if sum(sizes) == x.shape[dim] * self.tp and all(s % self.tp == 0 for s in sizes):
+                args = (x, [s // self.tp for s in sizes], *args[2:])
+        return func(*args, **kwargs)
+
+
+@dataclass
+class BlockState:
+    name: str
+    info: BlockInfo
+    scope: TPScope
+    layers: dict[str, nn.Module]
+    verify_pending: bool
+    shapes: Optional[frozenset[int]] = None
+
+    def shape_mode(self) -> contextlib.AbstractContextManager:
+        return _LocalShapes(self.scope.group.size, self.shapes) if self.shapes else contextlib.nullcontext()
+
+
+class _TPBlock:
+    """Mixin for the module that owns a group of parallel layers (see the module docstring for what it does)."""
+
+    _tpp_block: BlockState
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        st = self._tpp_block
+        if st.verify_pending:
+            st.verify_pending = False
+            verify_block(self, args, kwargs)  # type: ignore[arg-type]
+        st.scope.enter()
+        try:
+            with st.shape_mode():
+                return super().forward(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            st.scope.exit()
+
+
+class _TPMultiheadAttentionBlock(_TPBlock, _ParallelMultiheadAttention):
+    pass
+
+
+def _localize_attrs(owner: nn.Module, info: BlockInfo, tp: int) -> None:
+    """Make head counts and widths that the block's forward reads local (on the block, its children, its config)."""
+    q_width, kv_width = info.heads * info.head_dim, info.kv_heads * info.head_dim
+
+    def local_value(name: str, value: Any) -> Optional[int]:
+        if not isinstance(value, int) or isinstance(value, bool) or name in HEAD_DIM_NAMES:
+            return None
+        if name in HEAD_NAMES and value == info.heads or name in KV_NAMES and value == info.kv_heads:
+            return value // tp
+        if any(h in name.lower() for h in WIDTH_HINTS) and value in (q_width, kv_width):
+            return value // tp
+        return None
+
+    targets = [owner] + [m for m in owner.children() if not isinstance(m, (nn.Linear, nn.Embedding))]
+    for module in targets:
+        for name, value in list(vars(module).items()):
+            new = local_value(name, value)
+            if new is not None:
+                _save_attr(module, name, new)
+        config = module.__dict__.get("config")
+        if config is not None and hasattr(config, "__dict__"):
+            changes = {n: v for n, v in vars(config).items() if local_value(n, v) is not None}
+            if changes:
+                local_config = copy.copy(config)
+                for n, v in changes.items():
+                    object.__setattr__(local_config, n, local_value(n, v))
+                _save_attr(module, "config", local_config)
+
+
+def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool = True) -> None:
+    """Shard the parameters named by ``plan`` and swap in the parallel classes (in place, idempotent per model)."""
+    modules = dict(model.named_modules())
+    done: dict[int, nn.Parameter] = {}
+    scopes: dict[str, TPScope] = {}
+    for bname, info in plan.blocks.items():
+        block = modules[bname]
+        state = BlockState(bname, info, TPScope(group), {n: modules[n] for n in info.layers}, verify)
+        scopes.update({n: state.scope for n in info.layers})
+        if info.kind in ("attention", "mha"):
+            _localize_attrs(block, info, group.size)
+        if info.kind == "attention":
+            qw, kvw = info.heads * info.head_dim, info.kv_heads * info.head_dim
+            state.shapes = frozenset({qw, kvw, info.heads, info.kv_heads, info.head_dim * group.size})
+        block._tpp_block = state
+        block._tpp_group = group
+        if info.kind == "mha":
+            block._tpp_scope, block._tpp_heads = state.scope, info.heads
+            _save_attr(block, "_qkv_same_embed_dim", False)
+            for attr in ("in_proj_weight", "in_proj_bias"):
+                _set_shard(block, attr, info.fused[bname][0], group, done)
+            swap_class(block, _TPMultiheadAttentionBlock)
+        else:
+            swap_class(block, _TPBlock)
+    for name, style in plan.styles.items():
+        if style in ("mha", "replicate"):
+            continue
+        m = modules[name]
+        m._tpp_group = group
+        fused = next((blk.fused[name] for blk in plan.blocks.values() if name in blk.fused), None)
+        if style in ("colwise", "colwise_gather"):
+            spec = fused[0] if fused else ShardSpec(1 if is_transposed_linear(m) else 0)
+            _set_shard(m, "weight", spec, group, done)
+            _set_shard(m, "bias", ShardSpec(0, spec.parts), group, done)
+            m._tpp_scope, m._tpp_gather = scopes.get(name), style == "colwise_gather"
+            _save_attr(m, "nf" if is_transposed_linear(m) else "out_features", m.weight.shape[spec.dim])
+            swap_class(m, _ColumnParallel)
+        elif style == "rowwise":
+            spec = ShardSpec(0 if is_transposed_linear(m) else 1)
+            _set_shard(m, "weight", spec, group, done)
+            if not is_transposed_linear(m):
+                _save_attr(m, "in_features", m.weight.shape[1])
+            swap_class(m, _RowParallel)
+        elif style == "vocab":
+            vocab = m.weight.shape[0]
+            _set_shard(m, "weight", ShardSpec(0), group, done)
+            local = vocab // group.size
+            m._tpp_vocab_start = group.rank * local
+            pad = m.padding_idx
+            m._tpp_padding_idx = pad - m._tpp_vocab_start if pad is not None and 0 <= pad - m._tpp_vocab_start < local \
+                else None
+            _save_attr(m, "num_embeddings", local)
+            swap_class(m, _VocabParallelEmbedding)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# numerical check of a block against its original
+
+
+def _tp_objects(module: nn.Module) -> Iterator[Any]:
+    for m in module.modules():
+        for key in ("_tpp_group", "_tpp_scope", "_tpp_block"):
+            if key in m.__dict__:
+                yield m.__dict__[key]
+
+
+def reference_copy(block: nn.Module, group: TPGroup) -> nn.Module:
+    """A copy of ``block`` with the original classes, attributes and full (gathered) weights."""
+    memo: dict[int, Any] = {id(o): o for o in _tp_objects(block)}
+    for p in block.parameters():
+        memo[id(p)] = nn.Parameter(gather_full(p, group), requires_grad=False) if hasattr(p, "_tpp_spec") else p
+    ref = copy.deepcopy(block, memo)
+    for m in ref.modules():
+        if "_tpp_orig_class" in m.__dict__:
+            m.__class__ = m.__dict__.pop("_tpp_orig_class")
+            for name, value in m.__dict__.pop("_tpp_saved_attrs", {}).items():
+                setattr(m, name, value)
+    return ref
+
+
+def _tensors(obj: Any, seen: set[int], depth: int = 0) -> Iterator[Tensor]:
+    if id(obj) in seen or depth > 6:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v, seen, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v, seen, depth + 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)):
+        for v in vars(obj).values():
+            yield from _tensors(v, seen, depth + 1)
+
+
+def _isolated(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Copies of the call's containers and stateful objects (e.g. a KV cache), sharing its tensors."""
+    memo = {id(t): t for t in _tensors((args, kwargs), set())}
+    return copy.deepcopy((args, kwargs), memo)
+
+
+def _local_slice(got: Tensor, want: Tensor, group: TPGroup) -> Optional[Tensor]:
+    """``want`` cut to this rank's part when ``got`` is a per-head output (e.g. attention probabilities)."""
+    if got.dim() != want.dim():
+        return None
+    diff = [d for d in range(want.dim()) if got.shape[d] != want.shape[d]]
+    if len(diff) != 1 or got.shape[diff[0]] * group.size != want.shape[diff[0]]:
+        return None
+    n = got.shape[diff[0]]
+    return want.narrow(diff[0], group.rank * n, n)
+
+
+def _close(got: Any, want: Any, group: TPGroup, path: str = "output") -> Optional[str]:
+    """None when ``got`` matches ``want``; else a description of the first difference."""
+    if isinstance(want, Tensor):
+        if isinstance(got, Tensor) and got.shape != want.shape:
+            want = _local_slice(got, want, group)
+            if want is None:
+                return f"{path}: shape {tuple(got.shape)} does not match the original's"
+        if not isinstance(got, Tensor):
+            return f"{path}: {type(got).__name__} instead of a tensor"
+        low = want.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled("cpu")
+        rtol = 2e-2 if low else 1e-4
+        scale = max(1.0, float(want.abs().max())) if want.numel() and want.is_floating_point() else 1.0
+        if want.is_floating_point() and not torch.allclose(got.float(), want.float(), rtol=rtol, atol=rtol * scale,
+                                                           equal_nan=True):
+            return f"{path}: max abs difference {float((got.float() - want.float()).abs().max()):.3g}"
+        return None
+    if isinstance(want, dict):
+        for k in want:
+            r = _close(got[k] if k in got else None, want[k], group, f"{path}[{k!r}]")
+            if r:
+                return r
+        return None
+    if isinstance(want, (list, tuple)):
+        for i, (g, w) in enumerate(zip(got, want)):
+            r = _close(g, w, group, f"{path}[{i}]")
+            if r:
+                return r
+    return None
+
+
+def _reshard(layer: nn.Module, spec: ShardSpec, group: TPGroup) -> None:
+    for attr, s in (("weight", spec), ("bias", ShardSpec(0, spec.parts))):
+        p = getattr(layer, attr, None)
+        if p is None or not hasattr(p, "_tpp_spec"):
+            continue
+        full = gather_full(p, group)
+        p.data.copy_(shard_tensor(full, s, group.rank, group.size))
+        p._tpp_spec = s
+
+
+def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Compare the parallel block with its original on this call's inputs; pick the fused layout that matches."""
+    st: BlockState = block._tpp_block  # type: ignore[assignment]
+    group = st.scope.group
+    ref = reference_copy(block, group)
+    modes = {m: m.training for m in block.modules()}
+    block.eval()
+    ref.eval()
+    fused = {n: specs for n, specs in st.info.fused.items() if len(specs) > 1}
+    attempts = max((len(s) for s in fused.values()), default=1)
+    problem = None
+    try:
+        with torch.no_grad():
+            a, k = _isolated(args, kwargs)
+            want = ref.forward(*a, **k)
+            for i in range(attempts):
+                if i:
+                    for name, specs in fused.items():
+                        layer = st.layers.get(name, block)
+                        _reshard(layer, specs[min(i, len(specs) - 1)], group)
+                a, k = _isolated(args, kwargs)
+                problem = _close(block.forward(*a, **k), want, group)
+                if all_reduce_flag(problem is None, group.group):
+                    return
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    raise TensorParallelMismatchError(
+        f"tensor-parallel {st.info.kind} block {st.name!r} ({type(block).__name__}) does not match the original "
+        f"model on this rank: {problem or 'another tp rank differs'}. Its forward probably does something the "
+        f"automatic plan does not model; keep it replicated with tp_plan={{'{st.name}': 'replicate'}}, or pass "
+        f"verify=False to skip this check")

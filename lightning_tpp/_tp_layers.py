@@ -1,0 +1,166 @@
+"""Tensor-parallel versions of the layers the plan can name, made by swapping the instance's class.
+
+The swap keeps the original module object, its attribute names and its ``state_dict`` keys (so checkpoints keep the
+single-device names) and ``isinstance`` checks in user code keep passing: ``ColumnParallelLinear`` *is* an
+``nn.Linear``. Parameters are replaced by this rank's shard (see :mod:`lightning_tpp._sharding`)::
+
+    column parallel   y_r = x W_r^T + b_r        W split along the output dim; y stays split (or is all-gathered)
+    row parallel      y = sum_r x_r W_r^T + b    W split along the input dim; partial sums all-reduced, then + b
+    vocab parallel    e = sum_r E_r[ids]         each rank looks up the ids in its vocabulary range, zeros elsewhere
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_tpp._comm import TPGroup, TPScope, copy_to_tp, gather_from_tp, reduce_from_tp
+
+
+@functools.lru_cache(maxsize=None)
+def parallel_class(mixin: type, base: type) -> type:
+    """A subclass of ``base`` whose methods come from ``mixin`` first (cached so each pair is made once)."""
+    return type(f"{mixin.__name__.strip('_')}[{base.__name__}]", (mixin, base), {"__module__": base.__module__})
+
+
+def swap_class(module: nn.Module, mixin: type) -> None:
+    original = type(module)
+    if "_tpp_orig_class" not in module.__dict__:
+        module._tpp_orig_class = original
+    module.__class__ = parallel_class(mixin, original)
+
+
+def is_transposed_linear(module: nn.Module) -> bool:
+    """Hugging Face ``Conv1D`` (GPT-2): ``y = x @ W + b`` with ``W`` of shape ``(in, out)``."""
+    cls = module.__dict__.get("_tpp_orig_class", type(module))
+    return cls.__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
+
+
+def linear_dims(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of an ``nn.Linear`` or a ``Conv1D``."""
+    w = module.weight
+    return (w.shape[0], w.shape[1]) if is_transposed_linear(module) else (w.shape[1], w.shape[0])
+
+
+class _ColumnParallel:
+    """Output dim split; input passes through ``copy_to_tp`` (shared with sibling layers via the block's scope)."""
+
+    _tpp_group: TPGroup
+    _tpp_scope: Optional[TPScope]
+    _tpp_gather: bool
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        x = self._tpp_scope.copy(x) if self._tpp_scope is not None else copy_to_tp(x, self._tpp_group)
+        y = super().forward(x, *args, **kwargs)  # type: ignore[misc]
+        return gather_from_tp(y, self._tpp_group) if self._tpp_gather else y
+
+
+class _RowParallel:
+    """Input dim split; partial products all-reduced; the bias (replicated) is added once, after the reduction."""
+
+    _tpp_group: TPGroup
+    weight: Tensor
+    bias: Optional[Tensor]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if is_transposed_linear(self):  # type: ignore[arg-type]
+            y = torch.matmul(x, self.weight)
+        else:
+            y = F.linear(x, self.weight)
+        y = reduce_from_tp(y, self._tpp_group)
+        return y + self.bias if self.bias is not None else y
+
+
+class _VocabParallelEmbedding:
+    """Rows of the table split by vocabulary range; out-of-range ids contribute zeros before the all-reduce."""
+
+    _tpp_group: TPGroup
+    _tpp_vocab_start: int
+    _tpp_padding_idx: Optional[int]
+    weight: Tensor
+    max_norm: Optional[float]
+    norm_type: float
+
+    def forward(self, ids: Tensor) -> Tensor:
+        local_vocab = self.weight.shape[0]
+        shifted = ids - self._tpp_vocab_start
+        outside = (shifted < 0) | (shifted >= local_vocab)
+        out = F.embedding(shifted.masked_fill(outside, 0), self.weight, self._tpp_padding_idx, self.max_norm,
+                          self.norm_type)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self._tpp_group)
+
+
+def _float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+    return mask.to(dtype)
+
+
+class _ParallelMultiheadAttention:
+    """``nn.MultiheadAttention`` with this rank's heads: ``in_proj_weight`` holds ``[q_r; k_r; v_r]``.
+
+    Same call signature and masks semantics as torch (bool masks: ``True`` = not allowed). ``out_proj`` is row
+    parallel. ``_qkv_same_embed_dim`` is set to ``False`` so that torch's fused inference fast paths (which would read
+    the local shards as if they were whole) are never taken.
+    """
+
+    _tpp_group: TPGroup
+    _tpp_scope: TPScope
+    _tpp_heads: int  # global number of heads
+
+    def forward(  # noqa: PLR0913 - torch's signature
+        self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
+        need_weights: bool = True, attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        mha: Any = self
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            key_padding_mask = key_padding_mask.unsqueeze(0) if key_padding_mask is not None else None
+        elif not mha.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        b, t, _ = query.shape
+        s = key.shape[1]
+        h, hd, group = mha.num_heads, mha.head_dim, self._tpp_group
+        wq, wk, wv = mha.in_proj_weight.chunk(3)
+        bq, bk, bv = mha.in_proj_bias.chunk(3) if mha.in_proj_bias is not None else (None, None, None)
+        scope = self._tpp_scope
+        q = F.linear(scope.copy(query), wq, bq).view(b, t, h, hd).transpose(1, 2)
+        k = F.linear(scope.copy(key), wk, bk).view(b, s, h, hd).transpose(1, 2)
+        v = F.linear(scope.copy(value), wv, bv).view(b, s, h, hd).transpose(1, 2)
+
+        mask = None
+        if attn_mask is not None:
+            am = _float_mask(attn_mask, q.dtype)
+            mask = am.view(b, self._tpp_heads, t, s)[:, group.rank * h:(group.rank + 1) * h] if am.dim() == 3 \
+                else am.view(1, 1, t, s)
+        if key_padding_mask is not None:
+            kp = _float_mask(key_padding_mask, q.dtype).view(b, 1, 1, s)
+            mask = kp if mask is None else mask + kp
+        dropout = mha.dropout if mha.training else 0.0
+        weights = None
+        if need_weights:
+            scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(hd)
+            attn = torch.softmax(scores + mask if mask is not None else scores, dim=-1)
+            out = torch.matmul(F.dropout(attn, dropout, mha.training), v)
+            if average_attn_weights:
+                weights = reduce_from_tp(attn.sum(dim=1), group) / self._tpp_heads
+            else:
+                weights = gather_from_tp(attn.transpose(1, -1), group).transpose(1, -1)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                 is_causal=is_causal and mask is None)
+        out = mha.out_proj(out.transpose(1, 2).reshape(b, t, h * hd))
+        if unbatched:
+            out = out.squeeze(0)
+            weights = weights.squeeze(0) if weights is not None else None
+        elif not mha.batch_first:
+            out = out.transpose(0, 1)
+        return out, weights

@@ -1,0 +1,315 @@
+"""Find what to tensor-parallelise in an unmodified model, and return it as data (no process groups here).
+
+Recognised, bottom-up over the module tree (a module's linear layers are claimed by the first block that uses them):
+
+* attention: a module (or its child, or its ``config``) carries a head count; its linear layers are
+  ``q, k, v, o`` (grouped-query too), ``qkv, o`` (one fused projection) or ``q, kv, o``. The output projection
+  is the last one, its input width is ``heads * head_dim``.  -> q/k/v column parallel, o row parallel.
+* ``nn.MultiheadAttention`` (fused ``in_proj_weight``)  -> swapped for a head-parallel version.
+* MLP: linear layers ``D->F, [D->F,] F->D'`` (plain or gated, e.g. SwiGLU), with no head count  -> columns + row.
+* token embedding / LM head: an ``nn.Embedding(V, D)`` and a linear ``D->V`` (tied or not)  -> vocab parallel.
+
+Everything else stays replicated. A :class:`TPPlan` maps module names to styles; ``tp_plan=`` entries (globs) and a
+Hugging Face model's own ``base_model_tp_plan`` / ``_tp_plan`` are laid over it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from torch import nn
+
+from lightning_tpp._sharding import ShardSpec
+from lightning_tpp._tp_layers import is_transposed_linear, linear_dims
+
+STYLES = ("colwise", "rowwise", "colwise_gather", "vocab", "mha", "replicate")
+
+HEAD_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nhead", "heads", "nheads", "num_head",
+              "n_attn_heads", "num_q_heads", "n_heads_q")
+KV_NAMES = ("n_kv_head", "n_kv_heads", "num_key_value_heads", "num_kv_heads", "kv_heads", "n_query_groups",
+            "num_kv_head", "n_kv", "nkv")
+HEAD_DIM_NAMES = ("head_dim", "head_size", "d_head", "dim_head", "attention_head_size", "d_k", "kv_channels",
+                  "key_value_proj_dim", "hd")
+WIDTH_HINTS = ("embd", "embed", "dim", "hidden", "width", "d_model", "inner", "all_head", "split", "n_state")
+
+# Hugging Face tp-plan style names -> ours (per module type where it differs).
+_HF_STYLES = {"colwise": "colwise", "local_colwise": "colwise", "rowwise": "rowwise", "local_rowwise": "rowwise",
+              "colwise_rep": "colwise_gather", "colwise_gather_output": "colwise_gather", "rowwise_rep": "rowwise",
+              "embedding_rowwise": "vocab", "replicated_with_grad_allreduce": "replicate"}
+
+
+class TensorParallelConfigError(ValueError):
+    """A model/tp combination that cannot be tensor-parallelised as asked."""
+
+
+@dataclass
+class BlockInfo:
+    """A group of layers parallelised together (one ``copy_to_tp`` scope, one numerical check)."""
+
+    kind: str  # "attention" | "mlp" | "mha" | "custom"
+    layers: list[str] = field(default_factory=list)  # FQNs of the parallel layers inside
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    fused: dict[str, list[ShardSpec]] = field(default_factory=dict)  # layer FQN -> candidate layouts, first = default
+
+
+@dataclass
+class TPPlan:
+    """``styles`` (module FQN -> style) is the plan; ``blocks`` says how layers group; ``notes`` what fell back."""
+
+    styles: dict[str, str] = field(default_factory=dict)
+    blocks: dict[str, BlockInfo] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def block_of(self, layer: str) -> Optional[str]:
+        for name, block in self.blocks.items():
+            if layer in block.layers or layer == name:
+                return name
+        return None
+
+
+def _is_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) or is_transposed_linear(m)
+
+
+def _int_attr(obj: Any, names: tuple[str, ...]) -> Optional[int]:
+    for n in names:
+        v = getattr(obj, n, None) if obj is not None else None
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _find_int(module: nn.Module, names: tuple[str, ...]) -> Optional[int]:
+    """An int attribute on the module or a direct child (BERT keeps heads on ``self``); the module's ``config`` counts
+    only for a module that looks like attention (a shared config also reaches MLPs and norms)."""
+    for obj in (module, *module.children()):
+        v = None if isinstance(obj, nn.Linear) else _int_attr(obj, names)
+        if v is not None:
+            return v
+    looks_like_attention = "att" in type(module).__name__.lower() or _int_attr(module, HEAD_DIM_NAMES) is not None
+    return _int_attr(getattr(module, "config", None), names) if looks_like_attention else None
+
+
+def _child_linears(module: nn.Module, prefix: str, claimed: set[str], depth: int = 2) -> list[tuple[str, nn.Module]]:
+    """Unclaimed linear layers at most ``depth`` levels below ``module``, in registration order."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, child in module.named_children():
+        fqn = f"{prefix}.{name}" if prefix else name
+        if isinstance(child, nn.MultiheadAttention):
+            continue
+        if _is_linear(child):
+            if fqn not in claimed:
+                out.append((fqn, child))
+        elif depth > 1:
+            out.extend(_child_linears(child, fqn, claimed, depth - 1))
+    return out
+
+
+def _divisible_choices(*values: int) -> list[int]:
+    top = min(values)
+    return [d for d in range(1, top + 1) if all(v % d == 0 for v in values)]
+
+
+def _check_heads(fqn: str, heads: int, kv_heads: int, tp: int) -> None:
+    for label, v in (("num_heads", heads), ("num_kv_heads", kv_heads)):
+        if v % tp:
+            raise TensorParallelConfigError(
+                f"tp={tp} must divide {label}={v} of {fqn} (heads={heads}, kv_heads={kv_heads}); "
+                f"choose tp in {_divisible_choices(heads, kv_heads)}, or pass tp_plan={{'{fqn}': 'replicate'}}")
+
+
+def _attention(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], tp: int) -> Optional[BlockInfo]:
+    heads = _find_int(module, HEAD_NAMES)
+    if heads is None or len(lins) < 2:
+        return None
+    kv_heads = _find_int(module, KV_NAMES)
+    (out_name, out), inputs = lins[-1], lins[:-1]
+    q_width, _ = linear_dims(out)
+    if q_width % heads:
+        return None
+    head_dim = q_width // heads
+    in_dims = [linear_dims(m) for _, m in inputs]
+    if len({d[0] for d in in_dims}) > 2:
+        return None
+    fused: dict[str, list[ShardSpec]] = {}
+    dim_of = lambda m: 1 if is_transposed_linear(m) else 0  # noqa: E731 - output dim of the weight
+    if len(inputs) == 1:
+        total = in_dims[0][1]
+        kv_width, rem = divmod(total - q_width, 2)
+        if rem or kv_width <= 0 or kv_width % head_dim:
+            return None
+        name, m = inputs[0]
+        fused[name] = [ShardSpec(dim_of(m), (q_width, kv_width, kv_width)), ShardSpec(dim_of(m))]
+    elif len(inputs) == 2:
+        kv_width, rem = divmod(in_dims[1][1], 2)
+        if in_dims[0][1] != q_width or rem or kv_width % head_dim:
+            return None
+        name, m = inputs[1]
+        fused[name] = [ShardSpec(dim_of(m), (kv_width, kv_width)), ShardSpec(dim_of(m))]
+    elif len(inputs) == 3:
+        kv_width = in_dims[1][1]
+        if in_dims[0][1] != q_width or in_dims[2][1] != kv_width or kv_width % head_dim:
+            return None
+    else:
+        return None
+    derived_kv = kv_width // head_dim
+    if kv_heads is not None and kv_heads != derived_kv:
+        return None
+    _check_heads(fqn, heads, derived_kv, tp)
+    return BlockInfo("attention", [n for n, _ in lins], heads, derived_kv, head_dim, fused)
+
+
+def _mlp(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], tp: int) -> Optional[BlockInfo]:
+    if len(lins) < 2 or _int_attr(module, HEAD_NAMES) is not None:
+        return None
+    dims = [linear_dims(m) for _, m in lins]
+    first, last = dims[0], dims[-1]
+    if any(d != first for d in dims[:-1]) or last[0] != first[1] or len(lins) > 3:
+        return None
+    if isinstance(module, nn.Sequential):  # only parameter-free layers (activations, dropout) between
+        between = list(module)[list(module).index(lins[0][1]) + 1: list(module).index(lins[-1][1])]
+        if any(any(True for _ in m.parameters()) for m in between if not _is_linear(m)):
+            return None
+    hidden = first[1]
+    if hidden % tp:
+        raise TensorParallelConfigError(
+            f"tp={tp} must divide the hidden size {hidden} of MLP {fqn or '<root>'}; choose tp in "
+            f"{_divisible_choices(hidden)}, or pass tp_plan={{'{fqn}': 'replicate'}}")
+    return BlockInfo("mlp", [n for n, _ in lins])
+
+
+def _mha(fqn: str, m: nn.MultiheadAttention, tp: int, notes: list[str]) -> Optional[BlockInfo]:
+    if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
+        notes.append(f"{fqn}: nn.MultiheadAttention with kdim/vdim, bias_k/bias_v or add_zero_attn stays replicated")
+        return None
+    _check_heads(fqn, m.num_heads, m.num_heads, tp)
+    e = m.embed_dim
+    return BlockInfo("mha", [fqn, f"{fqn}.out_proj"], m.num_heads, m.num_heads, e // m.num_heads,
+                     {fqn: [ShardSpec(0, (e, e, e))]})
+
+
+def _vocab(model: nn.Module, claimed: set[str], tp: int, plan: TPPlan) -> None:
+    embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    for e_name, emb in embeddings.items():
+        heads = [(n, m) for n, m in model.named_modules() if n not in claimed and _is_linear(m)
+                 and linear_dims(m) == (emb.embedding_dim, emb.num_embeddings)]
+        tied = [(n, m) for n, m in heads if m.weight is emb.weight]
+        if not heads:
+            continue
+        vocab = emb.num_embeddings
+        if vocab % tp or emb.max_norm is not None or emb.sparse or emb.scale_grad_by_freq:
+            plan.notes.append(f"{e_name}: vocab {vocab} not divisible by tp={tp} (or max_norm/sparse set); "
+                              f"embedding and LM head stay replicated")
+            continue
+        h_name, _ = (tied or heads)[-1]
+        if any(m.weight is emb.weight for n, m in heads if n != h_name):
+            continue
+        plan.styles[e_name] = "vocab"
+        plan.styles[h_name] = "colwise_gather"
+        claimed.update({e_name, h_name})
+
+
+def detect(model: nn.Module, tp: int) -> TPPlan:
+    """The automatic plan for ``model`` at tensor-parallel size ``tp`` (empty when ``tp == 1``)."""
+    plan = TPPlan()
+    if tp == 1:
+        return plan
+    claimed: set[str] = set()
+    for fqn, module in reversed(list(model.named_modules())):  # children before parents
+        if any(fqn.startswith(b + ".") for b, info in plan.blocks.items() if info.kind == "mha"):
+            continue
+        if isinstance(module, nn.MultiheadAttention):
+            info = _mha(fqn, module, tp, plan.notes)
+            if info is not None:
+                plan.blocks[fqn] = info
+                plan.styles[fqn] = "mha"
+                plan.styles[f"{fqn}.out_proj"] = "rowwise"
+                claimed.update(info.layers)
+            continue
+        lins = _child_linears(module, fqn, claimed)
+        info = _attention(fqn, module, lins, tp) or _mlp(fqn, module, lins, tp)
+        if info is None:
+            continue
+        plan.blocks[fqn] = info
+        for name in info.layers[:-1]:
+            plan.styles[name] = "colwise"
+        plan.styles[info.layers[-1]] = "rowwise"
+        claimed.update(info.layers)
+    _vocab(model, claimed, tp, plan)
+    return _ordered(plan, model)
+
+
+def _ordered(plan: TPPlan, model: nn.Module) -> TPPlan:
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    plan.styles = dict(sorted(plan.styles.items(), key=lambda kv: order.get(kv[0], 0)))
+    plan.blocks = dict(sorted(plan.blocks.items(), key=lambda kv: order.get(kv[0], 0)))
+    return plan
+
+
+def hf_plan(model: nn.Module) -> dict[str, str]:
+    """Styles from Hugging Face models' own tp plans (``config.base_model_tp_plan`` and the class's ``_tp_plan``)."""
+    out: dict[str, str] = {}
+    for fqn, m in model.named_modules():
+        config = getattr(m, "config", None)
+        if not hasattr(m, "base_model_prefix") or config is None:
+            continue
+        prefix = f"{fqn}." if fqn else ""
+        base = getattr(m, m.base_model_prefix, None)
+        base_prefix = f"{prefix}{m.base_model_prefix}." if isinstance(base, nn.Module) else prefix
+        for pattern, style in (getattr(config, "base_model_tp_plan", None) or {}).items():
+            out[base_prefix + pattern] = style
+        for pattern, style in (getattr(type(m), "_tp_plan", None) or {}).items():
+            out[prefix + pattern] = style
+    return out
+
+
+def overlay(model: nn.Module, plan: TPPlan, overrides: Mapping[str, str], *, source: str, strict: bool) -> None:
+    """Lay ``overrides`` (module-name glob -> style) over ``plan`` in place.
+
+    ``strict`` (user plans): unknown styles and globs that match nothing raise. Hugging Face plans use styles we do not
+    model (sequence parallel, packed experts); those entries are skipped with a note.
+    """
+    modules = dict(model.named_modules())
+    for pattern, raw in overrides.items():
+        matches = [n for n in modules if fnmatch.fnmatchcase(n, pattern)]
+        if strict and not matches:
+            raise TensorParallelConfigError(f"{source} entry {pattern!r} matches no module; module names look like "
+                                            f"{[n for n in modules if n][:5]}")
+        for name in matches:
+            m = modules[name]
+            style = raw if strict else _HF_STYLES.get(raw)
+            if style == "rowwise" and isinstance(m, nn.Embedding):
+                style = "vocab"
+            if style not in STYLES:
+                if strict:
+                    raise TensorParallelConfigError(f"{source} style {raw!r} for {name!r} is not one of {STYLES}")
+                plan.notes.append(f"{name}: Hugging Face style {raw!r} is not supported; left as planned")
+                continue
+            _set_style(plan, name, m, style, source)
+
+
+def _set_style(plan: TPPlan, name: str, m: nn.Module, style: str, source: str) -> None:
+    if style == "replicate":
+        plan.styles.pop(name, None)
+        block = plan.blocks.pop(name, None)
+        for layer in block.layers if block else []:
+            plan.styles.pop(layer, None)
+        owner = plan.block_of(name)
+        if owner is not None and owner != name:  # one layer of a block out: the whole block stays replicated
+            warnings.warn(f"{source}: replicating {name} replicates its whole block {owner}", stacklevel=3)
+            _set_style(plan, owner, m, "replicate", source)
+        return
+    want = {"colwise": _is_linear, "rowwise": _is_linear, "colwise_gather": _is_linear,
+            "vocab": lambda x: isinstance(x, nn.Embedding), "mha": lambda x: isinstance(x, nn.MultiheadAttention)}
+    if not want[style](m):
+        raise TensorParallelConfigError(f"{source} style {style!r} does not fit {name!r} ({type(m).__name__})")
+    plan.styles[name] = style
+    if plan.block_of(name) is None and style in ("colwise", "rowwise"):
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        block = plan.blocks.setdefault(parent, BlockInfo("custom"))
+        block.layers.append(name)

@@ -1,0 +1,387 @@
+"""``TensorPipeStrategy``: the Lightning glue. Parallelism lives in the other modules; this class orders the steps.
+
+Setup order (runs for every fit/validate/test/predict; a second run finds the model already parallel)::
+
+    init process group -> mesh (dp, pp, tp) -> model to device -> broadcast rank 0's weights
+      -> tensor-parallel plan (auto, Hugging Face, user) -> apply -> optimizers
+
+Per optimizer step: the Trainer's closure runs ``training_step`` + backward; then gradients are averaged over dp,
+then Lightning clips (global norm over every shard) and steps.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from torch import Tensor, nn
+from torch.distributed import ReduceOp
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_tpp._checkpoint import (
+    full_optimizer_state,
+    full_state_dict,
+    load_full_optimizer_state,
+    load_full_state_dict,
+)
+from lightning_tpp._comm import TPGroup
+from lightning_tpp._grads import average_gradients, broadcast_module, clip_by_global_norm
+from lightning_tpp._mesh import MeshDims, build_mesh, resolve_dims
+from lightning_tpp._summary import ShardedModelSummary, format_plan
+from lightning_tpp._tp_apply import apply_plan
+from lightning_tpp._tp_plan import TPPlan, detect, hf_plan, overlay
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+class TensorPipeStrategy(ParallelStrategy):
+    """Tensor (``tp``), pipeline (``pp``) and data (``dp``) parallelism for an unmodified LightningModule.
+
+    Args:
+        tp: tensor-parallel size (ranks that split each layer; keep it within a node).
+        pp: pipeline-parallel size (stages).
+        dp: data-parallel size, or ``"auto"`` for ``world_size // (tp * pp)``.
+        microbatches: micro-batches per step for the pipeline (default ``2 * pp``).
+        schedule: pipeline schedule, one of ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble"``.
+        tp_plan: ``"auto"``, or a mapping of module-name globs to styles (``"colwise"``, ``"rowwise"``,
+            ``"colwise_gather"``, ``"vocab"``, ``"mha"``, ``"replicate"``) laid over the automatic plan.
+        verify: check each parallelised block against the original on its first call.
+        print_plan: print the plan table on global rank 0 at setup.
+        process_group_backend: ``"gloo"``/``"nccl"``; default by device.
+        timeout: collective timeout.
+        start_method: ``"popen"`` (scripts, CLI), ``"spawn"`` or ``"fork"`` (notebooks).
+    """
+
+    strategy_name = "tensor_pipe"
+
+    def __init__(
+        self,
+        tp: int = 1,
+        pp: int = 1,
+        dp: Union[int, Literal["auto"]] = "auto",
+        *,
+        microbatches: Optional[int] = None,
+        schedule: str = "1f1b",
+        tp_plan: Union[Literal["auto"], dict[str, str]] = "auto",
+        verify: bool = True,
+        print_plan: bool = True,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        resolve_dims(tp * pp * (dp if isinstance(dp, int) else 1), tp, pp, dp)  # argument types and ranges
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+        if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+            raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
+        if tp_plan != "auto" and not isinstance(tp_plan, Mapping):
+            raise TypeError(f"tp_plan must be 'auto' or a mapping of module globs to styles, got {tp_plan!r}")
+        if pp > 1:
+            raise NotImplementedError(f"pp={pp}: pipeline parallelism is not available yet; use pp=1")
+        self._tp, self._pp, self._dp_arg = tp, pp, dp
+        self.microbatches = microbatches if microbatches is not None else 2 * pp
+        self.schedule = schedule
+        self._tp_plan_arg = tp_plan
+        self._verify = verify
+        self._print_plan = print_plan
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._dims: Optional[MeshDims] = None
+        self._mesh: Any = None
+        self._tp_group = TPGroup(None, 0, 1)
+        self._dp_group: Any = None
+        self._pp_group: Any = None
+        self.plan: TPPlan = TPPlan()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # topology
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def dims(self) -> MeshDims:
+        if self._dims is None:
+            raise RuntimeError("the mesh exists once the Trainer has set up the processes (setup_environment)")
+        return self._dims
+
+    @property
+    def device_mesh(self) -> Any:
+        """The ``("dp", "pp", "tp")`` DeviceMesh."""
+        self.dims  # noqa: B018 - raises before setup
+        return self._mesh
+
+    @property
+    def tp_group(self) -> TPGroup:
+        return self._tp_group
+
+    @property
+    def dp_group(self) -> Any:
+        return self._dp_group
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        coords = self.dims.coords(self.global_rank)
+        return {"num_replicas": self.dims.dp, "rank": coords["dp"]}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self._set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device)
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._dims = resolve_dims(self.world_size, self._tp, self._pp, self._dp_arg)
+        self._mesh = build_mesh(self._dims, self.root_device.type)
+        coords = self._dims.coords(self.global_rank)
+        self._tp_group = TPGroup(self._mesh.get_group("tp"), coords["tp"], self._dims.tp)
+        self._dp_group = self._mesh.get_group("dp")
+        self._pp_group = self._mesh.get_group("pp")
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------------------------------------------------
+    # model
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        module = self.lightning_module
+        assert module is not None
+        if not getattr(module, "_tpp_parallel", False):
+            self._parallelize(module)
+            module._tpp_parallel = True
+        self.model = self.precision_plugin.convert_module(self.model)
+        self._use_dp_groups_for_metrics(module)
+        self._patch_trainer(trainer)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize(self, module: nn.Module) -> None:
+        broadcast_module(module, src=0)
+        plan = detect(module, self._tp)
+        if self._tp > 1:
+            overlay(module, plan, hf_plan(module), source="Hugging Face tp plan", strict=False)
+            if isinstance(self._tp_plan_arg, Mapping):
+                overlay(module, plan, self._tp_plan_arg, source="tp_plan", strict=True)
+            apply_plan(module, plan, self._tp_group, verify=self._verify)
+        self.plan = plan
+        if self._print_plan and self._tp > 1:
+            rank_zero_info(format_plan(module, plan, self._tp))
+
+    def _use_dp_groups_for_metrics(self, module: nn.Module) -> None:
+        """torchmetrics sync over the world by default; tp (and pp) replicas are not extra samples."""
+        try:
+            from torchmetrics import Metric
+        except ImportError:  # pragma: no cover - torchmetrics is a dependency
+            return
+        for m in module.modules():
+            if isinstance(m, Metric) and m.process_group is None:
+                m.process_group = self._dp_group
+
+    def _patch_trainer(self, trainer: "pl.Trainer") -> None:
+        """Whole-model parameter counts in ModelSummary; global-norm gradient clipping."""
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(cb, ModelSummary):
+                cb._summary = lambda trainer, pl_module, cb=cb: ShardedModelSummary(pl_module, max_depth=cb._max_depth)
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        params = [p for p in self.precision_plugin.main_params(optimizer)]
+        clip_by_global_norm(params, float(clip_val), tp_rank=self._tp_group.rank,
+                            groups=[self._tp_group.group, self._pp_group])
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        with self.precision_plugin.tensor_init_context():
+            yield
+
+    # ------------------------------------------------------------------------------------------------------------
+    # steps
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_average() -> Any:
+            out = closure()
+            if self.lightning_module is None or self.lightning_module.automatic_optimization:
+                self._average_dp_gradients()
+            return out
+
+        return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        # manual optimization: the user may clip before ``opt.step()``, so average right after each backward
+        if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
+            self._average_dp_gradients()
+
+    def _average_dp_gradients(self) -> None:
+        assert self.lightning_module is not None
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        average_gradients(params, self._dp_group)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # collectives used by Lightning (self.log(sync_dist=True), all_gather, early stopping, checkpoint paths)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+        """Reduce over data-parallel replicas: tp/pp ranks of one replica hold the same value, not more samples."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group if group is not None else self._dp_group, reduce_op)
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """Gather from every data-parallel replica (one entry per replica, not per process)."""
+        return _all_gather_ddp_if_available(tensor, group=group if group is not None else self._dp_group,
+                                            sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if not _distributed_is_initialized():
+            return decision
+        t = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(t, op=ReduceOp.SUM)
+        return bool(t == self.world_size) if all else bool(t)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # checkpoints: whole tensors under the single-device names
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return full_state_dict(self.lightning_module, self._tp_group)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        load_full_state_dict(self.lightning_module, checkpoint["state_dict"], self._tp_group, strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return full_optimizer_state(optimizer, self._tp_group)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            load_full_optimizer_state(optimizer, state, self._tp_group)
+            _optimizer_to_device(optimizer, self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="tensor x pipeline x data parallelism")
+

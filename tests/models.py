@@ -1,0 +1,283 @@
+"""Tiny models written the way their users write them (no knowledge of lightning_tpp), one per pattern.
+
+Each factory takes a seed-free config and returns an ``nn.Module`` mapping token ids ``(B, T)`` to logits
+``(B, T, V)``. :class:`LitLM` wraps any of them in an ordinary LightningModule.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, HEADS, LAYERS, SEQ = 64, 32, 4, 2, 16
+
+
+# ---- nanoGPT style: fused c_attn, split(n_embd), view with C from the input, tied wte/lm_head -------------------
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, block_size: int) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd = n_head, n_embd
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        y = F.softmax(att, dim=-1) @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, block_size: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, block_size)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, vocab: int = VOCAB, n_embd: int = DIM, n_head: int = HEADS, n_layer: int = LAYERS,
+                 block_size: int = SEQ) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, n_embd),
+            wpe=nn.Embedding(block_size, n_embd),
+            h=nn.ModuleList([Block(n_embd, n_head, block_size) for _ in range(n_layer)]),
+            ln_f=nn.LayerNorm(n_embd),
+        ))
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+# ---- Llama style: separate q/k/v/o with grouped-query attention, rotary, RMSNorm, SwiGLU, untied head ------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        rep = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = RMSNorm(dim), RMSNorm(dim)
+        self.attention = Attention(dim, n_heads, n_kv_heads)
+        self.feed_forward = FeedForward(dim, 3 * dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, n_heads: int = HEADS, n_kv_heads: int = 2,
+                 n_layers: int = LAYERS) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([LlamaBlock(dim, n_heads, n_kv_heads) for _ in range(n_layers)])
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.head_dim = dim // n_heads
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = torch.arange(tokens.shape[1], dtype=torch.float32, device=tokens.device)
+        inv = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2, device=tokens.device).float() / self.head_dim))
+        freqs = torch.outer(t, inv)
+        cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+# ---- fused grouped-query qkv: one projection of (n_head + 2 n_kv) * head_dim, split by sizes ----------------------
+class FusedGQAAttention(nn.Module):
+    def __init__(self, dim: int, n_head: int, n_kv_head: int) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, dim // n_head
+        self.qkv = nn.Linear(dim, (n_head + 2 * n_kv_head) * self.head_dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FusedGQAModel(nn.Module):
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, n_head: int = HEADS, n_kv_head: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.norms = nn.ModuleList([nn.LayerNorm(dim) for _ in range(LAYERS)])
+        self.attns = nn.ModuleList([FusedGQAAttention(dim, n_head, n_kv_head) for _ in range(LAYERS)])
+        self.mlps = nn.ModuleList([nn.Sequential(nn.Linear(dim, 2 * dim), nn.ReLU(), nn.Linear(2 * dim, dim))
+                                   for _ in range(LAYERS)])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for norm, attn, mlp in zip(self.norms, self.attns, self.mlps):
+            x = x + attn(norm(x))
+            x = x + mlp(x)
+        return self.head(x)
+
+
+# ---- built on nn.TransformerEncoder (nn.MultiheadAttention inside) --------------------------------------------------
+class EncoderLM(nn.Module):
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, dim_feedforward=2 * dim, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=LAYERS, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], device=idx.device)
+        return self.head(self.encoder(self.embed(idx), mask=mask, is_causal=True))
+
+
+# ---- Hugging Face transformers, tiny random configs ----------------------------------------------------------------
+class HFCausalLM(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        import transformers
+
+        if kind == "gpt2":
+            cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=DIM, n_layer=LAYERS, n_head=HEADS,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+            cfg._attn_implementation = "eager"
+            self.model = transformers.GPT2LMHeadModel(cfg)
+        else:
+            cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
+                                           num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=2,
+                                           max_position_embeddings=SEQ, tie_word_embeddings=False)
+            cfg._attn_implementation = "sdpa"
+            self.model = transformers.LlamaForCausalLM(cfg)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx).logits
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "nanogpt": NanoGPT,
+    "llama": TinyLlama,
+    "fused_gqa": FusedGQAModel,
+    "encoder": EncoderLM,
+    "hf_gpt2": lambda: HFCausalLM("gpt2"),
+    "hf_llama": lambda: HFCausalLM("llama"),
+}
+
+
+class LitLM(L.LightningModule):
+    """An ordinary next-token LightningModule around any model above."""
+
+    def __init__(self, name: str = "nanogpt", lr: float = 0.1, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = MODELS[name]()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1)), sync_dist=True)
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.hparams.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+def token_dataset(n: int = 64, seq: int = SEQ, seed: int = 0) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, VOCAB, (n, seq + 1), generator=g)
+    return torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:])

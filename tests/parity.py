@@ -1,0 +1,134 @@
+"""The one parity helper: train in a layout and in one process from the same weights and batches, then compare
+per-step losses, per-parameter gradients (by original name) and the updated parameters, naming what differs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+
+from models import LitLM, token_dataset
+
+FP32 = dict(rtol=1e-5, atol=1e-6)
+
+
+@dataclass
+class Record:
+    losses: list[float] = field(default_factory=list)
+    grads: list[dict[str, Tensor]] = field(default_factory=list)
+    params: dict[str, Tensor] = field(default_factory=dict)
+    logged: dict[str, float] = field(default_factory=dict)
+
+
+def _full(t: Tensor, p: Tensor, trainer: L.Trainer) -> Tensor:
+    from lightning_tpp._tp_apply import gather_with_spec
+
+    spec = getattr(p, "_tpp_spec", None)
+    if spec is None:
+        return t.detach().float().clone()
+    return gather_with_spec(t.detach(), spec, trainer.strategy.tp_group).float()
+
+
+class Recorder(Callback):
+    def __init__(self) -> None:
+        self.record = Record()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs["loss"].detach().float().clone()
+        self.record.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.record.grads.append({n: _full(p.grad, p, trainer) for n, p in pl_module.named_parameters()
+                                  if p.grad is not None})
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.record.params = {n: _full(p, p, trainer) for n, p in pl_module.named_parameters()}
+        self.record.logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, steps: int = 5, batch_size: int = 4,
+          accumulate: int = 1, clip: Optional[float] = None, precision: str = "32-true", lr: float = 0.1,
+          optimizer: str = "sgd") -> Record:
+    """Train ``name`` for ``steps`` optimizer steps. With ``strategy="auto"`` (one process) each batch is the union of
+    what ``dp`` replicas draw from Lightning's shuffling DistributedSampler (seed 0, epoch 0) at that step."""
+    L.seed_everything(0, verbose=False)
+    module = LitLM(name, lr=lr, optimizer=optimizer)
+    data = token_dataset()
+    if strategy == "auto":
+        perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
+        per_replica = [perm[r::dp] for r in range(dp)]
+        batches = [[i for r in range(dp) for i in per_replica[r][s * batch_size:(s + 1) * batch_size]]
+                   for s in range(len(per_replica[0]) // batch_size)]
+        loader = torch.utils.data.DataLoader(data, batch_sampler=batches)
+    else:
+        loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False)
+    recorder = Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[recorder], accumulate_grad_batches=accumulate, gradient_clip_val=clip,
+                        precision=precision, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, loader)
+    return recorder.record
+
+
+def load_record(path: Path) -> Record:
+    return Record(**torch.load(path, weights_only=True))
+
+
+def _close(a: Tensor, b: Tensor, what: str, rtol: float, atol: float) -> None:
+    if a.shape != b.shape:
+        raise AssertionError(f"{what}: shape {tuple(a.shape)} != reference {tuple(b.shape)}")
+    if not torch.allclose(a, b, rtol=rtol, atol=atol):
+        diff = (a - b).abs().max()
+        raise AssertionError(f"{what}: max abs difference {float(diff):.3g} (rtol={rtol}, atol={atol})")
+
+
+def assert_parity(got: Record, ref: Record, *, rtol: float = FP32["rtol"], atol: float = FP32["atol"],
+                  where: str = "") -> None:
+    assert len(got.losses) == len(ref.losses) > 0, f"{where}: {len(got.losses)} steps vs {len(ref.losses)}"
+    _close(torch.tensor(got.losses), torch.tensor(ref.losses), f"{where} losses {got.losses} vs {ref.losses}",
+           rtol, atol)
+    assert len(got.grads) == len(ref.grads), f"{where}: {len(got.grads)} optimizer steps vs {len(ref.grads)}"
+    for step, (g, r) in enumerate(zip(got.grads, ref.grads)):
+        assert g.keys() == r.keys(), f"{where} step {step}: gradient names differ: {set(g) ^ set(r)}"
+        for name in r:
+            _close(g[name], r[name], f"{where} step {step} gradient of {name}", rtol, atol)
+    assert got.params.keys() == ref.params.keys(), f"{where}: parameter names differ: {set(got.params) ^ set(ref.params)}"
+    for name in ref.params:
+        _close(got.params[name], ref.params[name], f"{where} updated parameter {name}", rtol, atol)
+
+
+def main() -> None:  # a rank of a parallel run (see tests/launch.py)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--optimizer", default="sgd")
+    args = parser.parse_args()
+    from lightning_tpp import TensorPipeStrategy
+
+    rank = int(os.environ["LOCAL_RANK"])
+    for name in args.models.split(","):
+        record = train(name, strategy=TensorPipeStrategy(tp=args.tp, print_plan=rank == 0 and name == "nanogpt"),
+                       devices=args.tp * args.dp, dp=args.dp, steps=args.steps, batch_size=args.batch_size,
+                       accumulate=args.accumulate, clip=args.clip, precision=args.precision,
+                       optimizer=args.optimizer)
+        torch.save(asdict(record), Path(args.out) / f"{name}.rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
