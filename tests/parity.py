@@ -92,7 +92,7 @@ def _close(a: Tensor, b: Tensor, what: str, rtol: float, atol: float) -> None:
 
 
 def assert_parity(got: Record, ref: Record, *, rtol: float = FP32["rtol"], atol: float = FP32["atol"],
-                  where: str = "") -> None:
+                  param_atol: float | None = None, where: str = "") -> None:
     assert len(got.losses) == len(ref.losses) > 0, f"{where}: {len(got.losses)} steps vs {len(ref.losses)}"
     _close(torch.tensor(got.losses), torch.tensor(ref.losses), f"{where} losses {got.losses} vs {ref.losses}",
            rtol, atol)
@@ -103,7 +103,8 @@ def assert_parity(got: Record, ref: Record, *, rtol: float = FP32["rtol"], atol:
             _close(g[name], r[name], f"{where} step {step} gradient of {name}", rtol, atol)
     assert got.params.keys() == ref.params.keys(), f"{where}: parameter names differ: {set(got.params) ^ set(ref.params)}"
     for name in ref.params:
-        _close(got.params[name], ref.params[name], f"{where} updated parameter {name}", rtol, atol)
+        _close(got.params[name], ref.params[name], f"{where} updated parameter {name}", rtol,
+               atol if param_atol is None else param_atol)
 
 
 def main() -> None:  # a rank of a parallel run (see tests/launch.py)
@@ -118,6 +119,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--lr", type=float, default=0.1)
     args = parser.parse_args()
     from lightning_tpp import TensorPipeStrategy
 
@@ -126,7 +128,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
         record = train(name, strategy=TensorPipeStrategy(tp=args.tp, print_plan=rank == 0 and name == "nanogpt"),
                        devices=args.tp * args.dp, dp=args.dp, steps=args.steps, batch_size=args.batch_size,
                        accumulate=args.accumulate, clip=args.clip, precision=args.precision,
-                       optimizer=args.optimizer)
+                       optimizer=args.optimizer, lr=args.lr)
         torch.save(asdict(record), Path(args.out) / f"{name}.rank{rank}.pt")
 
 

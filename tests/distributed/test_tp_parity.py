@@ -1,0 +1,71 @@
+"""Parity: tensor (x data) parallel training against one process, same weights and batches.
+
+Each launch trains several models in one set of processes (process start-up dominates on 2 cores); the single
+process references run here, in the test process.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+
+from launch import ROOT, run_ranks
+from parity import assert_parity, load_record, train
+
+ALL = ["nanogpt", "llama", "fused_gqa", "encoder", "hf_gpt2", "hf_llama"]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(name: str, dp: int, **kwargs):
+    return train(name, dp=dp, **kwargs)
+
+
+def _run(tmp: Path, models: list[str], tp: int, dp: int, extra: list[str] = ()) -> None:
+    args = ["--models", ",".join(models), "--tp", str(tp), "--dp", str(dp), "--out", str(tmp), *extra]
+    run_ranks(ROOT / "tests" / "parity.py", tp * dp, args, timeout=400).check()
+
+
+@pytest.mark.parametrize(("tp", "dp", "models"), [(2, 1, ALL), (2, 2, ["nanogpt", "llama", "encoder", "hf_gpt2"])],
+                         ids=["tp2", "tp2xdp2"])
+def test_parity_fp32(tmp_path: Path, tp: int, dp: int, models: list[str]) -> None:
+    _run(tmp_path, models, tp, dp)
+    for name in models:
+        ref = reference(name, dp)
+        for rank in range(tp * dp):
+            assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), ref, where=f"{name} tp={tp} dp={dp} "
+                                                                                         f"rank {rank}")
+
+
+@pytest.mark.parametrize(("models", "optimizer", "lr", "param_atol"),
+                         [(["nanogpt", "llama"], "sgd", 0.1, None), (["llama"], "adamw", 0.01, 1e-4)])
+def test_parity_clipping_accumulation(tmp_path: Path, models: list[str], optimizer: str, lr: float,
+                                      param_atol: float | None) -> None:
+    """Global-norm clipping over shards and replicas, 2 micro-batches accumulated; AdamW keeps state per shard.
+
+    AdamW: losses and gradients keep the fp32 tolerance, updated parameters get atol 1e-4 (= lr / 100). Adam's step
+    m / (sqrt(v) + eps) has size ~lr whatever the gradient's size, so an element whose gradient is at rounding level
+    (~1e-9, e.g. an attention key bias, zero in exact arithmetic) moves by a rounding-dependent amount. It runs on the
+    bias-free Llama to keep such elements few."""
+    opts = dict(accumulate=2, clip=0.5, optimizer=optimizer, steps=3, lr=lr)
+    _run(tmp_path, models, 2, 2, ["--accumulate", "2", "--clip", "0.5", "--optimizer", optimizer, "--steps", "3",
+                                  "--lr", str(lr)])
+    for name in models:
+        ref = train(name, dp=2, **opts)
+        assert len(ref.grads) == 3 and len(ref.losses) == 6
+        norm = sum(float(g.norm()) ** 2 for g in ref.grads[0].values()) ** 0.5
+        assert norm > 0.5, f"gradient norm {norm} must exceed the clip value for clipping to be exercised"
+        for rank in range(4):
+            assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), ref, param_atol=param_atol,
+                          where=f"{name} {optimizer} rank {rank}")
+
+
+def test_parity_bf16_mixed(tmp_path: Path) -> None:
+    """bf16 autocast against a bf16 single-process reference. Tolerance: bf16 keeps 8 bits of mantissa (relative
+    step 2^-8 ~ 4e-3); TP changes the summation order of each matmul, so values differ by a few bf16 ulps."""
+    _run(tmp_path, ["nanogpt"], 2, 1, ["--precision", "bf16-mixed", "--steps", "3"])
+    ref = train("nanogpt", precision="bf16-mixed", steps=3)
+    for rank in range(2):
+        assert_parity(load_record(tmp_path / f"nanogpt.rank{rank}.pt"), ref, rtol=2e-2, atol=2e-2,
+                      where=f"bf16 rank {rank}")
