@@ -48,14 +48,14 @@ def test_parity_clipping_accumulation(tmp_path: Path, models: list[str], optimiz
     m / (sqrt(v) + eps) has size ~lr whatever the gradient's size, so an element whose gradient is at rounding level
     (~1e-9, e.g. an attention key bias, zero in exact arithmetic) moves by a rounding-dependent amount. It runs on the
     bias-free Llama to keep such elements few."""
-    opts = dict(accumulate=2, clip=0.5, optimizer=optimizer, steps=3, lr=lr)
-    _run(tmp_path, models, 2, 2, ["--accumulate", "2", "--clip", "0.5", "--optimizer", optimizer, "--steps", "3",
+    opts = dict(accumulate=2, clip=0.1, optimizer=optimizer, steps=3, lr=lr)
+    _run(tmp_path, models, 2, 2, ["--accumulate", "2", "--clip", "0.1", "--optimizer", optimizer, "--steps", "3",
                                   "--lr", str(lr)])
     for name in models:
         ref = train(name, dp=2, **opts)
         assert len(ref.grads) == 3 and len(ref.losses) == 6
         norm = sum(float(g.norm()) ** 2 for g in ref.grads[0].values()) ** 0.5
-        assert norm > 0.5, f"gradient norm {norm} must exceed the clip value for clipping to be exercised"
+        assert norm > 0.1, f"gradient norm {norm} must exceed the clip value for clipping to be exercised"
         for rank in range(4):
             assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), ref, param_atol=param_atol,
                           where=f"{name} {optimizer} rank {rank}")
