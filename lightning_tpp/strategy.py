@@ -326,19 +326,23 @@ class TensorPipeStrategy(ParallelStrategy):
         dist.broadcast_object_list(box, src)
         return box[0]
 
+    def _replica_group(self, group: Optional[Any]) -> Any:
+        """The world (Lightning's default) means "every replica": tp/pp ranks of one replica hold the same values,
+        they are not more samples. An explicitly chosen sub-group is kept."""
+        return self._dp_group if group is None or group is dist.group.WORLD else group
+
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
-        """Reduce over data-parallel replicas: tp/pp ranks of one replica hold the same value, not more samples."""
+        """Reduce over data-parallel replicas (``self.log(sync_dist=True)`` lands here)."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group if group is not None else self._dp_group, reduce_op)
+            return _sync_ddp_if_available(tensor, self._replica_group(group), reduce_op)
         return tensor
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        """Gather from every data-parallel replica (one entry per replica, not per process)."""
-        return _all_gather_ddp_if_available(tensor, group=group if group is not None else self._dp_group,
-                                            sync_grads=sync_grads)
+        """Gather from every data-parallel replica: one entry per replica, not per process."""
+        return _all_gather_ddp_if_available(tensor, group=self._replica_group(group), sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

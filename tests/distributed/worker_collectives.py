@@ -1,0 +1,59 @@
+"""A rank of the collective-count check: one transformer block at tp=2, all-reduces counted per pass."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_tpp._comm import TPGroup
+from lightning_tpp._tp_apply import apply_plan
+from lightning_tpp._tp_plan import detect
+from models import Block, LlamaBlock
+
+BLOCKS = {
+    "nanogpt_block": lambda: (Block(32, 4, 16), ()),
+    "llama_block": lambda: (LlamaBlock(32, 4, 2), (torch.ones(16, 8), torch.zeros(16, 8))),
+    "encoder_layer": lambda: (nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), ()),
+}
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    counts: dict[str, dict[str, int]] = {}
+    calls = {"all_reduce": 0, "all_gather": 0}
+    real = {name: getattr(dist, name) for name in calls}
+
+    def counting(name):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real[name](*args, **kwargs)
+        return wrapper
+
+    for name, make in BLOCKS.items():
+        torch.manual_seed(0)
+        block, extra = make()
+        apply_plan(block, detect(block, 2), TPGroup(dist.group.WORLD, dist.get_rank(), 2))
+        x = torch.randn(2, 16, 32, requires_grad=True)
+        block(x, *extra).sum().backward()  # first call runs the numerical check; not counted
+        for k in calls:
+            setattr(dist, k, counting(k))
+        calls.update(all_reduce=0, all_gather=0)
+        y = block(x, *extra)
+        fwd = dict(calls)
+        calls.update(all_reduce=0, all_gather=0)
+        y.sum().backward()
+        counts[name] = {"forward_all_reduce": fwd["all_reduce"], "forward_all_gather": fwd["all_gather"],
+                        "backward_all_reduce": calls["all_reduce"], "backward_all_gather": calls["all_gather"]}
+        for k in calls:
+            setattr(dist, k, real[k])
+    with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(counts, f)
+
+
+if __name__ == "__main__":
+    main()
