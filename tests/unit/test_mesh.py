@@ -1,0 +1,150 @@
+"""Single-process tests of the pure mesh arithmetic in ``lightning_tpp._mesh``."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+
+from lightning_tpp._mesh import AXES, MeshDims, resolve_dims
+
+
+# ---- resolve_dims ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("world", "tp", "pp", "expected"),
+    [(1, 1, 1, MeshDims(1, 1, 1)), (8, 2, 2, MeshDims(2, 2, 2)), (8, 8, 1, MeshDims(1, 1, 8)),
+     (8, 1, 8, MeshDims(1, 8, 1)), (12, 2, 3, MeshDims(2, 3, 2)), (16, 4, 1, MeshDims(4, 1, 4))],
+)
+def test_resolve_dims_auto_dp(world: int, tp: int, pp: int, expected: MeshDims) -> None:
+    dims = resolve_dims(world, tp=tp, pp=pp)
+    assert dims == expected
+    assert dims.world_size == world
+    assert resolve_dims(world, tp=tp, pp=pp, dp="auto") == expected
+
+
+def test_resolve_dims_explicit_dp() -> None:
+    assert resolve_dims(8, tp=2, pp=2, dp=2) == MeshDims(dp=2, pp=2, tp=2)
+    assert resolve_dims(8, tp=1, pp=1, dp=8) == MeshDims(dp=8, pp=1, tp=1)
+    assert resolve_dims(6, tp=3, pp=1, dp=2) == MeshDims(dp=2, pp=1, tp=3)
+
+
+def test_resolve_dims_world_not_divisible() -> None:
+    valid = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1)]
+    with pytest.raises(ValueError, match=r"world size 8 is not divisible by tp\*pp = 3\*1 = 3") as exc:
+        resolve_dims(8, tp=3, pp=1)
+    assert f"choose (tp, pp) from {valid}" in str(exc.value)
+    assert "with 8 processes" in str(exc.value)
+
+
+def test_resolve_dims_world_not_divisible_by_pp() -> None:
+    with pytest.raises(ValueError, match=re.escape("world size 6 is not divisible by tp*pp = 2*2 = 4")) as exc:
+        resolve_dims(6, tp=2, pp=2, dp="auto")
+    # every listed pair really divides the world size, and the list is complete
+    listed = ast.literal_eval(str(exc.value).split("choose (tp, pp) from ")[1].split(", or change")[0])
+    assert listed == [(t, p) for t in range(1, 7) for p in range(1, 7) if 6 % (t * p) == 0]
+
+
+def test_resolve_dims_world_not_divisible_checked_before_explicit_dp() -> None:
+    with pytest.raises(ValueError, match=r"world size 8 is not divisible by tp\*pp = 3\*1"):
+        resolve_dims(8, tp=3, pp=1, dp=2)
+
+
+@pytest.mark.parametrize(("dp", "right"), [(1, 2), (4, 2), (3, 2)])
+def test_resolve_dims_explicit_dp_mismatch(dp: int, right: int) -> None:
+    msg = (rf"dp\*pp\*tp = {dp}\*2\*2 = {dp * 4} does not match world size 8; "
+           rf"with tp=2, pp=2 use dp={right} or dp='auto'")
+    with pytest.raises(ValueError, match=msg):
+        resolve_dims(8, tp=2, pp=2, dp=dp)
+
+
+@pytest.mark.parametrize("name", ["tp", "pp"])
+@pytest.mark.parametrize("value", [0, -1, 1.0, 2.5, "2", None, True])
+def test_resolve_dims_bad_tp_pp(name: str, value: object) -> None:
+    kwargs = {"tp": 1, "pp": 1, name: value}
+    with pytest.raises(ValueError, match=rf"^{name}={re.escape(repr(value))} must be a positive integer$"):
+        resolve_dims(4, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.0, "two", None, False, "Auto"])
+def test_resolve_dims_bad_dp(value: object) -> None:
+    with pytest.raises(ValueError, match=rf"^dp={re.escape(repr(value))} must be a positive integer or 'auto'$"):
+        resolve_dims(4, tp=1, pp=1, dp=value)  # type: ignore[arg-type]
+
+
+# ---- MeshDims -----------------------------------------------------------------------------------------------------
+def test_world_size() -> None:
+    assert MeshDims(dp=2, pp=3, tp=4).world_size == 24
+
+
+def test_coords_tp_innermost() -> None:
+    dims = MeshDims(dp=2, pp=2, tp=2)
+    assert dims.coords(5) == {"dp": 1, "pp": 0, "tp": 1}
+    assert dims.coords(0) == {"dp": 0, "pp": 0, "tp": 0}
+    assert dims.coords(1) == {"dp": 0, "pp": 0, "tp": 1}
+    assert dims.coords(2) == {"dp": 0, "pp": 1, "tp": 0}
+    assert dims.coords(7) == {"dp": 1, "pp": 1, "tp": 1}
+
+
+@pytest.mark.parametrize("dims", [MeshDims(2, 2, 2), MeshDims(1, 1, 1), MeshDims(3, 2, 4), MeshDims(1, 4, 1),
+                                  MeshDims(5, 1, 1), MeshDims(2, 3, 1)])
+def test_rank_of_inverts_coords(dims: MeshDims) -> None:
+    seen = []
+    for rank in range(dims.world_size):
+        c = dims.coords(rank)
+        assert 0 <= c["dp"] < dims.dp and 0 <= c["pp"] < dims.pp and 0 <= c["tp"] < dims.tp
+        assert dims.rank_of(**c) == rank
+        seen.append((c["dp"], c["pp"], c["tp"]))
+    assert len(set(seen)) == dims.world_size
+    assert seen == sorted(seen)  # lexicographic (dp, pp, tp): tp varies fastest
+
+
+def test_rank_of_keyword_only() -> None:
+    dims = MeshDims(dp=2, pp=2, tp=2)
+    assert dims.rank_of(dp=1, pp=0, tp=1) == 5
+    assert dims.rank_of(dp=0, pp=1, tp=0) == 2
+    with pytest.raises(TypeError):
+        dims.rank_of(1, 0, 1)  # type: ignore[misc]
+
+
+def test_group_ranks_example() -> None:
+    dims = MeshDims(dp=2, pp=2, tp=2)
+    assert dims.group_ranks("tp", 5) == [4, 5]
+    assert dims.group_ranks("pp", 5) == [5, 7]
+    assert dims.group_ranks("dp", 5) == [1, 5]
+    assert dims.group_ranks("tp", 2) == [2, 3]
+    assert dims.group_ranks("pp", 0) == [0, 2]
+    assert dims.group_ranks("dp", 6) == [2, 6]
+
+
+@pytest.mark.parametrize("dims", [MeshDims(2, 2, 2), MeshDims(3, 2, 4), MeshDims(1, 1, 8), MeshDims(4, 1, 1)])
+def test_group_ranks_partition_world(dims: MeshDims) -> None:
+    for axis in AXES:
+        size = getattr(dims, axis)
+        groups = {tuple(dims.group_ranks(axis, r)) for r in range(dims.world_size)}
+        assert len(groups) == dims.world_size // size
+        assert sorted(r for g in groups for r in g) == list(range(dims.world_size))
+        for rank in range(dims.world_size):
+            group = dims.group_ranks(axis, rank)
+            assert len(group) == size and rank in group
+            assert group == sorted(group)
+            # members differ from rank only along ``axis``
+            for other in group:
+                c, o = dims.coords(rank), dims.coords(other)
+                assert all(c[a] == o[a] for a in AXES if a != axis)
+    # tp groups are contiguous blocks of ranks
+    for rank in range(dims.world_size):
+        start = rank - rank % dims.tp
+        assert dims.group_ranks("tp", rank) == list(range(start, start + dims.tp))
+
+
+@pytest.mark.parametrize("axis", ["ep", "TP", "", "data"])
+def test_group_ranks_invalid_axis(axis: str) -> None:
+    with pytest.raises(ValueError, match=rf"axis={re.escape(repr(axis))} is not one of \('dp', 'pp', 'tp'\)"):
+        MeshDims(2, 2, 2).group_ranks(axis, 0)
+
+
+def test_meshdims_frozen() -> None:
+    dims = MeshDims(1, 1, 2)
+    with pytest.raises(AttributeError):
+        dims.tp = 4  # type: ignore[misc]

@@ -1,0 +1,412 @@
+"""Single-process tests of plan detection and overlays in ``lightning_tpp._tp_plan`` (no process groups)."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+from models import EncoderLM, FusedGQAModel, HFCausalLM, NanoGPT, TinyLlama
+from torch import nn
+
+from lightning_tpp._sharding import ShardSpec
+from lightning_tpp._tp_plan import STYLES, TensorParallelConfigError, TPPlan, detect, hf_plan, overlay
+
+
+@pytest.fixture(scope="module")
+def hf_llama() -> nn.Module:
+    return HFCausalLM("llama")
+
+
+@pytest.fixture(scope="module")
+def hf_gpt2() -> nn.Module:
+    return HFCausalLM("gpt2")
+
+
+# ---- NanoGPT: fused c_attn, tied wte / lm_head -------------------------------------------------------------------
+def test_nanogpt_blocks_and_styles() -> None:
+    plan = detect(NanoGPT(), 2)
+    for i in (0, 1):
+        attn = plan.blocks[f"transformer.h.{i}.attn"]
+        assert attn.kind == "attention"
+        assert attn.layers == [f"transformer.h.{i}.attn.c_attn", f"transformer.h.{i}.attn.c_proj"]
+        assert (attn.heads, attn.kv_heads, attn.head_dim) == (4, 4, 8)
+        assert attn.fused[f"transformer.h.{i}.attn.c_attn"] == [ShardSpec(0, (32, 32, 32)), ShardSpec(0)]
+        assert plan.styles[f"transformer.h.{i}.attn.c_attn"] == "colwise"
+        assert plan.styles[f"transformer.h.{i}.attn.c_proj"] == "rowwise"
+
+        mlp = plan.blocks[f"transformer.h.{i}.mlp"]
+        assert mlp.kind == "mlp"
+        assert mlp.layers == [f"transformer.h.{i}.mlp.c_fc", f"transformer.h.{i}.mlp.c_proj"]
+        assert plan.styles[f"transformer.h.{i}.mlp.c_fc"] == "colwise"
+        assert plan.styles[f"transformer.h.{i}.mlp.c_proj"] == "rowwise"
+    assert set(plan.blocks) == {"transformer.h.0.attn", "transformer.h.0.mlp", "transformer.h.1.attn",
+                                "transformer.h.1.mlp"}
+    assert plan.notes == []
+
+
+def test_nanogpt_vocab_tied() -> None:
+    plan = detect(NanoGPT(), 2)
+    assert plan.styles["transformer.wte"] == "vocab"
+    assert plan.styles["lm_head"] == "colwise_gather"
+    assert "transformer.wpe" not in plan.styles  # position embedding has no matching head
+    assert all(not k.startswith(("transformer.ln_f", "transformer.h.0.ln")) for k in plan.styles)
+
+
+def test_plan_is_in_module_order() -> None:
+    model = NanoGPT()
+    plan = detect(model, 2)
+    order = [n for n, _ in model.named_modules()]
+    assert list(plan.styles) == sorted(plan.styles, key=order.index)
+    assert list(plan.blocks) == sorted(plan.blocks, key=order.index)
+
+
+def test_block_of() -> None:
+    plan = detect(NanoGPT(), 2)
+    assert plan.block_of("transformer.h.1.attn.c_proj") == "transformer.h.1.attn"
+    assert plan.block_of("transformer.h.0.mlp") == "transformer.h.0.mlp"
+    assert plan.block_of("lm_head") is None
+
+
+# ---- TinyLlama: GQA, SwiGLU, untied head ---------------------------------------------------------------------------
+def test_tinyllama() -> None:
+    plan = detect(TinyLlama(), 2)
+    for i in (0, 1):
+        a = f"layers.{i}.attention"
+        attn = plan.blocks[a]
+        assert attn.kind == "attention"
+        assert (attn.heads, attn.kv_heads, attn.head_dim) == (4, 2, 8)
+        assert attn.layers == [f"{a}.wq", f"{a}.wk", f"{a}.wv", f"{a}.wo"]
+        assert attn.fused == {}
+        assert [plan.styles[n] for n in attn.layers] == ["colwise", "colwise", "colwise", "rowwise"]
+
+        f = f"layers.{i}.feed_forward"
+        mlp = plan.blocks[f]
+        assert mlp.kind == "mlp"
+        assert mlp.layers == [f"{f}.w1", f"{f}.w3", f"{f}.w2"]
+        assert plan.styles[f"{f}.w1"] == plan.styles[f"{f}.w3"] == "colwise"
+        assert plan.styles[f"{f}.w2"] == "rowwise"
+    assert plan.styles["tok_embeddings"] == "vocab"
+    assert plan.styles["output"] == "colwise_gather"
+    assert len(plan.blocks) == 4
+
+
+def test_tinyllama_kv_heads_limit_tp() -> None:
+    with pytest.raises(TensorParallelConfigError, match=r"tp=4 must divide num_kv_heads=2 of layers\.\d\.attention "
+                                                        r"\(heads=4, kv_heads=2\); choose tp in \[1, 2\]"):
+        detect(TinyLlama(), 4)
+
+
+# ---- fused grouped-query qkv ---------------------------------------------------------------------------------------
+def test_fused_gqa() -> None:
+    plan = detect(FusedGQAModel(), 2)
+    for i in (0, 1):
+        attn = plan.blocks[f"attns.{i}"]
+        assert attn.kind == "attention"
+        assert (attn.heads, attn.kv_heads, attn.head_dim) == (4, 2, 8)
+        candidates = attn.fused[f"attns.{i}.qkv"]
+        assert candidates[0].parts == (32, 16, 16)
+        assert candidates[0].dim == 0
+        assert candidates == [ShardSpec(0, (32, 16, 16)), ShardSpec(0)]
+        assert plan.styles[f"attns.{i}.qkv"] == "colwise"
+        assert plan.styles[f"attns.{i}.proj"] == "rowwise"
+        # nn.Sequential MLP: Linear, ReLU, Linear
+        assert plan.blocks[f"mlps.{i}"].layers == [f"mlps.{i}.0", f"mlps.{i}.2"]
+        assert plan.styles[f"mlps.{i}.0"] == "colwise" and plan.styles[f"mlps.{i}.2"] == "rowwise"
+    assert plan.styles["emb"] == "vocab"
+    assert plan.styles["head"] == "colwise_gather"
+
+
+# ---- nn.TransformerEncoder ----------------------------------------------------------------------------------------
+def test_encoder_mha() -> None:
+    plan = detect(EncoderLM(), 2)
+    for i in (0, 1):
+        layer = f"encoder.layers.{i}"
+        attn = f"{layer}.self_attn"
+        assert plan.styles[attn] == "mha"
+        assert plan.styles[f"{attn}.out_proj"] == "rowwise"
+        mha = plan.blocks[attn]
+        assert mha.kind == "mha"
+        assert mha.layers == [attn, f"{attn}.out_proj"]
+        assert (mha.heads, mha.kv_heads, mha.head_dim) == (4, 4, 8)
+        assert mha.fused == {attn: [ShardSpec(0, (32, 32, 32))]}
+
+        mlp = plan.blocks[layer]
+        assert mlp.kind == "mlp"
+        assert mlp.layers == [f"{layer}.linear1", f"{layer}.linear2"]
+        assert plan.styles[f"{layer}.linear1"] == "colwise"
+        assert plan.styles[f"{layer}.linear2"] == "rowwise"
+    assert plan.styles["embed"] == "vocab"
+    assert plan.styles["head"] == "colwise_gather"
+
+
+def test_encoder_mha_heads_not_divisible() -> None:
+    with pytest.raises(TensorParallelConfigError, match=r"tp=8 must divide num_heads=4 of encoder\.layers\.\d\.self_attn"):
+        detect(EncoderLM(), 8)
+
+
+def test_mha_with_kdim_stays_replicated() -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(32, 4, kdim=16, vdim=16)
+
+    plan = detect(M(), 2)
+    assert "attn" not in plan.styles and "attn" not in plan.blocks
+    assert any(n.startswith("attn: nn.MultiheadAttention with kdim/vdim") for n in plan.notes)
+
+
+# ---- Hugging Face --------------------------------------------------------------------------------------------------
+def test_hf_llama_detect(hf_llama: nn.Module) -> None:
+    plan = detect(hf_llama, 2)
+    for i in (0, 1):
+        a = f"model.model.layers.{i}.self_attn"
+        attn = plan.blocks[a]
+        assert attn.kind == "attention"
+        assert (attn.heads, attn.kv_heads, attn.head_dim) == (4, 2, 8)
+        assert [plan.styles[f"{a}.{p}"] for p in ("q_proj", "k_proj", "v_proj", "o_proj")] == \
+            ["colwise", "colwise", "colwise", "rowwise"]
+        m = f"model.model.layers.{i}.mlp"
+        assert plan.blocks[m].kind == "mlp"
+        assert [plan.styles[f"{m}.{p}"] for p in ("gate_proj", "up_proj", "down_proj")] == \
+            ["colwise", "colwise", "rowwise"]
+    assert plan.styles["model.model.embed_tokens"] == "vocab"
+    assert plan.styles["model.lm_head"] == "colwise_gather"
+
+
+def test_hf_llama_own_plan(hf_llama: nn.Module) -> None:
+    own = hf_plan(hf_llama)
+    assert own, "LlamaForCausalLM ships a tp plan"
+    prefix = "model.model.layers."
+    assert own[prefix + "*.self_attn.q_proj"] == "colwise"
+    assert own[prefix + "*.self_attn.o_proj"] == "rowwise"
+    assert own[prefix + "*.mlp.down_proj"] == "rowwise"
+    assert "model.lm_head" in own
+    modules = dict(hf_llama.named_modules())
+    # fully qualified: every key is anchored at the wrapper's root and matches real modules
+    for key in own:
+        assert key.startswith(("model.model.", "model.lm_head")), key
+        assert any(re.fullmatch(re.escape(key).replace(r"\*", ".*"), n) for n in modules), key
+
+
+def test_hf_llama_own_plan_overlay_agrees_with_detect(hf_llama: nn.Module) -> None:
+    plan = detect(hf_llama, 2)
+    before = dict(plan.styles)
+    overlay(hf_llama, plan, hf_plan(hf_llama), source="Hugging Face tp plan", strict=False)
+    assert plan.styles == before
+
+
+def test_hf_gpt2_detect(hf_gpt2: nn.Module) -> None:
+    plan = detect(hf_gpt2, 2)
+    for i in (0, 1):
+        a = f"model.transformer.h.{i}.attn"
+        attn = plan.blocks[a]
+        assert attn.kind == "attention"
+        assert (attn.heads, attn.kv_heads, attn.head_dim) == (4, 4, 8)
+        # Conv1D keeps its weight as (in, out): the fused qkv is split along dim 1
+        assert attn.fused[f"{a}.c_attn"][0] == ShardSpec(1, (32, 32, 32))
+        assert plan.styles[f"{a}.c_attn"] == "colwise" and plan.styles[f"{a}.c_proj"] == "rowwise"
+        m = f"model.transformer.h.{i}.mlp"
+        assert plan.blocks[m].kind == "mlp"
+        assert plan.styles[f"{m}.c_fc"] == "colwise" and plan.styles[f"{m}.c_proj"] == "rowwise"
+    assert plan.styles["model.transformer.wte"] == "vocab"
+    assert plan.styles["model.lm_head"] == "colwise_gather"
+    assert "model.transformer.wpe" not in plan.styles
+
+
+def test_hf_gpt2_own_plan(hf_gpt2: nn.Module) -> None:
+    own = hf_plan(hf_gpt2)
+    assert isinstance(own, dict)
+    modules = dict(hf_gpt2.named_modules())
+    for key in own:  # GPT-2 may ship no plan at all; whatever it ships is fully qualified
+        assert key.startswith("model."), key
+        assert any(re.fullmatch(re.escape(key).replace(r"\*", ".*"), n) for n in modules), key
+
+
+def test_hf_plan_plain_model_is_empty() -> None:
+    assert hf_plan(NanoGPT()) == {}
+
+
+# ---- tp == 1 -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("factory", [NanoGPT, TinyLlama, FusedGQAModel, EncoderLM])
+def test_tp1_empty(factory: type) -> None:
+    plan = detect(factory(), 1)
+    assert plan.styles == {} and plan.blocks == {} and plan.notes == []
+
+
+def test_tp1_empty_hf(hf_llama: nn.Module, hf_gpt2: nn.Module) -> None:
+    assert detect(hf_llama, 1).styles == {}
+    assert detect(hf_gpt2, 1).styles == {}
+
+
+def test_tp1_never_raises() -> None:
+    detect(NanoGPT(vocab=65, n_embd=24, n_head=3), 1)  # nothing to check at tp=1
+
+
+# ---- errors ---------------------------------------------------------------------------------------------------------
+def test_heads_not_divisible() -> None:
+    # n_embd=24: MLP hidden 96 is divisible by 3, so the attention heads (4) are what fails
+    with pytest.raises(TensorParallelConfigError,
+                       match=r"tp=3 must divide num_heads=4 of transformer\.h\.\d\.attn \(heads=4, kv_heads=4\); "
+                             r"choose tp in \[1, 2, 4\], or pass tp_plan=\{'transformer\.h\.\d\.attn': 'replicate'\}"):
+        detect(NanoGPT(n_embd=24), 3)
+
+
+def test_heads_not_divisible_default_nanogpt() -> None:
+    # default NanoGPT (4 heads, MLP hidden 128): tp=3 is refused; tp=8 fails on the heads
+    with pytest.raises(TensorParallelConfigError, match=r"tp=3 must divide"):
+        detect(NanoGPT(), 3)
+    with pytest.raises(TensorParallelConfigError,
+                       match=r"tp=8 must divide num_heads=4 of transformer\.h\.\d\.attn .*choose tp in \[1, 2, 4\]"):
+        detect(NanoGPT(), 8)
+
+
+def test_mlp_hidden_not_divisible() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ff = nn.Sequential(nn.Linear(8, 6), nn.GELU(), nn.Linear(6, 8))
+
+    with pytest.raises(TensorParallelConfigError,
+                       match=r"tp=4 must divide the hidden size 6 of MLP ff; choose tp in \[1, 2, 3, 6\], "
+                             r"or pass tp_plan=\{'ff': 'replicate'\}"):
+        detect(Net(), 4)
+    assert detect(Net(), 2).blocks["ff"].layers == ["ff.0", "ff.2"]
+
+
+def test_overlay_strict_glob_matches_nothing() -> None:
+    model = NanoGPT()
+    plan = detect(model, 2)
+    with pytest.raises(TensorParallelConfigError, match=r"tp_plan entry 'nothing\.\*' matches no module; module names"):
+        overlay(model, plan, {"nothing.*": "colwise"}, source="tp_plan", strict=True)
+
+
+def test_overlay_non_strict_glob_matches_nothing() -> None:
+    model = NanoGPT()
+    plan = detect(model, 2)
+    before = dict(plan.styles)
+    overlay(model, plan, {"nothing.*": "colwise"}, source="hf", strict=False)
+    assert plan.styles == before
+
+
+def test_overlay_unknown_style() -> None:
+    model = NanoGPT()
+    plan = detect(model, 2)
+    with pytest.raises(TensorParallelConfigError,
+                       match=re.escape(f"tp_plan style 'sequence_parallel' for 'lm_head' is not one of {STYLES}")):
+        overlay(model, plan, {"lm_head": "sequence_parallel"}, source="tp_plan", strict=True)
+
+
+def test_overlay_unknown_hf_style_is_a_note() -> None:
+    model = NanoGPT()
+    plan = detect(model, 2)
+    overlay(model, plan, {"transformer.ln_f": "sequence_parallel"}, source="hf", strict=False)
+    assert "transformer.ln_f" not in plan.styles
+    assert any("transformer.ln_f: Hugging Face style 'sequence_parallel' is not supported" in n for n in plan.notes)
+
+
+def test_overlay_vocab_on_linear() -> None:
+    model = NanoGPT()
+    plan = detect(model, 2)
+    with pytest.raises(TensorParallelConfigError, match=r"tp_plan style 'vocab' does not fit 'lm_head' \(Linear\)"):
+        overlay(model, plan, {"lm_head": "vocab"}, source="tp_plan", strict=True)
+
+
+def test_overlay_colwise_on_norm() -> None:
+    model = NanoGPT()
+    plan = detect(model, 2)
+    with pytest.raises(TensorParallelConfigError,
+                       match=r"tp_plan style 'colwise' does not fit 'transformer\.ln_f' \(LayerNorm\)"):
+        overlay(model, plan, {"transformer.ln_f": "colwise"}, source="tp_plan", strict=True)
+
+
+# ---- overlays ----------------------------------------------------------------------------------------------------
+def test_overlay_replicate_attention() -> None:
+    model = NanoGPT()
+    plan = detect(model, 2)
+    overlay(model, plan, {"*.attn": "replicate"}, source="tp_plan", strict=True)
+    assert not any(".attn" in k for k in plan.styles)
+    assert set(plan.blocks) == {"transformer.h.0.mlp", "transformer.h.1.mlp"}
+    assert plan.styles["transformer.h.0.mlp.c_fc"] == "colwise"
+    assert plan.styles["lm_head"] == "colwise_gather"
+
+
+def test_overlay_replicate_one_layer_replicates_block() -> None:
+    model = NanoGPT()
+    plan = detect(model, 2)
+    with pytest.warns(UserWarning, match=r"tp_plan: replicating transformer\.h\.0\.attn\.c_proj replicates its whole "
+                                         r"block transformer\.h\.0\.attn"):
+        overlay(model, plan, {"transformer.h.0.attn.c_proj": "replicate"}, source="tp_plan", strict=True)
+    assert "transformer.h.0.attn" not in plan.blocks
+    assert "transformer.h.0.attn.c_attn" not in plan.styles
+    assert "transformer.h.0.attn.c_proj" not in plan.styles
+    # the rest is untouched
+    assert "transformer.h.1.attn" in plan.blocks and "transformer.h.0.mlp" in plan.blocks
+    assert plan.styles["transformer.h.1.attn.c_attn"] == "colwise"
+
+
+def test_overlay_replicate_mha_out_proj() -> None:
+    model = EncoderLM()
+    plan = detect(model, 2)
+    with pytest.warns(UserWarning, match="replicates its whole block encoder.layers.0.self_attn"):
+        overlay(model, plan, {"encoder.layers.0.self_attn.out_proj": "replicate"}, source="tp_plan", strict=True)
+    assert "encoder.layers.0.self_attn" not in plan.styles
+    assert "encoder.layers.0.self_attn" not in plan.blocks
+    assert plan.styles["encoder.layers.1.self_attn"] == "mha"
+    assert plan.styles["encoder.layers.0.linear1"] == "colwise"
+
+
+def test_overlay_replicate_vocab() -> None:
+    model = NanoGPT()
+    plan = detect(model, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not in a block: no warning
+        overlay(model, plan, {"lm_head": "replicate", "transformer.wte": "replicate"}, source="tp_plan", strict=True)
+    assert "lm_head" not in plan.styles and "transformer.wte" not in plan.styles
+
+
+def test_overlay_adds_custom_block() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+    model = Net()
+    plan = TPPlan()
+    overlay(model, plan, {"proj": "colwise"}, source="tp_plan", strict=True)
+    assert plan.styles == {"proj": "colwise"}
+    assert plan.blocks[""].kind == "custom" and plan.blocks[""].layers == ["proj"]
+
+
+def test_overlay_rowwise_on_embedding_becomes_vocab() -> None:
+    model = NanoGPT(vocab=65)
+    plan = detect(model, 2)
+    overlay(model, plan, {"transformer.wpe": "rowwise"}, source="tp_plan", strict=True)
+    assert plan.styles["transformer.wpe"] == "vocab"
+
+
+def test_overlay_hf_style_names_are_translated() -> None:
+    model = TinyLlama()
+    plan = TPPlan()
+    overlay(model, plan, {"layers.*.attention.wq": "local_colwise", "output": "colwise_rep",
+                          "tok_embeddings": "embedding_rowwise"}, source="hf", strict=False)
+    assert plan.styles["layers.0.attention.wq"] == "colwise"
+    assert plan.styles["layers.1.attention.wq"] == "colwise"
+    assert plan.styles["output"] == "colwise_gather"
+    assert plan.styles["tok_embeddings"] == "vocab"
+
+
+# ---- vocab fallback -------------------------------------------------------------------------------------------------
+def test_vocab_not_divisible() -> None:
+    plan = detect(NanoGPT(vocab=65), 2)
+    assert "transformer.wte" not in plan.styles
+    assert "lm_head" not in plan.styles
+    assert len(plan.notes) == 1
+    assert plan.notes[0].startswith("transformer.wte: vocab 65 not divisible by tp=2")
+    assert "stay replicated" in plan.notes[0]
+    assert plan.styles["transformer.h.0.attn.c_attn"] == "colwise"  # the rest is still planned
+
+
+def test_untied_head_found() -> None:
+    plan = detect(FusedGQAModel(vocab=48), 2)
+    assert plan.styles["emb"] == "vocab" and plan.styles["head"] == "colwise_gather"
