@@ -38,6 +38,8 @@ class MeshDims:
 
     def coords(self, rank: int) -> dict[str, int]:
         """Position of ``rank`` on each axis (tp varies fastest)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the mesh {self} of {self.world_size} ranks")
         return {"dp": rank // (self.pp * self.tp), "pp": (rank // self.tp) % self.pp, "tp": rank % self.tp}
 
     def rank_of(self, *, dp: int, pp: int, tp: int) -> int:
@@ -58,7 +60,7 @@ def _divisors(n: int) -> list[int]:
 
 def resolve_dims(world_size: int, tp: int, pp: int, dp: Union[int, Literal["auto"]] = "auto") -> MeshDims:
     """Check the requested sizes against ``world_size``; ``dp="auto"`` takes what tp and pp leave."""
-    for name, value in (("tp", tp), ("pp", pp)):
+    for name, value in (("world size", world_size), ("tp", tp), ("pp", pp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if dp != "auto" and (not isinstance(dp, int) or isinstance(dp, bool) or dp < 1):

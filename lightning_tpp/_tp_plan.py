@@ -55,6 +55,7 @@ class BlockInfo:
     kv_heads: int = 0
     head_dim: int = 0
     fused: dict[str, list[ShardSpec]] = field(default_factory=dict)  # layer FQN -> candidate layouts, first = default
+    sizes: dict[str, int] = field(default_factory=dict)  # what tp must divide, e.g. {"num_heads": 16}
 
 
 @dataclass
@@ -84,10 +85,10 @@ def _int_attr(obj: Any, names: tuple[str, ...]) -> Optional[int]:
     return None
 
 
-def _find_int(module: nn.Module, names: tuple[str, ...]) -> Optional[int]:
-    """An int attribute on the module or a direct child (BERT keeps heads on ``self``); the module's ``config`` counts
-    only for a module that looks like attention (a shared config also reaches MLPs and norms)."""
-    for obj in (module, *module.children()):
+def _find_int(module: nn.Module, names: tuple[str, ...], blocks: frozenset[int] = frozenset()) -> Optional[int]:
+    """An int attribute on the module or a direct child that is not a block already (BERT keeps heads on ``self``);
+    the module's ``config`` counts only for a module that looks like attention (a shared config also reaches MLPs)."""
+    for obj in (module, *(c for c in module.children() if id(c) not in blocks)):
         v = None if isinstance(obj, nn.Linear) else _int_attr(obj, names)
         if v is not None:
             return v
@@ -115,19 +116,26 @@ def _divisible_choices(*values: int) -> list[int]:
     return [d for d in range(1, top + 1) if all(v % d == 0 for v in values)]
 
 
-def _check_heads(fqn: str, heads: int, kv_heads: int, tp: int) -> None:
-    for label, v in (("num_heads", heads), ("num_kv_heads", kv_heads)):
-        if v % tp:
-            raise TensorParallelConfigError(
-                f"tp={tp} must divide {label}={v} of {fqn} (heads={heads}, kv_heads={kv_heads}); "
-                f"choose tp in {_divisible_choices(heads, kv_heads)}, or pass tp_plan={{'{fqn}': 'replicate'}}")
+def check_divisible(plan: TPPlan, tp: int) -> None:
+    """Raise for the first block (in model order) whose heads / hidden size ``tp`` does not divide, listing the tp
+    values that suit every block of the plan."""
+    every = [v for b in plan.blocks.values() for v in b.sizes.values()]
+    for fqn, b in plan.blocks.items():
+        for label, v in b.sizes.items():
+            if v % tp == 0:
+                continue
+            what = f"the hidden size {v} of MLP {fqn or '<root>'}" if b.kind == "mlp" else \
+                f"{label}={v} of {fqn} (heads={b.heads}, kv_heads={b.kv_heads})"
+            raise TensorParallelConfigError(f"tp={tp} must divide {what}; choose tp in {_divisible_choices(*every)}, "
+                                            f"or pass tp_plan={{'{fqn}': 'replicate'}}")
 
 
-def _attention(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], tp: int) -> Optional[BlockInfo]:
-    heads = _find_int(module, HEAD_NAMES)
+def _attention(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]],
+               blocks: frozenset[int]) -> Optional[BlockInfo]:
+    heads = _find_int(module, HEAD_NAMES, blocks)
     if heads is None or len(lins) < 2:
         return None
-    kv_heads = _find_int(module, KV_NAMES)
+    kv_heads = _find_int(module, KV_NAMES, blocks)
     (out_name, out), inputs = lins[-1], lins[:-1]
     q_width, _ = linear_dims(out)
     if q_width % heads:
@@ -160,11 +168,11 @@ def _attention(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], t
     derived_kv = kv_width // head_dim
     if kv_heads is not None and kv_heads != derived_kv:
         return None
-    _check_heads(fqn, heads, derived_kv, tp)
-    return BlockInfo("attention", [n for n, _ in lins], heads, derived_kv, head_dim, fused)
+    return BlockInfo("attention", [n for n, _ in lins], heads, derived_kv, head_dim, fused,
+                     {"num_heads": heads, "num_kv_heads": derived_kv})
 
 
-def _mlp(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], tp: int) -> Optional[BlockInfo]:
+def _mlp(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]]) -> Optional[BlockInfo]:
     if len(lins) < 2 or _int_attr(module, HEAD_NAMES) is not None:
         return None
     dims = [linear_dims(m) for _, m in lins]
@@ -175,22 +183,16 @@ def _mlp(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], tp: int
         between = list(module)[list(module).index(lins[0][1]) + 1: list(module).index(lins[-1][1])]
         if any(any(True for _ in m.parameters()) for m in between if not _is_linear(m)):
             return None
-    hidden = first[1]
-    if hidden % tp:
-        raise TensorParallelConfigError(
-            f"tp={tp} must divide the hidden size {hidden} of MLP {fqn or '<root>'}; choose tp in "
-            f"{_divisible_choices(hidden)}, or pass tp_plan={{'{fqn}': 'replicate'}}")
-    return BlockInfo("mlp", [n for n, _ in lins])
+    return BlockInfo("mlp", [n for n, _ in lins], sizes={"hidden": first[1]})
 
 
-def _mha(fqn: str, m: nn.MultiheadAttention, tp: int, notes: list[str]) -> Optional[BlockInfo]:
+def _mha(fqn: str, m: nn.MultiheadAttention, notes: list[str]) -> Optional[BlockInfo]:
     if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
         notes.append(f"{fqn}: nn.MultiheadAttention with kdim/vdim, bias_k/bias_v or add_zero_attn stays replicated")
         return None
-    _check_heads(fqn, m.num_heads, m.num_heads, tp)
     e = m.embed_dim
     return BlockInfo("mha", [fqn, f"{fqn}.out_proj"], m.num_heads, m.num_heads, e // m.num_heads,
-                     {fqn: [ShardSpec(0, (e, e, e))]})
+                     {fqn: [ShardSpec(0, (e, e, e))]}, {"num_heads": m.num_heads})
 
 
 def _vocab(model: nn.Module, claimed: set[str], tp: int, plan: TPPlan) -> None:
@@ -214,17 +216,21 @@ def _vocab(model: nn.Module, claimed: set[str], tp: int, plan: TPPlan) -> None:
         claimed.update({e_name, h_name})
 
 
-def detect(model: nn.Module, tp: int) -> TPPlan:
-    """The automatic plan for ``model`` at tensor-parallel size ``tp`` (empty when ``tp == 1``)."""
+def detect(model: nn.Module, tp: int, *, check: bool = True) -> TPPlan:
+    """The automatic plan for ``model`` at tensor-parallel size ``tp`` (empty when ``tp == 1``).
+
+    ``check=False`` leaves the divisibility check (:func:`check_divisible`) to the caller, who may first lay a
+    ``tp_plan`` over the result (e.g. replicate the block that does not divide)."""
     plan = TPPlan()
     if tp == 1:
         return plan
     claimed: set[str] = set()
-    for fqn, module in reversed(list(model.named_modules())):  # children before parents
+    modules = dict(model.named_modules())
+    for fqn, module in reversed(list(modules.items())):  # children before parents
         if any(fqn.startswith(b + ".") for b, info in plan.blocks.items() if info.kind == "mha"):
             continue
         if isinstance(module, nn.MultiheadAttention):
-            info = _mha(fqn, module, tp, plan.notes)
+            info = _mha(fqn, module, plan.notes)
             if info is not None:
                 plan.blocks[fqn] = info
                 plan.styles[fqn] = "mha"
@@ -232,7 +238,8 @@ def detect(model: nn.Module, tp: int) -> TPPlan:
                 claimed.update(info.layers)
             continue
         lins = _child_linears(module, fqn, claimed)
-        info = _attention(fqn, module, lins, tp) or _mlp(fqn, module, lins, tp)
+        blocks = frozenset(id(modules[b]) for b in plan.blocks)
+        info = _attention(fqn, module, lins, blocks) or _mlp(fqn, module, lins)
         if info is None:
             continue
         plan.blocks[fqn] = info
@@ -241,7 +248,10 @@ def detect(model: nn.Module, tp: int) -> TPPlan:
         plan.styles[info.layers[-1]] = "rowwise"
         claimed.update(info.layers)
     _vocab(model, claimed, tp, plan)
-    return _ordered(plan, model)
+    plan = _ordered(plan, model)
+    if check:
+        check_divisible(plan, tp)
+    return plan
 
 
 def _ordered(plan: TPPlan, model: nn.Module) -> TPPlan:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.distributed import (
     _all_gather_ddp_if_available,
     _distributed_is_initialized,
@@ -52,9 +53,23 @@ from lightning_tpp._grads import average_gradients, broadcast_module, clip_by_gl
 from lightning_tpp._mesh import MeshDims, build_mesh, resolve_dims
 from lightning_tpp._summary import ShardedModelSummary, format_plan
 from lightning_tpp._tp_apply import apply_plan
-from lightning_tpp._tp_plan import TPPlan, detect, hf_plan, overlay
+from lightning_tpp._tp_plan import TPPlan, check_divisible, detect, hf_plan, overlay
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+class _WholeWeightsLauncher(_MultiProcessingLauncher):
+    """spawn/fork launcher that hands whole tensors (not rank 0's shards) back to the main process's model."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Any:
+        module = trainer.lightning_module
+        full = self._strategy.lightning_module_state_dict()  # collective: every rank runs this method
+        module.state_dict = lambda *args, **kwargs: full  # type: ignore[method-assign]
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict
 
 
 class TensorPipeStrategy(ParallelStrategy):
@@ -72,7 +87,8 @@ class TensorPipeStrategy(ParallelStrategy):
         print_plan: print the plan table on global rank 0 at setup.
         process_group_backend: ``"gloo"``/``"nccl"``; default by device.
         timeout: collective timeout.
-        start_method: ``"popen"`` (scripts, CLI), ``"spawn"`` or ``"fork"`` (notebooks).
+        start_method: ``"auto"`` (``"fork"`` in notebooks, else ``"popen"``: the script is run again per rank),
+            ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
     """
 
     strategy_name = "tensor_pipe"
@@ -95,7 +111,7 @@ class TensorPipeStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        start_method: Literal["auto", "popen", "spawn", "fork", "forkserver"] = "auto",
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -184,10 +200,13 @@ class TensorPipeStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._start_method == "popen":
+        method = self._start_method
+        if method == "auto":
+            method = "fork" if _IS_INTERACTIVE else "popen"
+        if method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _WholeWeightsLauncher(self, start_method=method)
 
     @override
     def setup_environment(self) -> None:
@@ -239,11 +258,12 @@ class TensorPipeStrategy(ParallelStrategy):
 
     def _parallelize(self, module: nn.Module) -> None:
         broadcast_module(module, src=0)
-        plan = detect(module, self._tp)
+        plan = detect(module, self._tp, check=False)
         if self._tp > 1:
             overlay(module, plan, hf_plan(module), source="Hugging Face tp plan", strict=False)
             if isinstance(self._tp_plan_arg, Mapping):
                 overlay(module, plan, self._tp_plan_arg, source="tp_plan", strict=True)
+            check_divisible(plan, self._tp)
             apply_plan(module, plan, self._tp_group, verify=self._verify)
         self.plan = plan
         if self._print_plan and self._tp > 1:

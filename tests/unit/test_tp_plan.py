@@ -253,8 +253,10 @@ def test_heads_not_divisible() -> None:
 
 
 def test_heads_not_divisible_default_nanogpt() -> None:
-    # default NanoGPT (4 heads, MLP hidden 128): tp=3 is refused; tp=8 fails on the heads
-    with pytest.raises(TensorParallelConfigError, match=r"tp=3 must divide"):
+    # default NanoGPT (4 heads, MLP hidden 128): the first block in model order is named, and the choices suit
+    # every block (not just the MLP, whose 128 would allow tp=8)
+    with pytest.raises(TensorParallelConfigError,
+                       match=r"tp=3 must divide num_heads=4 of transformer\.h\.0\.attn .*choose tp in \[1, 2, 4\]"):
         detect(NanoGPT(), 3)
     with pytest.raises(TensorParallelConfigError,
                        match=r"tp=8 must divide num_heads=4 of transformer\.h\.\d\.attn .*choose tp in \[1, 2, 4\]"):
@@ -410,3 +412,34 @@ def test_vocab_not_divisible() -> None:
 def test_untied_head_found() -> None:
     plan = detect(FusedGQAModel(vocab=48), 2)
     assert plan.styles["emb"] == "vocab" and plan.styles["head"] == "colwise_gather"
+
+
+def test_replicating_the_offending_blocks_lifts_the_divisibility_error() -> None:
+    from lightning_tpp._tp_plan import check_divisible
+
+    model = NanoGPT()
+    plan = detect(model, 8, check=False)
+    overlay(model, plan, {"*.attn": "replicate"}, source="tp_plan", strict=True)
+    check_divisible(plan, 8)  # MLP hidden 128 divides by 8
+    assert all(b.kind == "mlp" for b in plan.blocks.values())
+
+
+def test_gated_mlp_beside_an_attention_child_is_an_mlp() -> None:
+    """A block holding its own gated MLP next to an attention child: the child's head count belongs to the child."""
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n_head = 4
+            self.qkv, self.proj = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    class Blk(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Attn()
+            self.w1, self.w3, self.w2 = nn.Linear(32, 64), nn.Linear(32, 64), nn.Linear(64, 32)
+
+    plan = detect(Blk(), 2)
+    assert plan.blocks["attn"].kind == "attention"
+    assert plan.blocks[""].kind == "mlp" and plan.blocks[""].layers == ["w1", "w3", "w2"]
+    assert not plan.blocks[""].fused
