@@ -60,11 +60,13 @@ def _divisors(n: int) -> list[int]:
 
 def resolve_dims(world_size: int, tp: int, pp: int, dp: Union[int, Literal["auto"]] = "auto") -> MeshDims:
     """Check the requested sizes against ``world_size``; ``dp="auto"`` takes what tp and pp leave."""
-    for name, value in (("world size", world_size), ("tp", tp), ("pp", pp)):
+    for name, value in (("tp", tp), ("pp", pp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if dp != "auto" and (not isinstance(dp, int) or isinstance(dp, bool) or dp < 1):
         raise ValueError(f"dp={dp!r} must be a positive integer or 'auto'")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size {world_size!r} must be a positive integer")
     if world_size % (tp * pp) != 0:
         valid = [(t, p) for t in _divisors(world_size) for p in _divisors(world_size // t)]
         raise ValueError(

@@ -56,7 +56,7 @@ class Recorder(Callback):
 
 def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, steps: int = 5, batch_size: int = 4,
           accumulate: int = 1, clip: Optional[float] = None, precision: str = "32-true", lr: float = 0.1,
-          optimizer: str = "sgd") -> Record:
+          optimizer: str = "sgd", accelerator: str = "cpu") -> Record:
     """Train ``name`` for ``steps`` optimizer steps. With ``strategy="auto"`` (one process) each batch is the union of
     what ``dp`` replicas draw from Lightning's shuffling DistributedSampler (seed 0, epoch 0) at that step."""
     L.seed_everything(0, verbose=False)
@@ -71,7 +71,7 @@ def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, s
     else:
         loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False)
     recorder = Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+    trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[recorder], accumulate_grad_batches=accumulate, gradient_clip_val=clip,
                         precision=precision, limit_val_batches=0, num_sanity_val_steps=0)
@@ -120,6 +120,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--accelerator", default="cpu")
     args = parser.parse_args()
     from lightning_tpp import TensorPipeStrategy
 
@@ -128,7 +129,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
         record = train(name, strategy=TensorPipeStrategy(tp=args.tp, print_plan=rank == 0 and name == "nanogpt"),
                        devices=args.tp * args.dp, dp=args.dp, steps=args.steps, batch_size=args.batch_size,
                        accumulate=args.accumulate, clip=args.clip, precision=args.precision,
-                       optimizer=args.optimizer, lr=args.lr)
+                       optimizer=args.optimizer, lr=args.lr, accelerator=args.accelerator)
         torch.save(asdict(record), Path(args.out) / f"{name}.rank{rank}.pt")
 
 

@@ -65,3 +65,9 @@ def test_checkpoint_loads_in_one_process_and_predicts_the_same(plumbing) -> None
 def test_strategy_name_is_registered(plumbing) -> None:
     _, ranks = plumbing
     assert ranks[0]["strategy_registered"] == "TensorPipeStrategy"
+
+
+def test_tied_embedding_and_head_stay_one_vocab_parallel_parameter(plumbing) -> None:
+    _, ranks = plumbing
+    assert all(r["tied"] for r in ranks)
+    assert all(r["wte_local_shape"] == (32, 32) for r in ranks)  # vocab 64 split over tp=2

@@ -62,6 +62,8 @@ def main() -> None:
         "gathered": model.gathered,
         "summary_total": summary._summary(trainer, model).total_parameters,
         "best": ckpt.best_model_path,
+        "tied": model.model.transformer.wte.weight is model.model.lm_head.weight,
+        "wte_local_shape": tuple(model.model.transformer.wte.weight.shape),
         "last": ckpt.last_model_path,
         "strategy_registered": type(L.Trainer(strategy="tensor_pipe", accelerator="cpu", devices=1,
                                               logger=False).strategy).__name__,

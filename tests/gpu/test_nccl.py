@@ -1,0 +1,27 @@
+"""GPU paths (NCCL, device placement, fp16/bf16 autocast): parity at tp=2 on two GPUs. Skipped without them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import ROOT, run_ranks
+from parity import assert_parity, load_record, train
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+
+@pytest.mark.parametrize(("precision", "tol"), [("32-true", 1e-4), ("bf16-mixed", 2e-2), ("16-mixed", 1e-2)])
+def test_tp2_parity_nccl(tmp_path: Path, precision: str, tol: float) -> None:
+    """fp32 tolerance 1e-4: cuBLAS picks different kernels (and TF32 may be on) for the split matmuls."""
+    models = ["nanogpt", "llama", "encoder"]
+    run_ranks(ROOT / "tests" / "parity.py", 2, ["--models", ",".join(models), "--tp", "2", "--out", str(tmp_path),
+                                                "--accelerator", "gpu", "--precision", precision,
+                                                "--steps", "3"], timeout=400).check()
+    for name in models:
+        ref = train(name, accelerator="gpu", precision=precision, steps=3)
+        for rank in range(2):
+            assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), ref, rtol=tol, atol=tol,
+                          where=f"{name} {precision} rank {rank}")
