@@ -88,11 +88,12 @@ def global_grad_norm(params: Iterable[nn.Parameter], *, tp_rank: int, groups: li
 
 
 def clip_by_global_norm(params: list[nn.Parameter], max_norm: float, *, tp_rank: int, groups: list[Any],
-                        norm_type: float = 2.0) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` with the norm taken over every shard of every stage."""
+                        norm_type: float = 2.0, apply_to: Optional[list[nn.Parameter]] = None) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` with the norm taken over every shard of every stage (``params``: each
+    weight once; ``apply_to``: every local copy, e.g. both ends of a tied embedding)."""
     total = global_grad_norm(params, tp_rank=tp_rank, groups=groups, norm_type=norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
+    for p in apply_to if apply_to is not None else params:
         if p.grad is not None:
             p.grad.detach().mul_(coef.to(p.grad.dtype))
     return total

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Optional
 
 from lightning.pytorch.utilities.model_summary.model_summary import (
     LayerSummary,
@@ -54,7 +54,13 @@ class _ShardedLayerSummary(LayerSummary):
 
 
 class ShardedModelSummary(ModelSummary):
-    """Lightning's ModelSummary with whole-model parameter counts (it would otherwise count one rank's shards)."""
+    """Lightning's ModelSummary with whole-model parameter counts (it would otherwise count one rank's shards).
+
+    ``totals`` (all, trainable), counted before pipeline stages dropped other stages' modules, replace the sums."""
+
+    def __init__(self, model: Any, max_depth: int = 1, totals: Optional[tuple[int, int]] = None) -> None:
+        self._totals = totals
+        super().__init__(model, max_depth=max_depth)
 
     @override
     def summarize(self) -> dict[str, LayerSummary]:
@@ -69,9 +75,13 @@ class ShardedModelSummary(ModelSummary):
     @property
     @override
     def total_parameters(self) -> int:
+        if self._totals is not None:
+            return self._totals[0]
         return sum(full_numel(p) for p in self._model.parameters())
 
     @property
     @override
     def trainable_parameters(self) -> int:
+        if self._totals is not None:
+            return self._totals[1]
         return sum(full_numel(p) for p in self._model.parameters() if p.requires_grad)

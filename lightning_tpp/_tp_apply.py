@@ -72,6 +72,7 @@ def _set_shard(module: nn.Module, attr: str, spec: ShardSpec, group: TPGroup, do
     else:
         spec.check(old.shape[spec.dim], group.size, f"{type(module).__name__}.{attr}")
         new = nn.Parameter(shard_tensor(old.data, spec, group.rank, group.size), requires_grad=old.requires_grad)
+        new.__dict__.update({k: v for k, v in old.__dict__.items() if k.startswith("_tpp_")})  # e.g. pipeline ties
         new._tpp_spec = spec  # type: ignore[attr-defined]
         new._tpp_full_shape = tuple(old.shape)  # type: ignore[attr-defined]
         done[id(old)] = new

@@ -51,6 +51,9 @@ from lightning_tpp._checkpoint import (
 from lightning_tpp._comm import TPGroup
 from lightning_tpp._grads import average_gradients, broadcast_module, clip_by_global_norm
 from lightning_tpp._mesh import MeshDims, build_mesh, resolve_dims
+from lightning_tpp._pipeline import PreparedStages, finish_stages, format_partition, prepare_stages, replay_logs
+from lightning_tpp._pp_engine import PipelineEngine, captured_logs
+from lightning_tpp._pp_schedule import check as check_schedule
 from lightning_tpp._summary import ShardedModelSummary, format_plan
 from lightning_tpp._tp_apply import apply_plan
 from lightning_tpp._tp_plan import TPPlan, check_divisible, detect, hf_plan, overlay
@@ -81,6 +84,11 @@ class TensorPipeStrategy(ParallelStrategy):
         dp: data-parallel size, or ``"auto"`` for ``world_size // (tp * pp)``.
         microbatches: micro-batches per step for the pipeline (default ``2 * pp``).
         schedule: pipeline schedule, one of ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble"``.
+        virtual_stages: model chunks per pipeline rank (``"interleaved-1f1b"`` needs 2 or more).
+        balance: ``"params"`` (balance stages by parameter count), ``"time"`` (by measured block time on the
+            module's ``example_input_array``), or blocks per stage, e.g. ``[3, 5]``.
+        split_points: names of the blocks that start stages 1.., e.g. ``["model.layers.12"]`` (overrides balance).
+        blocks: name of the module holding the blocks to pipeline (found automatically when omitted).
         tp_plan: ``"auto"``, or a mapping of module-name globs to styles (``"colwise"``, ``"rowwise"``,
             ``"colwise_gather"``, ``"vocab"``, ``"mha"``, ``"replicate"``) laid over the automatic plan.
         verify: check each parallelised block against the original on its first call.
@@ -101,6 +109,10 @@ class TensorPipeStrategy(ParallelStrategy):
         *,
         microbatches: Optional[int] = None,
         schedule: str = "1f1b",
+        virtual_stages: int = 1,
+        balance: Union[Literal["params", "time"], list[int]] = "params",
+        split_points: Optional[list[str]] = None,
+        blocks: Optional[str] = None,
         tp_plan: Union[Literal["auto"], dict[str, str]] = "auto",
         verify: bool = True,
         print_plan: bool = True,
@@ -123,11 +135,17 @@ class TensorPipeStrategy(ParallelStrategy):
             raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
         if tp_plan != "auto" and not isinstance(tp_plan, Mapping):
             raise TypeError(f"tp_plan must be 'auto' or a mapping of module globs to styles, got {tp_plan!r}")
-        if pp > 1:
-            raise NotImplementedError(f"pp={pp}: pipeline parallelism is not available yet; use pp=1")
         self._tp, self._pp, self._dp_arg = tp, pp, dp
         self.microbatches = microbatches if microbatches is not None else 2 * pp
         self.schedule = schedule
+        self.virtual_stages = virtual_stages
+        if pp > 1:
+            check_schedule(schedule, pp, self.microbatches, virtual_stages)
+        if isinstance(balance, str) and balance not in ("params", "time"):
+            raise ValueError(f"balance={balance!r} must be 'params', 'time' or a list of blocks per stage")
+        self._balance, self._split_points, self._blocks = balance, split_points, blocks
+        self._prepared: Optional[PreparedStages] = None
+        self._engine: Optional[PipelineEngine] = None
         self._tp_plan_arg = tp_plan
         self._verify = verify
         self._print_plan = print_plan
@@ -258,6 +276,15 @@ class TensorPipeStrategy(ParallelStrategy):
 
     def _parallelize(self, module: nn.Module) -> None:
         broadcast_module(module, src=0)
+        if self._pp > 1:
+            if not module.automatic_optimization:
+                raise ValueError("pipeline parallelism (pp>1) runs forward and backward inside the schedule and "
+                                 "needs automatic optimization; set automatic_optimization = True or use pp=1")
+            coords = self.dims.coords(self.global_rank)
+            self._prepared = prepare_stages(module, dims=self.dims, pp_rank=coords["pp"],
+                                            virtual=self.virtual_stages, device=self.root_device,
+                                            blocks=self._blocks, balance=self._balance,
+                                            split_points=self._split_points)
         plan = detect(module, self._tp, check=False)
         if self._tp > 1:
             overlay(module, plan, hf_plan(module), source="Hugging Face tp plan", strict=False)
@@ -266,8 +293,15 @@ class TensorPipeStrategy(ParallelStrategy):
             check_divisible(plan, self._tp)
             apply_plan(module, plan, self._tp_group, verify=self._verify)
         self.plan = plan
+        if self._prepared is not None:
+            coords = self.dims.coords(self.global_rank)
+            self._engine = finish_stages(module, self._prepared, dims=self.dims, coords=coords,
+                                         virtual=self.virtual_stages, schedule=self.schedule,
+                                         microbatches=self.microbatches, pp_group=self._pp_group)
         if self._print_plan and self._tp > 1:
             rank_zero_info(format_plan(module, plan, self._tp))
+        if self._print_plan and self._prepared is not None:
+            rank_zero_info(format_partition(self._prepared.partition, self.dims.pp))
 
     def _use_dp_groups_for_metrics(self, module: nn.Module) -> None:
         """torchmetrics sync over the world by default; tp (and pp) replicas are not extra samples."""
@@ -281,15 +315,17 @@ class TensorPipeStrategy(ParallelStrategy):
 
     def _patch_trainer(self, trainer: "pl.Trainer") -> None:
         """Whole-model parameter counts in ModelSummary; global-norm gradient clipping."""
+        totals = (self._prepared.total_params, self._prepared.trainable_params) if self._prepared else None
         for cb in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(cb, ModelSummary):
-                cb._summary = lambda trainer, pl_module, cb=cb: ShardedModelSummary(pl_module, max_depth=cb._max_depth)
+                cb._summary = lambda trainer, pl_module, cb=cb: ShardedModelSummary(
+                    pl_module, max_depth=cb._max_depth, totals=totals)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = [p for p in self.precision_plugin.main_params(optimizer)]
-        clip_by_global_norm(params, float(clip_val), tp_rank=self._tp_group.rank,
-                            groups=[self._tp_group.group, self._pp_group])
+        clip_by_global_norm([p for p in params if not getattr(p, "_tpp_tied_secondary", False)], float(clip_val),
+                            tp_rank=self._tp_group.rank, groups=[self._tp_group.group, self._pp_group], apply_to=params)
 
     @override
     def model_to_device(self) -> None:
@@ -304,6 +340,67 @@ class TensorPipeStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------------------------------------------------
     # steps
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._engine is None:
+            return super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        assert module is not None and module.trainer is not None
+
+        def step(micro: Any) -> Any:
+            with self.precision_plugin.train_step_context():
+                return module.training_step(micro, *args[1:], **kwargs)
+
+        with captured_logs(module) as logs:
+            loss = self._engine.train_step(step, args[0], loss_scale=1.0 / module.trainer.accumulate_grad_batches)
+        replay_logs(self._engine, module, logs)
+        return loss
+
+    def _pipeline_eval(self, hook: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None and self._engine is not None
+
+        def step(batch: Any) -> Any:
+            with context():
+                return getattr(module, hook)(batch, *args[1:], **kwargs)
+
+        with captured_logs(module) as logs:
+            out = self._engine.eval_step(step, args[0])
+        replay_logs(self._engine, module, logs)
+        return out
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._engine is None:
+            return super().validation_step(*args, **kwargs)
+        return self._pipeline_eval("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._engine is None:
+            return super().test_step(*args, **kwargs)
+        return self._pipeline_eval("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._engine is None:
+            return super().predict_step(*args, **kwargs)
+        return self._pipeline_eval("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Under a pipeline the schedule already ran backward inside ``training_step``: run the hooks and restore
+        the parked gradients instead of differentiating the (detached) step loss."""
+        if self._engine is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._engine.restore_grads()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

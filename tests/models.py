@@ -244,6 +244,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "encoder": EncoderLM,
     "hf_gpt2": lambda: HFCausalLM("gpt2"),
     "hf_llama": lambda: HFCausalLM("llama"),
+    "nanogpt4": lambda: NanoGPT(n_layer=4),
+    "llama4": lambda: TinyLlama(n_layers=4),
 }
 
 

@@ -46,11 +46,11 @@ class Recorder(Callback):
         self.record.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        self.record.grads.append({n: _full(p.grad, p, trainer) for n, p in pl_module.named_parameters()
-                                  if p.grad is not None})
+        self.record.grads.append({n: _full(p.grad, p, trainer)
+                                  for n, p in pl_module.named_parameters(remove_duplicate=False) if p.grad is not None})
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.record.params = {n: _full(p, p, trainer) for n, p in pl_module.named_parameters()}
+        self.record.params = {n: _full(p, p, trainer) for n, p in pl_module.named_parameters(remove_duplicate=False)}
         self.record.logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
@@ -83,6 +83,20 @@ def load_record(path: Path) -> Record:
     return Record(**torch.load(path, weights_only=True))
 
 
+def merge_stages(records: list[Record]) -> Record:
+    """One record from the ranks of a pipeline (each holds its stages' parameters); losses must agree."""
+    merged = Record(losses=records[0].losses, logged=records[0].logged)
+    for i, r in enumerate(records):
+        assert r.losses == records[0].losses, f"rank {i} losses {r.losses} differ from rank 0's {records[0].losses}"
+    merged.grads = [{} for _ in records[0].grads]
+    for r in records:
+        assert len(r.grads) == len(merged.grads)
+        for step, g in enumerate(r.grads):
+            merged.grads[step].update(g)
+        merged.params.update(r.params)
+    return merged
+
+
 def _close(a: Tensor, b: Tensor, what: str, rtol: float, atol: float) -> None:
     if a.shape != b.shape:
         raise AssertionError(f"{what}: shape {tuple(a.shape)} != reference {tuple(b.shape)}")
@@ -112,6 +126,10 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     parser.add_argument("--models", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--microbatches", type=int, default=None)
+    parser.add_argument("--virtual", type=int, default=1)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -126,8 +144,9 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
 
     rank = int(os.environ["LOCAL_RANK"])
     for name in args.models.split(","):
-        record = train(name, strategy=TensorPipeStrategy(tp=args.tp, print_plan=rank == 0 and name == "nanogpt"),
-                       devices=args.tp * args.dp, dp=args.dp, steps=args.steps, batch_size=args.batch_size,
+        strategy = TensorPipeStrategy(tp=args.tp, pp=args.pp, schedule=args.schedule, microbatches=args.microbatches,
+                                      virtual_stages=args.virtual, print_plan=rank == 0 and name == "nanogpt")
+        record = train(name, strategy=strategy, devices=args.tp * args.dp * args.pp, dp=args.dp, steps=args.steps, batch_size=args.batch_size,
                        accumulate=args.accumulate, clip=args.clip, precision=args.precision,
                        optimizer=args.optimizer, lr=args.lr, accelerator=args.accelerator)
         torch.save(asdict(record), Path(args.out) / f"{name}.rank{rank}.pt")

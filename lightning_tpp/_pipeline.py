@@ -1,0 +1,216 @@
+"""Turn a whole model into this rank's pipeline stage(s) and build the engine (the only part of the pipeline that
+creates process groups).
+
+Two steps, with tensor parallelism applied in between (so the dispatchers sit outermost)::
+
+    prepare_stages:  partition -> meta twins of blocks/pre/post -> other stages' modules replaced (parameters freed)
+    finish_stages:   dispatchers on this rank's blocks and embeddings -> tied-weight groups -> PipelineEngine
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_tpp._mesh import MeshDims
+from lightning_tpp._pp_engine import PipelineEngine
+from lightning_tpp._pp_partition import Partition, PipelinePartitionError, describe, find_block_sequence, \
+    plan_partition
+from lightning_tpp._pp_stage import StageRuntime, _RemoteModule, _set_module, mark_dispatch, meta_twin
+
+
+@dataclass
+class PreparedStages:
+    partition: Partition
+    runtime: StageRuntime
+    local_stages: list[int]
+    twins: dict[str, nn.Module]
+    tied_stages: list[tuple[int, ...]]  # stage sets that share a weight (e.g. embedding and tied LM head)
+    total_params: int
+    trainable_params: int
+
+
+def _owners(partition: Partition) -> dict[str, int]:
+    """Module FQN -> the stage that owns it (blocks by bounds, pre -> first, post -> last)."""
+    owners = {name: partition.stage_of_block(i) for i, name in enumerate(partition.names)}
+    owners.update({n: 0 for n in partition.pre})
+    owners.update({n: partition.stages - 1 for n in partition.post})
+    return owners
+
+
+def measure_block_costs(module: nn.Module, blocks: str, example: Any, repeats: int = 3) -> list[float]:
+    """Forward + backward seconds of each block on ``example`` (the module's ``example_input_array``)."""
+    names, _, _ = describe(module, blocks)
+    modules = dict(module.named_modules())
+    stamps: dict[str, list[float]] = {n: [] for n in names}
+    starts: dict[str, float] = {}
+    handles = []
+    for n in names:
+        handles.append(modules[n].register_forward_pre_hook(lambda m, a, n=n: starts.__setitem__(n, time.perf_counter())))
+        handles.append(modules[n].register_forward_hook(
+            lambda m, a, o, n=n: stamps[n].append(time.perf_counter() - starts[n])))
+    try:
+        for _ in range(repeats):
+            out = module(*example) if isinstance(example, (tuple, list)) else module(example)
+            loss = sum(t.float().sum() for t in torch.utils._pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+                       and t.requires_grad)
+            if isinstance(loss, torch.Tensor):
+                loss.backward()
+            module.zero_grad(set_to_none=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return [3.0 * sorted(v)[len(v) // 2] for v in stamps.values()]  # backward ~ 2x forward
+
+
+def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: int, device: torch.device,
+                   blocks: Optional[str], balance: Union[str, Sequence[int]], split_points: Optional[Sequence[str]]
+                   ) -> PreparedStages:
+    stages = dims.pp * virtual
+    container = blocks if blocks is not None else find_block_sequence(module)
+    costs = None
+    if balance == "time":
+        example = getattr(module, "example_input_array", None)
+        if example is None:
+            raise PipelinePartitionError("balance='time' measures each block on the LightningModule's "
+                                         "example_input_array; set self.example_input_array, or use "
+                                         "balance='params'")
+        costs = torch.tensor(measure_block_costs(module, container, example), device=device)
+        dist.broadcast(costs, src=0)  # every rank must cut at the same places
+        costs = costs.tolist()
+    partition = plan_partition(module, stages, blocks=container,
+                               balance_by=balance if not isinstance(balance, str) else "params",
+                               split_points=split_points, block_costs=costs)
+    local = [c * dims.pp + pp_rank for c in range(virtual)]
+    owners = _owners(partition)
+    modules = dict(module.named_modules())
+    # weights used by modules of several stages (tied embedding/head): every owner keeps a copy, grads are summed
+    holders: dict[int, tuple[nn.Parameter, set[int]]] = {}
+    for name, stage in owners.items():
+        for p in modules[name].parameters():
+            holders.setdefault(id(p), (p, set()))[1].add(stage)
+    tied_stages = sorted({tuple(sorted(s)) for _, s in holders.values() if len(s) > 1})
+    params = list(module.parameters())
+    prepared = PreparedStages(partition, StageRuntime(device), local, {}, tied_stages,
+                              sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
+    for name in (*partition.names, *partition.pre, *partition.post):
+        prepared.twins[name] = meta_twin(modules[name])
+    for p, stages_of in holders.values():
+        if len(stages_of) > 1:
+            p._tpp_tied_stages = tuple(sorted(stages_of))
+            if min(stages_of) not in local:
+                p._tpp_tied_secondary = True  # counted once in the global gradient norm
+    for i, name in enumerate(partition.names):
+        if owners[name] not in local:
+            _set_module(module, name, _RemoteModule(prepared.twins[name], prepared.runtime, kind="block", index=i,
+                                                    name=name))
+    for kind, names in (("pre", partition.pre), ("post", partition.post)):
+        for name in names:
+            if owners[name] not in local:
+                _set_module(module, name, _RemoteModule(prepared.twins[name], prepared.runtime, kind=kind, index=-1,
+                                                        name=name))
+    return prepared
+
+
+def finish_stages(module: nn.Module, prepared: PreparedStages, *, dims: MeshDims, coords: dict[str, int],
+                  virtual: int, schedule: str, microbatches: int, pp_group: Any) -> PipelineEngine:
+    partition, runtime, local = prepared.partition, prepared.runtime, prepared.local_stages
+    modules = dict(module.named_modules())
+    owners = _owners(partition)
+    for i, name in enumerate(partition.names):
+        if owners[name] in local:
+            mark_dispatch(modules[name], runtime, kind="block", index=i, name=name, twin=prepared.twins[name])
+    if 0 in local:
+        for name in partition.pre:
+            mark_dispatch(modules[name], runtime, kind="pre", index=-1, name=name, twin=prepared.twins[name])
+    chunk_params: list[list[nn.Parameter]] = []
+    for g in local:
+        names = [n for n, s in owners.items() if s == g]
+        seen: dict[int, nn.Parameter] = {}
+        for n in names:
+            for p in modules[n].parameters():
+                if p.requires_grad:
+                    seen.setdefault(id(p), p)
+        chunk_params.append(list(seen.values()))
+    tied = _tied_groups(module, prepared, dims, coords)
+    rank_of = lambda stage: dims.rank_of(dp=coords["dp"], pp=stage % dims.pp, tp=coords["tp"])  # noqa: E731
+    return PipelineEngine(module, partition, runtime, rank=coords["pp"], pp=dims.pp, virtual=virtual,
+                          schedule=schedule, microbatches=microbatches, group=pp_group,
+                          prev_rank=rank_of(coords["pp"] - 1), next_rank=rank_of(coords["pp"] + 1),
+                          last_rank=rank_of(partition.stages - 1), chunk_params=chunk_params, tied=tied)
+
+
+def _tied_groups(module: nn.Module, prepared: PreparedStages, dims: MeshDims, coords: dict[str, int]
+                 ) -> list[tuple[nn.Parameter, Any]]:
+    """A process group per tied stage set and (dp, tp) coordinate; every rank creates every group (collective)."""
+    groups: dict[tuple[int, ...], Any] = {}
+    for stages in prepared.tied_stages:
+        for dp in range(dims.dp):
+            for tp in range(dims.tp):
+                ranks = sorted({dims.rank_of(dp=dp, pp=s % dims.pp, tp=tp) for s in stages})
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                if (dp, tp) == (coords["dp"], coords["tp"]):
+                    groups[stages] = group
+    return [(p, groups[p._tpp_tied_stages]) for p in module.parameters()
+            if hasattr(p, "_tpp_tied_stages") and groups.get(p._tpp_tied_stages) is not None]
+
+
+def format_partition(partition: Partition, pp: int) -> str:
+    lines = [f"Pipeline partition of {partition.blocks or '<root>'} ({len(partition.names)} blocks) into "
+             f"{partition.stages} stages:"]
+    for g, (a, b) in enumerate(partition.bounds):
+        extra = (["+ " + ", ".join(partition.pre)] if g == 0 and partition.pre else []) + \
+                (["+ " + ", ".join(partition.post)] if g == partition.stages - 1 and partition.post else [])
+        lines.append(f"  stage {g} (pp rank {g % pp}): blocks {a}..{b - 1} {' '.join(extra)}".rstrip())
+    return "\n".join(lines)
+
+
+def _metric_value(metric: Any) -> float:
+    cache = getattr(metric, "_forward_cache", None)
+    value = cache if isinstance(cache, torch.Tensor) and cache.numel() == 1 else metric.compute()
+    return float(value)
+
+
+def _reduce(values: list[Any], reduce_fx: Any) -> float:
+    t = torch.stack([torch.as_tensor(v).detach().float().reshape(()).cpu() for v in values])
+    name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "mean")
+    if name in ("sum", "add"):
+        return float(t.sum())
+    if name in ("max", "amax"):
+        return float(t.max())
+    if name in ("min", "amin"):
+        return float(t.min())
+    return float(t.mean())
+
+
+def replay_logs(engine: PipelineEngine, module: Any, entries: list[tuple[str, Any, dict]]) -> None:
+    """Log on every rank what the last stage's step logged (one value per name and step: micro-batch values are
+    reduced with the call's ``reduce_fx``); torchmetrics objects are logged as themselves where they live."""
+    from torchmetrics import Metric
+
+    payload = None
+    if engine.holds_last:
+        by_name: dict[str, tuple[list[Any], dict]] = {}
+        for name, value, kwargs in entries:
+            values, _ = by_name.get(name, ([], kwargs))
+            by_name[name] = (values + [value], kwargs)
+        payload = []
+        for name, (values, kwargs) in by_name.items():
+            last = values[-1]
+            value = _metric_value(last) if isinstance(last, Metric) else _reduce(values, kwargs.get("reduce_fx",
+                                                                                                     "mean"))
+            kwargs = {k: v for k, v in kwargs.items() if k != "sync_dist_group"}
+            payload.append((name, value, isinstance(last, Metric), kwargs))
+    box = [payload]
+    dist.broadcast_object_list(box, src=engine.last_rank, group=engine.group)
+    metrics = {name: value for name, value, _ in entries if isinstance(value, Metric)}
+    for name, value, is_metric, kwargs in box[0] or []:
+        if is_metric and name in metrics:
+            module.log(name, metrics[name], **kwargs)
+        else:
+            module.log(name, torch.tensor(value, device=engine.runtime.device), **kwargs)

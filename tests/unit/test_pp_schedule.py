@@ -1,0 +1,250 @@
+"""Unit tests of ``lightning_tpp._pp_schedule``: each rank's action order, the timing simulation, the config checks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+import lightning_tpp._pp_schedule as sched
+from lightning_tpp._pp_schedule import ScheduleConfigError, actions, check, simulate, theoretical_bubble
+
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved-1f1b")
+
+
+def _configs(schedule: str):
+    """(pp, m, v) over pp in {2, 3, 4}, m in {pp, 2pp, 8}; interleaved needs pp | m and v in {2, 3}."""
+    for pp in (2, 3, 4):
+        for m in sorted({pp, 2 * pp, 8}):
+            if schedule == "interleaved-1f1b":
+                if m % pp == 0:
+                    for v in (2, 3):
+                        yield pp, m, v
+            else:
+                yield pp, m, 1
+
+
+ALL = [(s, *c) for s in SCHEDULES for c in _configs(s)]
+ALL_IDS = [f"{s}-pp{pp}-m{m}-v{v}" for s, pp, m, v in ALL]
+
+
+# ---- actions --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule, pp, m, v", ALL, ids=ALL_IDS)
+def test_actions_cover_every_microbatch_once(schedule, pp, m, v):
+    for rank in range(pp):
+        order = actions(schedule, rank, pp, m, v)
+        counts = Counter(order)
+        assert all(c == 1 for c in counts.values()), f"rank {rank} repeats {[a for a, c in counts.items() if c > 1]}"
+        pos = {a: i for i, a in enumerate(order)}
+        kinds = ("F", "I", "W") if schedule == "zero-bubble" else ("F", "B")
+        expected = {(k, mb, c) for k in kinds for mb in range(m) for c in range(v)}
+        assert set(order) == expected
+        for mb in range(m):
+            for c in range(v):
+                if schedule == "zero-bubble":
+                    assert pos[("F", mb, c)] < pos[("I", mb, c)] < pos[("W", mb, c)]
+                else:
+                    assert pos[("F", mb, c)] < pos[("B", mb, c)]
+
+
+@pytest.mark.parametrize("pp, m", [(2, 2), (2, 4), (3, 3), (3, 8), (4, 4), (4, 8), (4, 16)])
+def test_1f1b_order(pp, m):
+    for rank in range(pp):
+        warmup = pp - 1 - rank
+        order = actions("1f1b", rank, pp, m)
+        expected = [("F", i, 0) for i in range(warmup)]
+        for i in range(m - warmup):
+            expected += [("F", warmup + i, 0), ("B", i, 0)]
+        expected += [("B", i, 0) for i in range(m - warmup, m)]
+        assert order == expected
+        # warm-up: pp - 1 - rank forwards, then the first steady forward, then the first backward
+        first_b = next(i for i, a in enumerate(order) if a[0] == "B")
+        assert first_b == warmup + 1
+        # at most pp - rank micro-batches in flight (the activation memory 1F1B promises)
+        live = peak = 0
+        for kind, _, _ in order:
+            live += 1 if kind == "F" else -1
+            peak = max(peak, live)
+        assert peak == pp - rank
+
+
+def test_1f1b_docstring_example():
+    r0 = "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7".split()
+    r3 = "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7".split()
+    assert actions("1f1b", 0, 4, 8) == [(s[0], int(s[1:]), 0) for s in r0]
+    assert actions("1f1b", 3, 4, 8) == [(s[0], int(s[1:]), 0) for s in r3]
+
+
+@pytest.mark.parametrize("pp, m", [(2, 1), (2, 3), (4, 2), (4, 8)])
+def test_gpipe_order(pp, m):
+    for rank in range(pp):
+        assert actions("gpipe", rank, pp, m) == [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
+
+
+@pytest.mark.parametrize("pp, m", [(2, 2), (3, 6), (4, 8)])
+def test_zero_bubble_defers_w_by_rank(pp, m):
+    for rank in range(pp):
+        order = actions("zero-bubble", rank, pp, m)
+        # dropping W and renaming I -> B gives back 1F1B
+        assert [("B" if k == "I" else k, mb, c) for k, mb, c in order if k != "W"] == actions("1f1b", rank, pp, m)
+        # W in micro-batch order, and rank 0 does every W right after its I
+        ws = [mb for k, mb, _ in order if k == "W"]
+        assert ws == list(range(m))
+        if rank == 0:
+            assert all(order[i + 1] == ("W", mb, c) for i, (k, mb, c) in enumerate(order) if k == "I")
+        # the last `rank` W wait for the cool-down
+        assert all(k == "W" for k, _, _ in order[len(order) - rank:])
+
+
+@pytest.mark.parametrize("pp, m, v", [(2, 2, 2), (2, 4, 2), (2, 4, 3), (4, 4, 2), (4, 8, 2), (4, 8, 3), (3, 6, 3)])
+def test_interleaved_covers_pairs_in_chunk_order(pp, m, v):
+    for rank in range(pp):
+        order = actions("interleaved-1f1b", rank, pp, m, v)
+        assert len(order) == 2 * m * v
+        fwd = [(mb, c) for k, mb, c in order if k == "F"]
+        bwd = [(mb, c) for k, mb, c in order if k == "B"]
+        pairs = {(mb, c) for mb in range(m) for c in range(v)}
+        assert set(fwd) == pairs and set(bwd) == pairs
+        assert len(fwd) == len(bwd) == m * v
+        for mb in range(m):  # a micro-batch goes forward through the chunks in order, backward in reverse
+            assert [c for b, c in fwd if b == mb] == list(range(v))
+            assert [c for b, c in bwd if b == mb] == list(range(v))[::-1]
+
+
+def test_unknown_schedule_raises():
+    with pytest.raises(ScheduleConfigError, match="unknown schedule 'pipedream'"):
+        actions("pipedream", 0, 2, 4)
+
+
+# ---- simulate -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule, pp, m, v", ALL, ids=ALL_IDS)
+def test_simulate_never_deadlocks(schedule, pp, m, v):
+    sim = simulate(schedule, pp, m, v)
+    assert len(sim.busy) == pp and len(sim.bubble) == pp
+    per_chunk = 1.0 + 2.0  # f + b (I + W for zero-bubble)
+    assert sim.busy == pytest.approx([m * v * per_chunk] * pp)
+    assert sim.makespan >= m * v * per_chunk
+    assert all(0.0 <= x < 1.0 for x in sim.bubble)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp, m", [(pp, m) for pp, m, _ in _configs("1f1b")] + [(1, 1), (1, 4)])
+def test_bubble_matches_theory(schedule, pp, m):
+    sim = simulate(schedule, pp, m)
+    assert sim.bubble == pytest.approx([theoretical_bubble(pp, m)] * pp, abs=1e-9)
+    assert sim.makespan == pytest.approx((m + pp - 1) * 3.0)
+
+
+@pytest.mark.parametrize("f, b", [(1.0, 1.0), (2.0, 3.0), (1.0, 2.5)])
+def test_1f1b_bubble_independent_of_costs(f, b):
+    for pp, m in [(2, 4), (4, 8), (3, 5)]:
+        sim = simulate("1f1b", pp, m, f=f, b=b)
+        assert sim.bubble == pytest.approx([theoretical_bubble(pp, m)] * pp, abs=1e-9)
+
+
+def test_gpipe_with_fewer_microbatches_than_stages():
+    sim = simulate("gpipe", 4, 2)
+    assert sim.bubble == pytest.approx([theoretical_bubble(4, 2)] * 4, abs=1e-9)
+
+
+@pytest.mark.parametrize("pp, m, v", list(_configs("interleaved-1f1b")))
+def test_interleaved_bubble_matches_theory(pp, m, v):
+    sim = simulate("interleaved-1f1b", pp, m, v)
+    assert sim.bubble == pytest.approx([theoretical_bubble(pp, m, v)] * pp, abs=1e-9)
+    assert max(sim.bubble) < theoretical_bubble(pp, m) - 1e-9  # better than plain 1F1B
+
+
+@pytest.mark.parametrize("pp, m", [(pp, m) for pp, m, _ in _configs("1f1b")])
+def test_zero_bubble_beats_1f1b(pp, m):
+    assert max(simulate("zero-bubble", pp, m).bubble) < min(simulate("1f1b", pp, m).bubble) - 1e-9
+
+
+def test_zero_bubble_pp4_m8():
+    assert simulate("zero-bubble", 4, 8).bubble == pytest.approx([1 / 9] * 4, abs=1e-9)
+    assert simulate("1f1b", 4, 8).bubble == pytest.approx([3 / 11] * 4, abs=1e-9)
+
+
+def test_theoretical_bubble():
+    assert theoretical_bubble(4, 8) == pytest.approx(3 / 11)
+    assert theoretical_bubble(4, 8, 2) == pytest.approx(3 / 19)
+    assert theoretical_bubble(1, 4) == 0.0
+
+
+def _patch_orders(monkeypatch, orders):
+    monkeypatch.setattr(sched, "actions", lambda schedule, rank, pp, m, v=1: orders[rank])
+
+
+def test_simulate_detects_deadlock(monkeypatch):
+    # rank 0 waits for B0 before sending F1; rank 1 waits for F1 before doing B0
+    orders = [
+        [("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)],
+        [("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)],
+    ]
+    _patch_orders(monkeypatch, orders)
+    with pytest.raises(ScheduleConfigError, match=r"schedule '1f1b' deadlocks \(pp=2, m=2, v=1\): ranks wait at") as e:
+        simulate("1f1b", 2, 2)
+    msg = str(e.value)
+    assert "('B', 0, 0)" in msg and "('F', 1, 0)" in msg
+
+
+def test_simulate_detects_backward_before_forward(monkeypatch):
+    _patch_orders(monkeypatch, [[("B", 0, 0), ("F", 0, 0)], [("F", 0, 0), ("B", 0, 0)]])
+    with pytest.raises(ScheduleConfigError, match="deadlocks"):
+        simulate("gpipe", 2, 1)
+
+
+def test_simulate_accepts_a_valid_custom_order(monkeypatch):
+    # the patch itself is sound: gpipe orders pass through unchanged
+    _patch_orders(monkeypatch, [[("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)]] * 2)
+    assert simulate("gpipe", 2, 2).bubble == pytest.approx([theoretical_bubble(2, 2)] * 2)
+
+
+# ---- check ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble", "interleaved-1f1b"])
+def test_check_too_few_microbatches(schedule):
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    with pytest.raises(ScheduleConfigError, match=r"needs microbatches >= pp: got microbatches=3, pp=4\. "
+                                                  r"Use microbatches=8 .*or schedule='gpipe'"):
+        check(schedule, 4, 3, v)
+
+
+def test_check_suggested_bubble_is_right():
+    with pytest.raises(ScheduleConfigError) as e:
+        check("1f1b", 4, 2, 1)
+    assert f"= {theoretical_bubble(4, 8):.0%}" in str(e.value)
+
+
+@pytest.mark.parametrize("v", [0, 1])
+def test_check_interleaved_needs_virtual(v):
+    with pytest.raises(ScheduleConfigError, match=rf"needs virtual_stages >= 2, got {v}"):
+        check("interleaved-1f1b", 2, 4, v)
+
+
+def test_check_interleaved_needs_divisible_microbatches():
+    with pytest.raises(ScheduleConfigError, match=r"needs microbatches divisible by pp=4, got 6; use 8"):
+        check("interleaved-1f1b", 4, 6, 2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
+def test_check_virtual_only_for_interleaved(schedule):
+    msg = rf"virtual_stages=2 needs schedule='interleaved-1f1b', not '{schedule}'"
+    with pytest.raises(ScheduleConfigError, match=msg):
+        check(schedule, 2, 4, 2)
+
+
+@pytest.mark.parametrize("m", [0, -1])
+def test_check_microbatches_at_least_one(m):
+    with pytest.raises(ScheduleConfigError, match=rf"microbatches={m} must be at least 1"):
+        check("gpipe", 2, m, 1)
+
+
+def test_check_accepts_valid_configs():
+    check("gpipe", 4, 1, 1)  # gpipe runs with fewer micro-batches than stages
+    check("1f1b", 4, 4, 1)
+    check("zero-bubble", 2, 8, 1)
+    check("interleaved-1f1b", 4, 8, 3)
+
+
+def test_actions_validates():
+    with pytest.raises(ScheduleConfigError, match="needs microbatches >= pp"):
+        actions("1f1b", 0, 4, 2)
