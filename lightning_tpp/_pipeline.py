@@ -18,9 +18,15 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_tpp._mesh import MeshDims
-from lightning_tpp._pp_engine import PipelineEngine
-from lightning_tpp._pp_partition import Partition, PipelinePartitionError, describe, find_block_sequence, \
-    plan_partition
+from lightning_tpp._pp_engine import PipelineEngine, PipelineError
+from lightning_tpp._pp_partition import (
+    Partition,
+    PipelinePartitionError,
+    ancestor_parameters,
+    describe,
+    find_block_sequence,
+    plan_partition,
+)
 from lightning_tpp._pp_stage import StageRuntime, _RemoteModule, _set_module, mark_dispatch, meta_twin
 
 
@@ -31,6 +37,7 @@ class PreparedStages:
     local_stages: list[int]
     twins: dict[str, nn.Module]
     tied_stages: list[tuple[int, ...]]  # stage sets that share a weight (e.g. embedding and tied LM head)
+    ancestor_params: tuple[str, ...]  # parameters owned by ancestors of the blocks (first stage)
     total_params: int
     trainable_params: int
 
@@ -97,7 +104,14 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
     tied_stages = sorted({tuple(sorted(s)) for _, s in holders.values() if len(s) > 1})
     params = list(module.parameters())
     prepared = PreparedStages(partition, StageRuntime(device), local, {}, tied_stages,
+                              ancestor_parameters(module, container),
                               sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
+    if 0 not in local:  # other stages compute with zeros in their place; not saved, no gradient
+        for fqn in prepared.ancestor_params:
+            owner_name, _, attr = fqn.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            zeros = torch.zeros_like(owner._parameters.pop(attr))
+            owner.register_buffer(attr, zeros, persistent=False)
     for name in (*partition.names, *partition.pre, *partition.post):
         prepared.twins[name] = meta_twin(modules[name])
     for p, stages_of in holders.values():
@@ -136,6 +150,11 @@ def finish_stages(module: nn.Module, prepared: PreparedStages, *, dims: MeshDims
             for p in modules[n].parameters():
                 if p.requires_grad:
                     seen.setdefault(id(p), p)
+        if g == 0:
+            for fqn in prepared.ancestor_params:
+                p = module.get_parameter(fqn)
+                if p.requires_grad:
+                    seen.setdefault(id(p), p)
         chunk_params.append(list(seen.values()))
     tied = _tied_groups(module, prepared, dims, coords)
     rank_of = lambda stage: dims.rank_of(dp=coords["dp"], pp=stage % dims.pp, tp=coords["tp"])  # noqa: E731
@@ -170,12 +189,6 @@ def format_partition(partition: Partition, pp: int) -> str:
     return "\n".join(lines)
 
 
-def _metric_value(metric: Any) -> float:
-    cache = getattr(metric, "_forward_cache", None)
-    value = cache if isinstance(cache, torch.Tensor) and cache.numel() == 1 else metric.compute()
-    return float(value)
-
-
 def _reduce(values: list[Any], reduce_fx: Any) -> float:
     t = torch.stack([torch.as_tensor(v).detach().float().reshape(()).cpu() for v in values])
     name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "mean")
@@ -188,9 +201,25 @@ def _reduce(values: list[Any], reduce_fx: Any) -> float:
     return float(t.mean())
 
 
+def _metric_state(metric: Any) -> dict[str, Any]:
+    cpu = lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    state = {k: [cpu(x) for x in v] if isinstance(v, list) else cpu(v) for k, v in metric.metric_state.items()}
+    return {"state": state, "forward_cache": cpu(metric._forward_cache), "update_count": metric._update_count}
+
+
+def _load_metric_state(metric: Any, payload: dict[str, Any], device: torch.device) -> None:
+    dev = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    for k, v in payload["state"].items():
+        setattr(metric, k, [dev(x) for x in v] if isinstance(v, list) else dev(v))
+    metric._forward_cache = dev(payload["forward_cache"])
+    metric._update_count = payload["update_count"]
+    metric._computed = None
+
+
 def replay_logs(engine: PipelineEngine, module: Any, entries: list[tuple[str, Any, dict]]) -> None:
-    """Log on every rank what the last stage's step logged (one value per name and step: micro-batch values are
-    reduced with the call's ``reduce_fx``); torchmetrics objects are logged as themselves where they live."""
+    """Log on every rank what the last stage's step logged: one value per name and step (micro-batch values are
+    reduced with the call's ``reduce_fx``). A torchmetrics object's state is copied from the last stage into the
+    same metric on the other stages, which then log it themselves, so every rank computes the same values."""
     from torchmetrics import Metric
 
     payload = None
@@ -199,18 +228,25 @@ def replay_logs(engine: PipelineEngine, module: Any, entries: list[tuple[str, An
         for name, value, kwargs in entries:
             values, _ = by_name.get(name, ([], kwargs))
             by_name[name] = (values + [value], kwargs)
+        names = {id(m): n for n, m in module.named_modules()}
         payload = []
         for name, (values, kwargs) in by_name.items():
             last = values[-1]
-            value = _metric_value(last) if isinstance(last, Metric) else _reduce(values, kwargs.get("reduce_fx",
-                                                                                                     "mean"))
             kwargs = {k: v for k, v in kwargs.items() if k != "sync_dist_group"}
-            payload.append((name, value, isinstance(last, Metric), kwargs))
+            if isinstance(last, Metric):
+                if id(last) not in names:
+                    raise PipelineError(f"self.log({name!r}, metric): under pipeline parallelism the metric must be "
+                                        f"an attribute of the LightningModule")
+                payload.append((name, names[id(last)], _metric_state(last), kwargs))
+            else:
+                payload.append((name, None, _reduce(values, kwargs.get("reduce_fx", "mean")), kwargs))
     box = [payload]
     dist.broadcast_object_list(box, src=engine.last_rank, group=engine.group)
-    metrics = {name: value for name, value, _ in entries if isinstance(value, Metric)}
-    for name, value, is_metric, kwargs in box[0] or []:
-        if is_metric and name in metrics:
-            module.log(name, metrics[name], **kwargs)
+    for name, metric_name, value, kwargs in box[0] or []:
+        if metric_name is not None:
+            metric = module.get_submodule(metric_name)
+            if not engine.holds_last:
+                _load_metric_state(metric, value, engine.runtime.device)
+            module.log(name, metric, **kwargs)
         else:
             module.log(name, torch.tensor(value, device=engine.runtime.device), **kwargs)

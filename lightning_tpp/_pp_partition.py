@@ -42,6 +42,11 @@ class Partition:
         return next(s for s, (a, b) in enumerate(self.bounds) if a <= i < b)
 
 
+def _inside(name: str, outer: str) -> bool:
+    """``name`` is a strict descendant of ``outer`` (the root is ``""``)."""
+    return name != outer and (outer == "" or name.startswith(outer + "."))
+
+
 def _params(m: nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
 
@@ -57,14 +62,15 @@ def find_block_sequence(model: nn.Module) -> str:
              if isinstance(m, (nn.ModuleList, nn.Sequential)) and _homogeneous(m) and _params(m) > 0]
     total = max(_params(model), 1)
     # keep the outermost lists (a list nested in a block is part of that block)
-    outer = [(n, m) for n, m in lists if not any(n.startswith(o + ".") for o, _ in lists if o != n)]
+    outer = [(n, m) for n, m in lists if not any(_inside(n, o) for o, _ in lists)]
     big = sorted(outer, key=lambda nm: -_params(nm[1]))
     if len(big) >= 2 and _params(big[1][1]) > 0.25 * total:
         raise PipelinePartitionError(
-            f"found two block sequences, {big[0][0]!r} ({len(big[0][1])} blocks) and {big[1][0]!r} "
-            f"({len(big[1][1])} blocks), as in an encoder-decoder: the second needs the first's output as a side input "
-            f"at every block, which a linear pipeline cannot carry yet. Use tp/dp for this model, or pass "
-            f"blocks='{big[0][0]}' to pipeline one sequence and keep the rest on the first/last stage")
+            f"found two block sequences of similar size, {big[0][0]!r} ({len(big[0][1])} blocks) and {big[1][0]!r} "
+            f"({len(big[1][1])} blocks): an encoder-decoder (the decoder reads the encoder's output at every block) "
+            f"or lists zipped in one loop, which a linear pipeline cannot carry. For an encoder-decoder pass "
+            f"blocks='{big[0][0]}' (or '{big[1][0]}') to pipeline that sequence and keep the other whole on the "
+            f"last (or first) stage; otherwise use tp/dp for this model")
     if big:
         return big[0][0]
     root = model
@@ -89,10 +95,21 @@ def describe(model: nn.Module, blocks: str) -> tuple[tuple[str, ...], tuple[str,
     start = order.index(blocks)
     pre, post = [], []
     for i, (n, m) in enumerate(modules.items()):
-        if n == blocks or n.startswith(prefix) or not any(p is not None for p in m._parameters.values()):
-            continue  # the blocks themselves; modules that own no parameter (they run on every stage)
-        (pre if i < start else post).append(n)
+        if n == blocks or _inside(n, blocks) or _inside(blocks, n):
+            continue  # the blocks themselves; their ancestors (see ancestor_parameters)
+        if any(p is not None for p in m._parameters.values()):  # modules without parameters run on every stage
+            (pre if i < start else post).append(n)
     return names, tuple(pre), tuple(post)
+
+
+def ancestor_parameters(model: nn.Module, blocks: str) -> tuple[str, ...]:
+    """Parameters owned directly by an ancestor of the blocks (a ViT's ``cls_token``/``pos_embed`` on the root):
+    the ancestor cannot move to one stage, so they are taken to be used before the blocks (first stage)."""
+    out = []
+    for n, m in model.named_modules():
+        if n == blocks or _inside(blocks, n):
+            out += [f"{n}.{k}" if n else k for k, p in m._parameters.items() if p is not None]
+    return tuple(out)
 
 
 def balance(costs: Sequence[float], stages: int, *, first_extra: float = 0.0, last_extra: float = 0.0
@@ -102,6 +119,8 @@ def balance(costs: Sequence[float], stages: int, *, first_extra: float = 0.0, la
     ``first_extra``/``last_extra`` are added to the first/last stage (embeddings, head). Exact dynamic programme,
     O(n^2 * stages)."""
     n = len(costs)
+    if stages < 1:
+        raise PipelinePartitionError(f"stages={stages} must be at least 1")
     if stages > n:
         raise PipelinePartitionError(f"{stages} stages but only {n} blocks; use at most {n} stages")
     prefix = [0.0]
@@ -174,6 +193,9 @@ def plan_partition(model: nn.Module, stages: int, *, blocks: Optional[str] = Non
         if len(bounds) != stages:
             raise PipelinePartitionError(f"balance={list(balance_by)} has {len(bounds)} entries for {stages} stages")
     else:
+        if block_costs is not None and len(block_costs) != len(names):
+            raise PipelinePartitionError(f"{len(block_costs)} block costs for the {len(names)} blocks of "
+                                         f"{container!r}")
         costs = list(block_costs) if block_costs is not None else [float(_params(modules[n])) for n in names]
         first = float(sum(_params(modules[n]) for n in pre)) if block_costs is None else 0.0
         last = float(sum(_params(modules[n]) for n in post)) if block_costs is None else 0.0

@@ -43,6 +43,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_tpp._checkpoint import (
+    CheckpointMismatchError,
     full_optimizer_state,
     full_state_dict,
     load_full_optimizer_state,
@@ -472,24 +473,51 @@ class TensorPipeStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------------------------------------------
     # checkpoints: whole tensors under the single-device names
 
+    def _gather_stages(self, obj: Any) -> Optional[list[Any]]:
+        """Every pipeline stage's ``obj`` on the first stage's rank of this pp group (None elsewhere)."""
+        coords = self.dims.coords(self.global_rank)
+        dst = self.dims.rank_of(dp=coords["dp"], pp=0, tp=coords["tp"])
+        out: Optional[list[Any]] = [None] * self.dims.pp if self.global_rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self._pp_group)
+        return out
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        return full_state_dict(self.lightning_module, self._tp_group)
+        state = full_state_dict(self.lightning_module, self._tp_group)
+        if self._pp == 1:
+            return state
+        stages = self._gather_stages({k: v.cpu() for k, v in state.items()})
+        return {k: v for stage in stages for k, v in stage.items()} if stages is not None else state
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
-        load_full_state_dict(self.lightning_module, checkpoint["state_dict"], self._tp_group, strict=strict)
+        state = checkpoint["state_dict"]
+        if self._pp > 1:  # this stage's entries; the other stages' keys are not "unexpected" here
+            own = self.lightning_module.state_dict().keys()
+            state = {k: v for k, v in state.items() if k in own}
+        load_full_state_dict(self.lightning_module, state, self._tp_group, strict=strict)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return full_optimizer_state(optimizer, self._tp_group)
+        state = full_optimizer_state(optimizer, self._tp_group)
+        if self._pp == 1:
+            return state
+        stages = self._gather_stages(state)
+        return {"pp_stages": stages} if stages is not None else state
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pp_rank = self.dims.coords(self.global_rank)["pp"]
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if self._pp > 1:
+                if "pp_stages" not in state or len(state["pp_stages"]) != self._pp:
+                    raise CheckpointMismatchError(
+                        f"the checkpoint's optimizer state was saved with another pipeline layout than pp={self._pp}; "
+                        f"resume with the layout it was saved with")
+                state = state["pp_stages"][pp_rank]
             load_full_optimizer_state(optimizer, state, self._tp_group)
             _optimizer_to_device(optimizer, self.root_device)
 

@@ -244,6 +244,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "encoder": EncoderLM,
     "hf_gpt2": lambda: HFCausalLM("gpt2"),
     "hf_llama": lambda: HFCausalLM("llama"),
+    "hf_llama_labels": lambda: HFCausalLM("llama"),
+    "sequential": lambda: nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, 2 * DIM), nn.GELU(),
+                                        nn.Linear(2 * DIM, DIM), nn.GELU(), nn.Linear(DIM, VOCAB)),
     "nanogpt4": lambda: NanoGPT(n_layer=4),
     "llama4": lambda: TinyLlama(n_layers=4),
 }
@@ -262,7 +265,10 @@ class LitLM(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
+        if self.hparams.name.endswith("_labels"):  # the Hugging Face model computes the loss in its forward
+            loss = self.model.model(input_ids=x, labels=x).loss
+        else:
+            loss = F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
         self.log("train_loss", loss, prog_bar=True)
         return loss
 

@@ -316,14 +316,12 @@ def test_plan_partition_too_many_stages_raises():
         plan_partition(TinyLlama(n_layers=2), 3)
 
 
-# ---- known defects (see the report; remove the marker when fixed) ---------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="bug: a root nn.Sequential's nested lists are not filtered as inner lists")
+# ---- edge cases ------------------------------------------------------------------------------------------------------
 def test_find_block_sequence_root_sequential_of_containers():
     model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)) for _ in range(3)])
     assert find_block_sequence(model) == ""
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a root owning a parameter lands in pre as '' and counts the whole model")
 def test_plan_partition_root_owned_parameter():
     class M(nn.Module):
         def __init__(self) -> None:
@@ -336,10 +334,12 @@ def test_plan_partition_root_owned_parameter():
     part = plan_partition(M(), 2)
     assert "" not in part.pre
     assert part.bounds == ((0, 2), (2, 4))
+    from lightning_tpp._pp_partition import ancestor_parameters
+
+    assert ancestor_parameters(M(), "layers") == ("pos",)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: block_costs of the wrong length is not rejected")
 @pytest.mark.parametrize("costs", [[1.0, 1.0], [1.0] * 6], ids=["short", "long"])
 def test_plan_partition_block_costs_wrong_length(costs):
-    with pytest.raises(PipelinePartitionError):
+    with pytest.raises(PipelinePartitionError, match=rf"{len(costs)} block costs for the 4 blocks of 'layers'"):
         plan_partition(TinyLlama(n_layers=4), 2, block_costs=costs)
