@@ -67,10 +67,11 @@ def find_block_sequence(model: nn.Module) -> str:
     if len(big) >= 2 and _params(big[1][1]) > 0.25 * total:
         raise PipelinePartitionError(
             f"found two block sequences of similar size, {big[0][0]!r} ({len(big[0][1])} blocks) and {big[1][0]!r} "
-            f"({len(big[1][1])} blocks): an encoder-decoder (the decoder reads the encoder's output at every block) "
-            f"or lists zipped in one loop, which a linear pipeline cannot carry. For an encoder-decoder pass "
-            f"blocks='{big[0][0]}' (or '{big[1][0]}') to pipeline that sequence and keep the other whole on the "
-            f"last (or first) stage; otherwise use tp/dp for this model")
+            f"({len(big[1][1])} blocks): an encoder-decoder (the decoder reads the encoder's output, and its own "
+            f"embedded input, at every block) or lists zipped in one loop. A linear pipeline of one sequence would "
+            f"compute the other side's inputs on the wrong stage, so this model is refused: train it with tp and dp "
+            f"(pp=1). blocks='<name>' overrides this check only for models whose modules before the blocks feed "
+            f"nothing but the blocks")
     if big:
         return big[0][0]
     root = model

@@ -215,6 +215,20 @@ class EncoderLM(nn.Module):
         return self.head(self.encoder(self.embed(idx), mask=mask, is_causal=True))
 
 
+# ---- encoder-decoder: nn.Transformer ------------------------------------------------------------------------------
+class Seq2Seq(nn.Module):
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS) -> None:
+        super().__init__()
+        self.src_embed, self.tgt_embed = nn.Embedding(vocab, dim), nn.Embedding(vocab, dim)
+        self.transformer = nn.Transformer(dim, heads, num_encoder_layers=LAYERS, num_decoder_layers=LAYERS,
+                                          dim_feedforward=2 * dim, dropout=0.0, batch_first=True)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], device=idx.device)
+        return self.out(self.transformer(self.src_embed(idx), self.tgt_embed(idx), tgt_mask=mask, tgt_is_causal=True))
+
+
 # ---- Hugging Face transformers, tiny random configs ----------------------------------------------------------------
 class HFCausalLM(nn.Module):
     def __init__(self, kind: str) -> None:
@@ -242,6 +256,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "llama": TinyLlama,
     "fused_gqa": FusedGQAModel,
     "encoder": EncoderLM,
+    "seq2seq": Seq2Seq,
     "hf_gpt2": lambda: HFCausalLM("gpt2"),
     "hf_llama": lambda: HFCausalLM("llama"),
     "hf_llama_labels": lambda: HFCausalLM("llama"),

@@ -130,6 +130,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--microbatches", type=int, default=None)
     parser.add_argument("--virtual", type=int, default=1)
+    parser.add_argument("--blocks", default=None)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -145,7 +146,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     rank = int(os.environ["LOCAL_RANK"])
     for name in args.models.split(","):
         strategy = TensorPipeStrategy(tp=args.tp, pp=args.pp, schedule=args.schedule, microbatches=args.microbatches,
-                                      virtual_stages=args.virtual, print_plan=rank == 0 and name == "nanogpt")
+                                      virtual_stages=args.virtual, blocks=args.blocks, print_plan=rank == 0 and name == "nanogpt")
         record = train(name, strategy=strategy, devices=args.tp * args.dp * args.pp, dp=args.dp, steps=args.steps, batch_size=args.batch_size,
                        accumulate=args.accumulate, clip=args.clip, precision=args.precision,
                        optimizer=args.optimizer, lr=args.lr, accelerator=args.accelerator)

@@ -9,18 +9,26 @@ from launch import ROOT, run_ranks
 SCRIPT = ROOT / "tests" / "distributed" / "worker_errors.py"
 
 
-@pytest.mark.parametrize(("scenario", "devices", "tp", "message"), [
-    ("heads", 2, 2, r"TensorParallelConfigError: tp=2 must divide num_heads=3 of model\.layers\.0\.attention "
-                    r"\(heads=3, kv_heads=3\); choose tp in \[1, 3\]"),
-    ("mismatch", 2, 2, r"TensorParallelMismatchError: tensor-parallel mlp block 'model\.transformer\.h\.0\.mlp' "
-                       r"\(TPBlock\[CenteredMLP\]\) does not match the original model"),
-    ("world", 3, 2, r"ValueError: world size 3 is not divisible by tp\*pp = 2\*1 = 2; with 3 processes choose "
-                    r"\(tp, pp\) from \[\(1, 1\), \(1, 3\), \(3, 1\)\]"),
-], ids=["heads", "mismatch", "world"])
-def test_error_on_every_rank(scenario: str, devices: int, tp: int, message: str) -> None:
+@pytest.mark.parametrize(("scenario", "devices", "message"), [
+    ("heads", 2, r"TensorParallelConfigError: tp=2 must divide num_heads=3 of model\.layers\.0\.attention "
+                 r"\(heads=3, kv_heads=3\); choose tp in \[1, 3\]"),
+    ("mismatch", 2, r"TensorParallelMismatchError: tensor-parallel mlp block 'model\.transformer\.h\.0\.mlp' "
+                    r"\(TPBlock\[CenteredMLP\]\) does not match the original model"),
+    ("world", 3, r"ValueError: world size 3 is not divisible by tp\*pp = 2\*1 = 2; with 3 processes choose "
+                 r"\(tp, pp\) from \[\(1, 1\), \(1, 3\), \(3, 1\)\]"),
+    ("pp_batch", 2, r"PipelineError: batch size 6 is not divisible by microbatches=4; use a batch size that is a "
+                    r"multiple of 4 \(e\.g\. 8\) or microbatches in \[1, 2, 3, 6\]"),
+    ("pp_stages", 2, r"PipelinePartitionError: pp=4 stages \(x virtual stages\) but 'model\.transformer\.h' has "
+                     r"only 2 blocks; use at most 2 stages"),
+    ("pp_encdec", 2, r"PipelinePartitionError: found two block sequences of similar size, "
+                     r"'model\.(en|de)coder\.layers' .* this model is refused: train it with tp and dp \(pp=1\)"),
+    ("pp_manual", 2, r"ValueError: pipeline parallelism \(pp>1\) runs forward and backward inside the schedule "
+                     r"and needs automatic optimization"),
+], ids=["heads", "mismatch", "world", "pp_batch", "pp_stages", "pp_encdec", "pp_manual"])
+def test_error_on_every_rank(scenario: str, devices: int, message: str) -> None:
     import re
 
-    result = run_ranks(SCRIPT, devices, [scenario, str(devices), str(tp)], timeout=120)
+    result = run_ranks(SCRIPT, devices, [scenario, str(devices)], timeout=120)
     assert not result.timed_out, f"{scenario}: hung for {result.elapsed:.0f}s"
     assert all(code != 0 for code in result.returncodes), result.returncodes
     for rank, out in enumerate(result.outputs):

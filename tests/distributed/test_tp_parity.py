@@ -14,7 +14,7 @@ import pytest
 from launch import ROOT, run_ranks
 from parity import assert_parity, load_record, train
 
-ALL = ["nanogpt", "llama", "fused_gqa", "encoder", "hf_gpt2", "hf_llama"]
+ALL = ["nanogpt", "llama", "fused_gqa", "encoder", "seq2seq", "hf_gpt2", "hf_llama"]
 
 
 @functools.lru_cache(maxsize=None)

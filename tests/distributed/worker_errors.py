@@ -24,6 +24,25 @@ class CenteredMLP(nn.Module):
         return self.fc2(h - h.mean(-1, keepdim=True))
 
 
+class EncoderDecoder(LitLM):
+    def __init__(self) -> None:
+        super().__init__("nanogpt")
+        self.model = nn.Transformer(d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=2,
+                                    dim_feedforward=64, batch_first=True)
+        self.embed = nn.Embedding(64, 32)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        return self.head(self.model(h, h))
+
+
+class Manual(LitLM):
+    def __init__(self) -> None:
+        super().__init__("nanogpt")
+        self.automatic_optimization = False
+
+
 class Scenario(LitLM):
     def __init__(self, scenario: str) -> None:
         super().__init__("nanogpt" if scenario != "heads" else "llama")
@@ -33,12 +52,25 @@ class Scenario(LitLM):
             self.model.transformer.h[0].mlp = CenteredMLP()
 
 
+SCENARIOS = {  # name -> (module, strategy kwargs, batch size)
+    "heads": (lambda: Scenario("heads"), dict(tp=2), 4),
+    "mismatch": (lambda: Scenario("mismatch"), dict(tp=2), 4),
+    "world": (lambda: Scenario("world"), dict(tp=2), 4),
+    "pp_batch": (lambda: LitLM("nanogpt"), dict(pp=2, microbatches=4), 6),
+    "pp_stages": (lambda: LitLM("nanogpt"), dict(pp=2, virtual_stages=2, schedule="interleaved-1f1b",
+                                                  microbatches=2), 4),
+    "pp_encdec": (EncoderDecoder, dict(pp=2), 4),
+    "pp_manual": (Manual, dict(pp=2), 4),
+}
+
+
 def main() -> None:
-    scenario, devices, tp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    scenario, devices = sys.argv[1], int(sys.argv[2])
+    make, kwargs, batch_size = SCENARIOS[scenario]
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=TensorPipeStrategy(tp=tp), max_steps=2,
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=TensorPipeStrategy(**kwargs), max_steps=2,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    trainer.fit(Scenario(scenario), torch.utils.data.DataLoader(token_dataset(16), batch_size=4))
+    trainer.fit(make(), torch.utils.data.DataLoader(token_dataset(24), batch_size=batch_size))
 
 
 if __name__ == "__main__":
