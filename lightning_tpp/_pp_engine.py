@@ -13,6 +13,7 @@ adds them back, so ``zero_grad`` and gradient accumulation behave as without a p
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -76,6 +77,12 @@ class PipelineEngine:
         self.order = actions(schedule, rank, pp, microbatches, virtual)
         self._sends: list[Any] = []
         self._parked: dict[nn.Parameter, Tensor] = {}
+        self.trace: Optional[list[tuple[str, int, int, float, float, float]]] = None  # see record_trace
+        self._waited = 0.0
+
+    def record_trace(self, enabled: bool = True) -> None:
+        """Record ``(kind, microbatch, chunk, start, end, seconds waiting for peers)`` per action (perf_counter)."""
+        self.trace = [] if enabled else None
 
     # ------------------------------------------------------------------------------------------------------------
     # point-to-point
@@ -90,7 +97,9 @@ class PipelineEngine:
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.runtime.device)
+        start = time.perf_counter()
         dist.irecv(buf, src, tag=tag).wait()
+        self._waited += time.perf_counter() - start
         return buf
 
     def _send_activation(self, mb: int, chunk: int, tensors: list[Tensor]) -> None:
@@ -184,6 +193,9 @@ class PipelineEngine:
             if state.deferred is not None:
                 torch.autograd.backward(*state.deferred)
             else:
+                for p in self.chunk_params[chunk]:  # torch accumulates with "+=": an expanded grad cannot take it
+                    if p.grad is not None and not p.grad.is_contiguous():
+                        p.grad = p.grad.contiguous()
                 stage_backward_weight(iter(self.chunk_params[chunk]), state.param_groups)
         if kind in ("B", "W"):
             states[(mb, chunk)] = _MicroBatch(loss=state.loss.detach() if state.loss is not None else None)
@@ -202,10 +214,13 @@ class PipelineEngine:
         scale = loss_scale / self.microbatches
         try:
             for kind, mb, chunk in self.order:
+                start, self._waited = time.perf_counter(), 0.0
                 if kind == "F":
                     self._forward(mb, chunk, step, micro[mb], states)
                 else:
                     self._backward(kind, mb, chunk, states, scale)
+                if self.trace is not None:
+                    self.trace.append((kind, mb, chunk, start, time.perf_counter(), self._waited))
             self._wait_sends()
         finally:
             self.runtime.ctx = None

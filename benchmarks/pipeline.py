@@ -1,0 +1,304 @@
+"""Pipeline benchmark (not a test): ratios measured side by side in one run on this machine.
+
+    python benchmarks/pipeline.py            # about 3 minutes on 2 cores
+    python benchmarks/pipeline.py --quick    # fewer steps
+
+1. Step time of one GPT-style model (the one in examples/gpt.py, larger) with pp=2 and 8 micro-batches (1F1B):
+   - TensorPipeStrategy under the Trainer,
+   - hand-written torch.distributed.pipelining (PipelineStage + Schedule1F1B) on the same split, no Trainer,
+   - one process (Trainer, no strategy).
+   Every process uses one thread, so pp=2 uses 2 cores and one process 1 core: the ideal speedup at m=8 is
+   2 / (1 + 1/8) = 1.78.
+2. The measured bubble (idle fraction per rank) of each schedule, with blocks whose forward and backward sleep for
+   a set time (so the stage costs are exact), against the theory (p-1)/(m*v+p-1), or the schedule simulator for
+   zero-bubble.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, WARMUP = 12, 3
+SHAPE = dict(vocab=512, block_size=128, n_embd=256, n_head=8, n_layer=8)
+BATCH, MICRO = 32, 8
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launching
+
+
+def _launch(role: str, nprocs: int, out: Path, extra: list[str], *, name: str | None = None,
+            timeout: float = 600) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(nprocs):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs), "NODE_RANK": "0", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'examples'}"}
+        if nprocs == 1:
+            for k in ("MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+                env.pop(k)
+        procs.append(subprocess.Popen([sys.executable, __file__, "--role", role, "--out", str(out), *extra],
+                                      env=env, start_new_session=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                os.killpg(q.pid, signal.SIGKILL)
+            raise SystemExit(f"{role} timed out")
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"{role} failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    return [json.loads((out / f"{name or role}.{r}.json").read_text()) for r in range(nprocs)]
+
+
+def _save(out: Path, role: str, rank: int, data: dict) -> None:
+    (out / f"{role}.{rank}.json").write_text(json.dumps(data))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# roles (each runs in its own processes)
+
+
+def _data(steps: int):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, SHAPE["vocab"], (BATCH * steps, SHAPE["block_size"] + 1), generator=g)
+    return torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
+
+
+class _StepTimer:
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def callback(self):
+        import lightning as L
+
+        timer = self
+
+        class StepTimer(L.Callback):
+            def on_train_batch_start(self, *args) -> None:
+                timer._start = time.perf_counter()
+
+            def on_train_batch_end(self, *args) -> None:
+                timer.times.append(time.perf_counter() - timer._start)
+
+        return StepTimer()
+
+
+def role_trainer(args: argparse.Namespace) -> None:
+    """One process (no strategy) or TensorPipeStrategy(pp=2) under the Trainer."""
+    import lightning as L
+    import torch
+    from gpt import GPT
+
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    model = GPT(**SHAPE)
+    timer = _StepTimer()
+    strategy, devices = "auto", 1
+    if args.role == "ours":
+        from lightning_tpp import TensorPipeStrategy
+
+        strategy = TensorPipeStrategy(pp=2, microbatches=MICRO, schedule="1f1b", print_plan=False)
+        devices = 2
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[timer.callback()])
+    trainer.fit(model, torch.utils.data.DataLoader(_data(args.steps), batch_size=BATCH))
+    _save(Path(args.out), args.role, trainer.global_rank, {"step": timer.times})
+
+
+def role_torchpp(args: argparse.Namespace) -> None:
+    """Hand-written torch.distributed.pipelining on the same split (blocks 0-3 | 4-7 + head), same optimizer."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from gpt import GPT
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = GPT(**SHAPE)
+    half = SHAPE["n_layer"] // 2
+
+    class First(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.wpe, self.blocks = model.wte, model.wpe, model.blocks[:half]
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    class Last(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks, self.ln_f, self.lm_head = model.blocks[half:], model.ln_f, model.lm_head
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = b(x)
+            return self.lm_head(self.ln_f(x))
+
+    module = First() if rank == 0 else Last()
+    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=MICRO,
+                            loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+    opt = torch.optim.AdamW(module.parameters(), lr=3e-3)
+    loader = torch.utils.data.DataLoader(_data(args.steps), batch_size=BATCH)
+    times = []
+    for x, y in loader:
+        start = time.perf_counter()
+        opt.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=[])
+        opt.step()
+        times.append(time.perf_counter() - start)
+    _save(Path(args.out), args.role, rank, {"step": times})
+    dist.destroy_process_group()
+
+
+def role_bubble(args: argparse.Namespace) -> None:
+    """Blocks that sleep a set time: forward f, input-gradient i, weight-gradient w (milliseconds)."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from lightning_tpp import TensorPipeStrategy
+
+    f_ms, i_ms, w_ms = 4.0, 4.0, 4.0
+
+    class Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, fwd, bwd):  # type: ignore[override]
+            ctx.bwd = bwd
+            time.sleep(fwd / 1000)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[override]
+            time.sleep(ctx.bwd / 1000)
+            return g, None, None
+
+    class SleepBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = Sleep.apply(x, f_ms, i_ms)  # on the input path: input-gradient work
+            return h + 0.0 * Sleep.apply(self.w, 0.0, w_ms).sum()  # only on the weight path: weight-gradient work
+
+    class Sleepy(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([SleepBlock() for _ in range(4)])
+            self.scale = nn.Parameter(torch.ones(()))  # so that the first block's input needs a gradient too
+
+        def training_step(self, batch, batch_idx):
+            x = batch[0] * self.scale
+            for b in self.blocks:
+                x = b(x)
+            return F.mse_loss(x, torch.zeros_like(x))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    torch.set_num_threads(1)
+    virtual = 2 if args.schedule == "interleaved-1f1b" else 1
+    strategy = TensorPipeStrategy(pp=2, microbatches=MICRO, schedule=args.schedule, virtual_stages=virtual,
+                                  print_plan=False)
+    steps = 4
+    data = torch.utils.data.TensorDataset(torch.randn(MICRO * steps, 4, requires_grad=False))
+
+    class Trace(L.Callback):
+        def on_train_batch_start(self, trainer, *a) -> None:
+            trainer.strategy._engine.record_trace(True)
+
+        def on_train_batch_end(self, trainer, *a) -> None:
+            trace = trainer.strategy._engine.trace
+            span = torch.tensor([min(t[3] for t in trace), -max(t[4] for t in trace)], dtype=torch.float64)
+            torch.distributed.all_reduce(span, op=torch.distributed.ReduceOp.MIN)  # the step on every rank
+            busy = sum(t[4] - t[3] - t[5] for t in trace)
+            idle.append(1.0 - busy / float(-span[1] - span[0]))
+
+    idle: list[float] = []
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Trace()])
+    trainer.fit(Sleepy(), torch.utils.data.DataLoader(data, batch_size=MICRO))
+    _save(Path(args.out), f"bubble-{args.schedule}", trainer.global_rank, {"idle": idle[1:]})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--role", default="main")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.role in ("single", "ours"):
+        return role_trainer(args)
+    if args.role == "torchpp":
+        return role_torchpp(args)
+    if args.role == "bubble":
+        return role_bubble(args)
+
+    steps = 6 if args.quick else args.steps
+    warm = 2 if args.quick else WARMUP
+    out = Path(tempfile.mkdtemp(prefix="tpp-bench-"))
+    med = lambda runs: max(statistics.median(r["step"][warm:]) for r in runs)  # noqa: E731 - slowest rank
+    t_ours = med(_launch("ours", 2, out, ["--steps", str(steps)]))
+    t_torch = med(_launch("torchpp", 2, out, ["--steps", str(steps)]))
+    t_single = med(_launch("single", 1, out, ["--steps", str(steps)]))
+    print(f"GPT {SHAPE}, batch {BATCH}, pp=2, {MICRO} micro-batches, 1F1B, one thread per process")
+    print(f"  step time  TensorPipeStrategy+Trainer {t_ours * 1000:8.1f} ms")
+    print(f"             torch pipelining by hand   {t_torch * 1000:8.1f} ms")
+    print(f"             one process (Trainer)      {t_single * 1000:8.1f} ms")
+    print(f"  ours / hand-written pipelining = {t_ours / t_torch:.3f}   (goal <= 1.03)")
+    print(f"  speedup over one process       = {t_single / t_ours:.3f}   (goal >= 1.70, limit 1.78)")
+
+    from lightning_tpp._pp_schedule import simulate, theoretical_bubble
+
+    print(f"\nBubble (idle fraction per rank), pp=2, m={MICRO}, stages of sleeping blocks (F = I = W = 4 ms/block)")
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
+        v = 2 if schedule == "interleaved-1f1b" else 1
+        runs = _launch("bubble", 2, out, ["--schedule", schedule], name=f"bubble-{schedule}")
+        measured = [statistics.median(r["idle"]) for r in runs]
+        theory = simulate(schedule, 2, MICRO, v, f=1.0, b=2.0).bubble if schedule == "zero-bubble" else \
+            [theoretical_bubble(2, MICRO, v)] * 2
+        print(f"  {schedule:17s} measured {[f'{m:.3f}' for m in measured]}  theory {[f'{t:.3f}' for t in theory]}")
+
+
+if __name__ == "__main__":
+    main()
