@@ -262,6 +262,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "hf_llama_labels": lambda: HFCausalLM("llama"),
     "sequential": lambda: nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, 2 * DIM), nn.GELU(),
                                         nn.Linear(2 * DIM, DIM), nn.GELU(), nn.Linear(DIM, VOCAB)),
+    "llama_varlen": TinyLlama,
     "nanogpt4": lambda: NanoGPT(n_layer=4),
     "llama4": lambda: TinyLlama(n_layers=4),
 }
@@ -280,6 +281,8 @@ class LitLM(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if self.hparams.name.endswith("_varlen"):  # a new sequence length every other step
+            x, y = x[:, :SEQ - 4 * (batch_idx % 2)], y[:, :SEQ - 4 * (batch_idx % 2)]
         if self.hparams.name.endswith("_labels"):  # the Hugging Face model computes the loss in its forward
             loss = self.model.model(input_ids=x, labels=x).loss
         else:

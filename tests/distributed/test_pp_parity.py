@@ -13,7 +13,7 @@ import pytest
 from launch import ROOT, run_ranks
 from parity import assert_parity, load_record, merge_stages, train
 
-PP2_MODELS = ["nanogpt", "llama", "encoder", "hf_gpt2", "hf_llama", "hf_llama_labels", "sequential"]
+PP2_MODELS = ["nanogpt", "llama", "encoder", "hf_gpt2", "hf_llama", "hf_llama_labels", "sequential", "llama_varlen"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,7 +38,7 @@ def run_and_compare(tmp: Path, models: list[str], *, tp: int = 1, pp: int = 2, d
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
 def test_pp2_every_schedule(tmp_path: Path, schedule: str) -> None:
     """Tied embeddings (nanoGPT, GPT-2), rotary side inputs (Llama), nn.TransformerEncoder, HF ModelOutput and a
-    loss computed inside the HF forward, and a plain nn.Sequential."""
+    loss computed inside the HF forward, a plain nn.Sequential, and a sequence length that changes between steps."""
     run_and_compare(tmp_path, PP2_MODELS if schedule == "1f1b" else ["nanogpt", "llama", "hf_gpt2"],
                     extra=("--schedule", schedule))
 

@@ -25,3 +25,19 @@ def test_tp2_parity_nccl(tmp_path: Path, precision: str, tol: float) -> None:
         for rank in range(2):
             assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), ref, rtol=tol, atol=tol,
                           where=f"{name} {precision} rank {rank}")
+
+
+def test_tp1_pp2_parity_nccl(tmp_path: Path) -> None:
+    """Pipeline P2P over NCCL (1F1B and zero-bubble), tied embeddings, device placement of received tensors."""
+    from parity import merge_stages
+
+    for schedule in ("1f1b", "zero-bubble"):
+        out = tmp_path / schedule
+        out.mkdir()
+        run_ranks(ROOT / "tests" / "parity.py", 2, ["--models", "nanogpt,llama", "--pp", "2", "--out", str(out),
+                                                    "--accelerator", "gpu", "--schedule", schedule, "--steps", "3"],
+                  timeout=400).check()
+        for name in ("nanogpt", "llama"):
+            ref = train(name, accelerator="gpu", steps=3)
+            got = merge_stages([load_record(out / f"{name}.rank{r}.pt") for r in range(2)])
+            assert_parity(got, ref, rtol=1e-4, atol=1e-4, where=f"{name} {schedule}")

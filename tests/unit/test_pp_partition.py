@@ -343,3 +343,25 @@ def test_plan_partition_root_owned_parameter():
 def test_plan_partition_block_costs_wrong_length(costs):
     with pytest.raises(PipelinePartitionError, match=rf"{len(costs)} block costs for the 4 blocks of 'layers'"):
         plan_partition(TinyLlama(n_layers=4), 2, block_costs=costs)
+
+
+def test_measured_block_costs_follow_the_work() -> None:
+    """balance='time': a block doing 4x the work measures as the most expensive, and the cut isolates it."""
+    from lightning_tpp._pp_partition import balance
+    from lightning_tpp._pipeline import measure_block_costs
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(256, 256 * w), nn.Linear(256 * w, 256))
+                                         for w in (1, 1, 1, 8)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    costs = measure_block_costs(Net(), "layers", torch.randn(64, 256), repeats=5)
+    assert len(costs) == 4 and max(costs) == costs[3]
+    assert balance(costs, 2) == [(0, 3), (3, 4)]
