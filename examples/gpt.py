@@ -1,10 +1,12 @@
 """Train a small GPT on the Zen of Python with tensor parallelism, on CPU processes.
 
     python examples/gpt.py                  # tp=2 on 2 CPU processes
+    python examples/gpt.py --tp 2 --pp 2    # tp=2 x pp=2 on 4 processes
     python examples/gpt.py --tp 2 --dp 2    # tp=2 x dp=2 on 4 processes
 
 The LightningModule below is written for one device and knows nothing about parallelism: the strategy finds the
-attention and MLP blocks, splits them across the tensor-parallel ranks and leaves the loop to the Trainer.
+attention and MLP blocks, splits them across the tensor-parallel ranks, cuts the block list into pipeline stages,
+and leaves the loop to the Trainer.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class PrintLoss(Callback):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=150)
     args = parser.parse_args()
@@ -113,7 +116,8 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     model = GPT(vocab=64)  # 45 characters, rounded up so the vocabulary splits evenly
     loader = torch.utils.data.DataLoader(zen_dataset(model.hparams.block_size), batch_size=16, shuffle=True)
-    trainer = L.Trainer(accelerator="cpu", devices=args.tp * args.dp, strategy=TensorPipeStrategy(tp=args.tp),
+    strategy = TensorPipeStrategy(tp=args.tp, pp=args.pp, microbatches=4 * args.pp)
+    trainer = L.Trainer(accelerator="cpu", devices=args.tp * args.pp * args.dp, strategy=strategy,
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         callbacks=[PrintLoss(every=25)], gradient_clip_val=1.0)
     trainer.fit(model, loader)

@@ -47,8 +47,10 @@ class _MicroBatch:
     deferred: Optional[tuple[list[Tensor], Optional[list[Tensor]]]] = None
 
 
-def split_batch(batch: Any, n: int) -> list[Any]:
-    """``n`` micro-batches: every tensor leaf cut along dim 0; other leaves repeated."""
+def split_batch(batch: Any, n: int) -> tuple[list[Any], list[float]]:
+    """``n`` micro-batches (every tensor leaf cut along dim 0, other leaves repeated) and each one's share of the
+    batch. A batch size that ``n`` does not divide (an epoch's last batch) gives sizes that differ by one; the shares
+    weight each micro-batch's loss so that the step still optimises the mean over the whole batch."""
     leaves, spec = tree_flatten(batch)
     sizes = {t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim() > 0}
     if not sizes:
@@ -56,12 +58,13 @@ def split_batch(batch: Any, n: int) -> list[Any]:
     if len(sizes) > 1:
         raise PipelineError(f"batch tensors disagree on the batch size (dim 0): {sorted(sizes)}")
     size = sizes.pop()
-    if size % n:
-        raise PipelineError(f"batch size {size} is not divisible by microbatches={n}; use a batch size that is a "
-                            f"multiple of {n} (e.g. {((size + n - 1) // n) * n}) or microbatches in "
-                            f"{[d for d in range(1, size + 1) if size % d == 0]}")
-    chunks = [t.chunk(n) if isinstance(t, Tensor) and t.dim() > 0 else [t] * n for t in leaves]
-    return [tree_unflatten([c[i] for c in chunks], spec) for i in range(n)]
+    if size < n:
+        raise PipelineError(f"batch size {size} is smaller than microbatches={n}: every micro-batch needs a sample. "
+                            f"Use batches of at least {n} samples (drop_last=True drops a short last batch) or fewer "
+                            f"microbatches")
+    chunks = [t.tensor_split(n) if isinstance(t, Tensor) and t.dim() > 0 else [t] * n for t in leaves]
+    shares = [len(range(size)[i::n]) / size for i in range(n)]  # tensor_split sizes, as fractions
+    return [tree_unflatten([c[i] for c in chunks], spec) for i in range(n)], shares
 
 
 class PipelineEngine:
@@ -205,20 +208,20 @@ class PipelineEngine:
 
     def train_step(self, step: Callable[[Any], Any], batch: Any, *, loss_scale: float) -> Tensor:
         """Run the schedule over ``batch``; returns the mean micro-batch loss (the same tensor value on every stage)."""
-        micro = split_batch(batch, self.microbatches)
+        micro, shares = split_batch(batch, self.microbatches)
         params = [p for chunk in self.chunk_params for p in chunk]
         previous = {p: p.grad for p in params}
         for p in params:
             p.grad = None
         states: dict[tuple[int, int], _MicroBatch] = {}
-        scale = loss_scale / self.microbatches
+        scale = [loss_scale * share for share in shares]
         try:
             for kind, mb, chunk in self.order:
                 start, self._waited = time.perf_counter(), 0.0
                 if kind == "F":
                     self._forward(mb, chunk, step, micro[mb], states)
                 else:
-                    self._backward(kind, mb, chunk, states, scale)
+                    self._backward(kind, mb, chunk, states, scale[mb])
                 if self.trace is not None:
                     self.trace.append((kind, mb, chunk, start, time.perf_counter(), self._waited))
             self._wait_sends()
@@ -230,8 +233,8 @@ class PipelineEngine:
         self._parked = {p: p.grad for p in params if p.grad is not None}
         for p in params:
             p.grad = previous[p]
-        losses = [s.loss for s in states.values() if s.loss is not None]
-        mean = torch.stack(losses).float().mean() if losses else torch.zeros((), device=self.runtime.device)
+        losses = [s.loss.float() * shares[mb] for (mb, _), s in states.items() if s.loss is not None]
+        mean = torch.stack(losses).sum() if losses else torch.zeros((), device=self.runtime.device)
         return self.broadcast_from_last(mean)
 
     def restore_grads(self) -> None:

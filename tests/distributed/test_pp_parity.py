@@ -60,3 +60,9 @@ def test_tp2_pp2_accumulation_and_clipping(tmp_path: Path) -> None:
     kwargs = dict(accumulate=2, clip=0.1, steps=3)
     run_and_compare(tmp_path, ["nanogpt", "llama"], tp=2, extra=("--accumulate", "2", "--clip", "0.1", "--steps", "3"),
                     train_kwargs=kwargs)
+
+
+def test_pp2_batch_not_divisible_by_microbatches(tmp_path: Path) -> None:
+    """Batch 6 in 4 micro-batches (2, 2, 1, 1 samples): losses weighted by share, gradients of the whole batch."""
+    run_and_compare(tmp_path, ["nanogpt", "llama"], extra=("--microbatches", "4", "--batch-size", "6"),
+                    train_kwargs=dict(batch_size=6))
