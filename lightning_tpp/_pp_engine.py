@@ -208,7 +208,8 @@ class PipelineEngine:
 
     def train_step(self, step: Callable[[Any], Any], batch: Any, *, loss_scale: float) -> Tensor:
         """Run the schedule over ``batch``; returns the mean micro-batch loss (the same tensor value on every stage)."""
-        micro, shares = split_batch(batch, self.microbatches)
+        micro, shares = split_batch(batch, min(self.microbatches, _batch_size(batch)))
+        order = self._order(len(micro))
         params = [p for chunk in self.chunk_params for p in chunk]
         previous = {p: p.grad for p in params}
         for p in params:
@@ -216,7 +217,7 @@ class PipelineEngine:
         states: dict[tuple[int, int], _MicroBatch] = {}
         scale = [loss_scale * share for share in shares]
         try:
-            for kind, mb, chunk in self.order:
+            for kind, mb, chunk in order:
                 start, self._waited = time.perf_counter(), 0.0
                 if kind == "F":
                     self._forward(mb, chunk, step, micro[mb], states)
@@ -236,6 +237,19 @@ class PipelineEngine:
         losses = [s.loss.float() * shares[mb] for (mb, _), s in states.items() if s.loss is not None]
         mean = torch.stack(losses).sum() if losses else torch.zeros((), device=self.runtime.device)
         return self.broadcast_from_last(mean)
+
+    def _order(self, m: int) -> list[tuple[str, int, int]]:
+        """This rank's actions for ``m`` micro-batches: the configured schedule, or GPipe for a short batch (an
+        epoch's last) that has fewer samples than the schedule needs. Every rank sees the same batch size."""
+        if m == self.microbatches:
+            return self.order
+        try:
+            return actions(self.schedule, self.rank, self.pp, m, self.virtual)
+        except ValueError:
+            if self.virtual > 1:
+                raise PipelineError(f"a batch of {m} samples cannot run the interleaved schedule (needs a multiple of "
+                                    f"pp={self.pp} micro-batches): use drop_last=True") from None
+            return actions("gpipe", self.rank, self.pp, m)
 
     def restore_grads(self) -> None:
         """Add the gradients of the last schedule back (after Lightning's ``zero_grad``)."""
@@ -285,6 +299,11 @@ class PipelineEngine:
     @property
     def holds_last(self) -> bool:
         return self.partition.stages - 1 in [self._stage(c) for c in range(self.virtual)]
+
+
+def _batch_size(batch: Any) -> int:
+    sizes = [t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, Tensor) and t.dim() > 0]
+    return min(sizes) if sizes else 1
 
 
 def _loss_of(result: Any, stage: int) -> Tensor:

@@ -16,15 +16,13 @@ SCRIPT = ROOT / "tests" / "distributed" / "worker_errors.py"
                     r"\(TPBlock\[CenteredMLP\]\) does not match the original model"),
     ("world", 3, r"ValueError: world size 3 is not divisible by tp\*pp = 2\*1 = 2; with 3 processes choose "
                  r"\(tp, pp\) from \[\(1, 1\), \(1, 3\), \(3, 1\)\]"),
-    ("pp_batch", 2, r"PipelineError: batch size 3 is smaller than microbatches=4: every micro-batch needs a "
-                    r"sample\. Use batches of at least 4 samples"),
     ("pp_stages", 2, r"PipelinePartitionError: pp=4 stages \(x virtual stages\) but 'model\.transformer\.h' has "
                      r"only 2 blocks; use at most 2 stages"),
     ("pp_encdec", 2, r"PipelinePartitionError: found two block sequences of similar size, "
                      r"'model\.(en|de)coder\.layers' .* this model is refused: train it with tp and dp \(pp=1\)"),
     ("pp_manual", 2, r"ValueError: pipeline parallelism \(pp>1\) runs forward and backward inside the schedule "
                      r"and needs automatic optimization"),
-], ids=["heads", "mismatch", "world", "pp_batch", "pp_stages", "pp_encdec", "pp_manual"])
+], ids=["heads", "mismatch", "world", "pp_stages", "pp_encdec", "pp_manual"])
 def test_error_on_every_rank(scenario: str, devices: int, message: str) -> None:
     import re
 

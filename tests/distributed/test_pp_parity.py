@@ -62,7 +62,10 @@ def test_tp2_pp2_accumulation_and_clipping(tmp_path: Path) -> None:
                     train_kwargs=kwargs)
 
 
-def test_pp2_batch_not_divisible_by_microbatches(tmp_path: Path) -> None:
-    """Batch 6 in 4 micro-batches (2, 2, 1, 1 samples): losses weighted by share, gradients of the whole batch."""
-    run_and_compare(tmp_path, ["nanogpt", "llama"], extra=("--microbatches", "4", "--batch-size", "6"),
-                    train_kwargs=dict(batch_size=6))
+@pytest.mark.parametrize(("microbatches", "batch_size"), [(4, 6), (8, 6), (4, 1)],
+                         ids=["uneven", "short-batch", "short-batch-gpipe"])
+def test_pp2_batch_not_divisible_by_microbatches(tmp_path: Path, microbatches: int, batch_size: int) -> None:
+    """Batch 6 in 4 micro-batches (2, 2, 1, 1 samples): losses weighted by share. A batch with fewer samples than
+    micro-batches (an epoch's last) runs one micro-batch per sample, with GPipe if 1F1B needs more than it has."""
+    run_and_compare(tmp_path, ["nanogpt"], extra=("--microbatches", str(microbatches), "--batch-size",
+                                                  str(batch_size)), train_kwargs=dict(batch_size=batch_size))

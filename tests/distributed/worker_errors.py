@@ -56,7 +56,6 @@ SCENARIOS = {  # name -> (module, strategy kwargs, batch size)
     "heads": (lambda: Scenario("heads"), dict(tp=2), 4),
     "mismatch": (lambda: Scenario("mismatch"), dict(tp=2), 4),
     "world": (lambda: Scenario("world"), dict(tp=2), 4),
-    "pp_batch": (lambda: LitLM("nanogpt"), dict(pp=2, microbatches=4), 3),
     "pp_stages": (lambda: LitLM("nanogpt"), dict(pp=2, virtual_stages=2, schedule="interleaved-1f1b",
                                                   microbatches=2), 4),
     "pp_encdec": (EncoderDecoder, dict(pp=2), 4),
