@@ -6,6 +6,7 @@ loads it in one process, and a run at another ``tp`` (or a single-device checkpo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from torch import Tensor, nn
@@ -68,30 +69,95 @@ def _params_by_index(optimizer: Optimizer) -> list[nn.Parameter]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def full_optimizer_state(optimizer: Optimizer, group: TPGroup) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with per-parameter state tensors of sharded parameters gathered."""
-    state = optimizer.state_dict()
+@dataclass(frozen=True)
+class ParamNames:
+    """The single-device model's parameter names: ``order`` as ``parameters()`` yields them (what an optimizer's
+    state indices refer to in an ordinary checkpoint), and ``canonical`` for every alias of a shared weight."""
+
+    order: tuple[str, ...]
+    canonical: dict[str, str]
+
+    @classmethod
+    def of(cls, module: nn.Module) -> "ParamNames":
+        first: dict[int, str] = {}
+        canonical = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            canonical[name] = first.setdefault(id(p), name)
+        return cls(tuple(first.values()), canonical)
+
+    def local(self, module: nn.Module) -> dict[int, str]:
+        """id(parameter) -> canonical name, for this rank's (possibly partial) module."""
+        out: dict[int, str] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            out.setdefault(id(p), self.canonical.get(name, name))
+        return out
+
+
+def named_optimizer_state(optimizer: Optimizer, module: nn.Module, names: ParamNames,
+                          group: TPGroup) -> dict[str, Any]:
+    """This rank's optimizer state keyed by canonical parameter name, sharded state tensors gathered whole."""
+    sd = optimizer.state_dict()
     params = _params_by_index(optimizer)
-    for idx, per_param in state["state"].items():
+    local = names.local(module)
+    state = {}
+    for idx, per_param in sd["state"].items():
         p = params[idx]
-        if not hasattr(p, "_tpp_spec"):
-            continue
-        for key, value in list(per_param.items()):
-            if isinstance(value, Tensor) and value.shape == p.shape:
-                per_param[key] = gather_with_spec(value, p._tpp_spec, group)  # type: ignore[attr-defined]
-    return state
+        spec = getattr(p, "_tpp_spec", None)
+        state[local[id(p)]] = {k: gather_with_spec(v, spec, group) if spec is not None and isinstance(v, Tensor)
+                               and v.shape == p.shape else v for k, v in per_param.items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [local[id(params[i])] for i in g["params"]]}
+              for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
 
 
-def load_full_optimizer_state(optimizer: Optimizer, state: Mapping[str, Any], group: TPGroup) -> None:
-    """Inverse of :func:`full_optimizer_state`: shard the full state tensors, then ``load_state_dict``."""
+def merge_named(stages: list[dict[str, Any]]) -> dict[str, Any]:
+    """One name-keyed optimizer state from every pipeline stage's (group ``i`` of each stage is group ``i``)."""
+    merged: dict[str, Any] = {"state": {}, "param_groups": []}
+    for st in stages:
+        merged["state"].update(st["state"])
+        for i, g in enumerate(st["param_groups"]):
+            if i == len(merged["param_groups"]):
+                merged["param_groups"].append({**g, "params": []})
+            merged["param_groups"][i]["params"] += [n for n in g["params"]
+                                                    if n not in merged["param_groups"][i]["params"]]
+    return merged
+
+
+def indexed_optimizer_state(named: dict[str, Any], names: ParamNames) -> dict[str, Any]:
+    """The ordinary ``optimizer.state_dict()`` of the single-device model (indices in ``parameters()`` order)."""
+    index = {n: i for i, n in enumerate(names.order)}
+    return {"state": {index[n]: v for n, v in sorted(named["state"].items(), key=lambda kv: index[kv[0]])},
+            "param_groups": [{**g, "params": sorted(index[n] for n in g["params"])} for g in named["param_groups"]]}
+
+
+def load_indexed_optimizer_state(optimizer: Optimizer, module: nn.Module, state: Mapping[str, Any],
+                                 names: ParamNames, group: TPGroup) -> None:
+    """Load an ordinary (single-device, index-keyed) optimizer state into this rank's shards and stage."""
     params = _params_by_index(optimizer)
-    local_state = {}
-    for idx, per_param in state["state"].items():
-        p = params[int(idx)]
-        local: dict[str, Any] = dict(per_param)
-        if hasattr(p, "_tpp_spec"):
-            for key, value in per_param.items():
-                if isinstance(value, Tensor) and tuple(value.shape) == p._tpp_full_shape:  # type: ignore[attr-defined]
-                    local[key] = shard_tensor(value, p._tpp_spec, group.rank, group.size)  # type: ignore[attr-defined]
-        local_state[idx] = local
-    optimizer.load_state_dict({"state": local_state, "param_groups": state["param_groups"]})
+    local = names.local(module)
+    saved_groups = state["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointMismatchError(f"the checkpoint's optimizer has {len(saved_groups)} parameter groups, this "
+                                      f"one {len(optimizer.param_groups)}")
+    by_index = {int(i): v for i, v in state["state"].items()}
+    position = {n: i for i, n in enumerate(names.order)}
+    local_state, missing = {}, []
+    for i, p in enumerate(params):
+        name = local[id(p)]
+        saved = by_index.get(position.get(name, -1))
+        if saved is None:
+            if by_index and name not in position:
+                missing.append(name)
+            continue
+        spec = getattr(p, "_tpp_spec", None)
+        local_state[i] = {k: shard_tensor(v, spec, group.rank, group.size) if spec is not None
+                          and isinstance(v, Tensor) and tuple(v.shape) == p._tpp_full_shape else v  # type: ignore[attr-defined]
+                          for k, v in saved.items()}
+    if missing:
+        raise CheckpointMismatchError(f"optimizer state for parameters the checkpoint does not know: {missing}")
+    groups, start = [], 0
+    for saved, current in zip(saved_groups, optimizer.param_groups):
+        n = len(current["params"])
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": list(range(start, start + n))})
+        start += n
+    optimizer.load_state_dict({"state": local_state, "param_groups": groups})

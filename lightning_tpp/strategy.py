@@ -43,11 +43,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_tpp._checkpoint import (
-    CheckpointMismatchError,
-    full_optimizer_state,
+    ParamNames,
     full_state_dict,
-    load_full_optimizer_state,
+    indexed_optimizer_state,
     load_full_state_dict,
+    load_indexed_optimizer_state,
+    merge_named,
+    named_optimizer_state,
 )
 from lightning_tpp._comm import TPGroup
 from lightning_tpp._grads import average_gradients, broadcast_module, clip_by_global_norm
@@ -277,6 +279,7 @@ class TensorPipeStrategy(ParallelStrategy):
 
     def _parallelize(self, module: nn.Module) -> None:
         broadcast_module(module, src=0)
+        self._param_names = ParamNames.of(module)  # the single-device names, before stages drop modules
         if self._pp > 1:
             if not module.automatic_optimization:
                 raise ValueError("pipeline parallelism (pp>1) runs forward and backward inside the schedule and "
@@ -501,24 +504,24 @@ class TensorPipeStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The ordinary single-device ``optimizer.state_dict()`` (whole tensors, indices in the single-device
+        model's parameter order), whatever the layout: resumable in any layout and without a strategy."""
+        assert self.lightning_module is not None
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        state = full_optimizer_state(optimizer, self._tp_group)
-        if self._pp == 1:
-            return state
-        stages = self._gather_stages(state)
-        return {"pp_stages": stages} if stages is not None else state
+        named = named_optimizer_state(optimizer, self.lightning_module, self._param_names, self._tp_group)
+        if self._pp > 1:
+            stages = self._gather_stages(named)
+            if stages is None:
+                return {}
+            named = merge_named(stages)
+        return indexed_optimizer_state(named, self._param_names)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pp_rank = self.dims.coords(self.global_rank)["pp"]
+        assert self.lightning_module is not None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if self._pp > 1:
-                if "pp_stages" not in state or len(state["pp_stages"]) != self._pp:
-                    raise CheckpointMismatchError(
-                        f"the checkpoint's optimizer state was saved with another pipeline layout than pp={self._pp}; "
-                        f"resume with the layout it was saved with")
-                state = state["pp_stages"][pp_rank]
-            load_full_optimizer_state(optimizer, state, self._tp_group)
+            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            load_indexed_optimizer_state(optimizer, self.lightning_module, state, self._param_names, self._tp_group)
             _optimizer_to_device(optimizer, self.root_device)
 
     @override

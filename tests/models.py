@@ -300,6 +300,8 @@ class LitLM(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.hparams.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        if self.hparams.optimizer == "sgdm":  # momentum: optimizer state, linear in the gradients
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
 

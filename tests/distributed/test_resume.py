@@ -1,0 +1,62 @@
+"""Checkpoints are layout-free: N steps, save, resume for M more in another layout (or in one process without the
+strategy) gives the losses and parameters of N + M uninterrupted steps, optimizer state (SGD momentum) included.
+
+nanoGPT with 4 blocks: its tied embedding/head sits on the first and last pipeline stage."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import ROOT, run_ranks
+from parity import Record, assert_parity, load_record, merge_stages
+
+SCRIPT = ROOT / "tests" / "distributed" / "worker_resume.py"
+
+
+def _phase(out: Path, phase: str, tp: int, pp: int, ckpt: Path) -> Record:
+    if tp * pp == 0:  # one process, no strategy
+        from worker_resume import run
+
+        run(out, phase, 0, 0, ckpt)
+        return load_record(out / f"{phase}.rank0.pt")
+    run_ranks(SCRIPT, tp * pp, [str(out), phase, str(tp), str(pp), str(ckpt)], timeout=300).check()
+    # tp rank 0 of every stage
+    return merge_stages([load_record(out / f"{phase}.rank{s * tp}.pt") for s in range(pp)])
+
+
+@functools.lru_cache(maxsize=None)
+def _uninterrupted(tmp: str) -> Record:
+    """6 steps in one process, recorded as 3 + 3."""
+    out = Path(tmp)
+    first = _phase(out, "first", 0, 0, out / "plain.ckpt")
+    second = _phase(out, "second", 0, 0, out / "plain.ckpt")
+    return first, second
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    return _uninterrupted(str(tmp_path_factory.mktemp("reference")))
+
+
+@pytest.mark.parametrize(("save", "load"), [((2, 2), (2, 2)), ((2, 2), (1, 2)), ((2, 2), (2, 1)), ((2, 2), (0, 0)),
+                                            ((0, 0), (2, 2))],
+                         ids=["tp2pp2-same", "tp2pp2-to-pp2", "tp2pp2-to-tp2", "tp2pp2-to-one-process",
+                              "one-process-to-tp2pp2"])
+def test_resume_across_layouts(tmp_path: Path, reference, save: tuple[int, int], load: tuple[int, int]) -> None:
+    ref_first, ref_second = reference
+    ckpt = tmp_path / "run.ckpt"
+    first = _phase(tmp_path, "first", *save, ckpt)
+    assert_parity(first, ref_first, where=f"first phase {save}")
+    assert ckpt.is_file()
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    from models import LitLM
+
+    assert len(state["optimizer_states"][0]["state"]) == len(list(LitLM("nanogpt4").parameters()))  # every parameter's momentum
+    second = _phase(tmp_path, "second", *load, ckpt)
+    same = save == load
+    assert_parity(second, ref_second, rtol=1e-6 if same else 1e-5, atol=1e-6 if same else 1e-5,
+                  where=f"resumed {save} -> {load}")

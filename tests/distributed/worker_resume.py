@@ -1,0 +1,41 @@
+"""Train, save, resume in another layout: one phase of it per call (``layout`` = "none" for one process).
+
+    python worker_resume.py OUT first  TP PP CKPT   # 1 epoch (3 steps), then save CKPT
+    python worker_resume.py OUT second TP PP CKPT   # resume from CKPT for a second epoch (steps 4-6)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from models import LitLM, token_dataset
+from parity import Recorder
+
+
+def run(out: Path, phase: str, tp: int, pp: int, ckpt: Path, model: str = "nanogpt4") -> None:
+    from lightning_tpp import TensorPipeStrategy
+
+    L.seed_everything(0, verbose=False)
+    module = LitLM(model, lr=0.05, optimizer="sgdm")
+    strategy = TensorPipeStrategy(tp=tp, pp=pp, microbatches=2, print_plan=False) if tp * pp else "auto"
+    recorder = Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=max(tp * pp, 1), strategy=strategy,
+                        max_steps=3 if phase == "first" else 6, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        callbacks=[recorder], num_sanity_val_steps=0, limit_val_batches=0)
+    loader = torch.utils.data.DataLoader(token_dataset(12), batch_size=4, shuffle=False)
+    trainer.fit(module, loader, ckpt_path=None if phase == "first" else ckpt)
+    if phase == "first":
+        trainer.save_checkpoint(ckpt)
+    torch.save(asdict(recorder.record), out / f"{phase}.rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    out, phase, tp, pp, ckpt = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
+    run(out, phase, tp, pp, ckpt)
