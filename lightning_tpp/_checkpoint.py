@@ -6,8 +6,12 @@ loads it in one process, and a run at another ``tp`` (or a single-device checkpo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
+
+import torch
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -161,3 +165,33 @@ def load_indexed_optimizer_state(optimizer: Optimizer, module: nn.Module, state:
         groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": list(range(start, start + n))})
         start += n
     optimizer.load_state_dict({"state": local_state, "param_groups": groups})
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """Write aside, then publish: a save killed midway leaves the previous file at ``path`` untouched and only a
+    hidden ``.NAME.partial-PID`` file behind, which nothing loads."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def load_or_explain(load: Any, path: Any) -> Any:
+    """``load(path)``; a truncated or corrupt file becomes an error that says so and names the file."""
+    try:
+        return load(path)
+    except FileNotFoundError:
+        raise
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        text = str(err)
+        if "Weights only load failed" in text:
+            raise
+        raise CheckpointMismatchError(f"checkpoint {path} is incomplete or corrupt and cannot be loaded ({text[:300]}); "
+                                      f"use the previous checkpoint") from err

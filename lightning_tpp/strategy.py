@@ -12,6 +12,7 @@ then Lightning clips (global norm over every shard) and steps.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 from datetime import timedelta
 from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
 
@@ -44,6 +45,8 @@ from typing_extensions import override
 
 from lightning_tpp._checkpoint import (
     ParamNames,
+    atomic_save,
+    load_or_explain,
     full_state_dict,
     indexed_optimizer_state,
     load_full_state_dict,
@@ -523,6 +526,21 @@ class TensorPipeStrategy(ParallelStrategy):
             optimizer = getattr(optimizer, "_optimizer", optimizer)
             load_indexed_optimizer_state(optimizer, self.lightning_module, state, self._param_names, self._tp_group)
             _optimizer_to_device(optimizer, self.root_device)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+                        ) -> None:
+        """Rank 0 writes the whole-model checkpoint aside and then renames it into place (local paths)."""
+        if not self.is_global_zero:
+            return
+        if storage_options is not None or "://" in str(filepath):
+            return self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        atomic_save(checkpoint, Path(filepath))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return load_or_explain(lambda p: self.checkpoint_io.load_checkpoint(p, weights_only=weights_only),
+                               checkpoint_path)
 
     @override
     def teardown(self) -> None:
