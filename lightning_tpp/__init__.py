@@ -6,6 +6,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_tpp._checkpoint import CheckpointMismatchError
+from lightning_tpp._dcp import consolidate
 from lightning_tpp._mesh import MeshDims
 from lightning_tpp._tp_apply import TensorParallelMismatchError
 from lightning_tpp._tp_plan import TensorParallelConfigError, TPPlan
@@ -21,5 +22,6 @@ __all__ = [
     "TensorParallelConfigError",
     "TensorParallelMismatchError",
     "TensorPipeStrategy",
+    "consolidate",
 ]
 __version__ = "0.1.0"

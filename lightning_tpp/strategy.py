@@ -55,6 +55,14 @@ from lightning_tpp._checkpoint import (
     named_optimizer_state,
 )
 from lightning_tpp._comm import TPGroup
+from lightning_tpp._dcp import (
+    _Layout,
+    is_sharded_checkpoint,
+    load_sharded,
+    merge_param_groups,
+    named_param_groups,
+    save_sharded,
+)
 from lightning_tpp._grads import average_gradients, broadcast_module, clip_by_global_norm
 from lightning_tpp._mesh import MeshDims, build_mesh, resolve_dims
 from lightning_tpp._pipeline import PreparedStages, finish_stages, format_partition, prepare_stages, replay_logs
@@ -98,6 +106,9 @@ class TensorPipeStrategy(ParallelStrategy):
         tp_plan: ``"auto"``, or a mapping of module-name globs to styles (``"colwise"``, ``"rowwise"``,
             ``"colwise_gather"``, ``"vocab"``, ``"mha"``, ``"replicate"``) laid over the automatic plan.
         verify: check each parallelised block against the original on its first call.
+        save_distributed_checkpoint: write checkpoints as a folder of shards (torch.distributed.checkpoint, each
+            rank writing its own; ``lightning-tpp consolidate`` makes one file of it) instead of one whole-model
+            file written by rank 0. Both load into any layout.
         print_plan: print the plan table on global rank 0 at setup.
         process_group_backend: ``"gloo"``/``"nccl"``; default by device.
         timeout: collective timeout.
@@ -122,6 +133,7 @@ class TensorPipeStrategy(ParallelStrategy):
         tp_plan: Union[Literal["auto"], dict[str, str]] = "auto",
         verify: bool = True,
         print_plan: bool = True,
+        save_distributed_checkpoint: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -154,6 +166,8 @@ class TensorPipeStrategy(ParallelStrategy):
         self._engine: Optional[PipelineEngine] = None
         self._tp_plan_arg = tp_plan
         self._verify = verify
+        self._save_sharded = save_distributed_checkpoint
+        self._restored_sharded = False
         self._print_plan = print_plan
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -487,9 +501,21 @@ class TensorPipeStrategy(ParallelStrategy):
         dist.gather_object(obj, out, dst=dst, group=self._pp_group)
         return out
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the parallel layout: shards are cut from whole tensors, or read by DCP
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return not self._restored_sharded  # a sharded checkpoint's optimizer state is loaded with the model
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
+        if self._save_sharded:
+            return {}  # written by save_checkpoint, shard by shard
         state = full_state_dict(self.lightning_module, self._tp_group)
         if self._pp == 1:
             return state
@@ -499,6 +525,8 @@ class TensorPipeStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
+        if "state_dict" not in checkpoint:
+            return  # a sharded checkpoint, loaded in load_checkpoint
         state = checkpoint["state_dict"]
         if self._pp > 1:  # this stage's entries; the other stages' keys are not "unexpected" here
             own = self.lightning_module.state_dict().keys()
@@ -510,6 +538,8 @@ class TensorPipeStrategy(ParallelStrategy):
         """The ordinary single-device ``optimizer.state_dict()`` (whole tensors, indices in the single-device
         model's parameter order), whatever the layout: resumable in any layout and without a strategy."""
         assert self.lightning_module is not None
+        if self._save_sharded:
+            return {}
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         named = named_optimizer_state(optimizer, self.lightning_module, self._param_names, self._tp_group)
         if self._pp > 1:
@@ -522,7 +552,7 @@ class TensorPipeStrategy(ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
             optimizer = getattr(optimizer, "_optimizer", optimizer)
             load_indexed_optimizer_state(optimizer, self.lightning_module, state, self._param_names, self._tp_group)
             _optimizer_to_device(optimizer, self.root_device)
@@ -531,14 +561,38 @@ class TensorPipeStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
                         ) -> None:
         """Rank 0 writes the whole-model checkpoint aside and then renames it into place (local paths)."""
+        if self._save_sharded:
+            return self._save_sharded_checkpoint(checkpoint, Path(self.broadcast(str(filepath))))
         if not self.is_global_zero:
             return
         if storage_options is not None or "://" in str(filepath):
             return self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         atomic_save(checkpoint, Path(filepath))
 
+    def _layout(self) -> _Layout:
+        return _Layout(self._mesh["tp"], self._tp_group)
+
+    def _save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
+        assert self.lightning_module is not None
+        module, optimizers = self.lightning_module, [getattr(o, "_optimizer", o) for o in self.optimizers]
+        groups = named_param_groups(optimizers, module, self._param_names)
+        if self._pp > 1:  # every stage's parameter names in each group
+            stages = self._gather_stages(groups)
+            if stages is not None:
+                groups = merge_param_groups(stages)
+        save_sharded(path, checkpoint, module, optimizers, self._param_names, self._layout(),
+                     is_global_zero=self.is_global_zero, param_groups=groups)
+
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = self.broadcast(str(checkpoint_path))
+        self._restored_sharded = is_sharded_checkpoint(path)
+        if self._restored_sharded:
+            assert self.lightning_module is not None
+            return load_sharded(Path(path), self.lightning_module,
+                                [getattr(o, "_optimizer", o) for o in self.optimizers], self._param_names,
+                                self._layout(), lambda p: self.checkpoint_io.load_checkpoint(p, weights_only=False),
+                                strict=self.lightning_module.strict_loading)
         return load_or_explain(lambda p: self.checkpoint_io.load_checkpoint(p, weights_only=weights_only),
                                checkpoint_path)
 

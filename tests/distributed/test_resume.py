@@ -17,13 +17,14 @@ from parity import Record, assert_parity, load_record, merge_stages
 SCRIPT = ROOT / "tests" / "distributed" / "worker_resume.py"
 
 
-def _phase(out: Path, phase: str, tp: int, pp: int, ckpt: Path) -> Record:
+def _phase(out: Path, phase: str, tp: int, pp: int, ckpt: Path, sharded: bool = False) -> Record:
     if tp * pp == 0:  # one process, no strategy
         from worker_resume import run
 
         run(out, phase, 0, 0, ckpt)
         return load_record(out / f"{phase}.rank0.pt")
-    run_ranks(SCRIPT, tp * pp, [str(out), phase, str(tp), str(pp), str(ckpt)], timeout=300).check()
+    run_ranks(SCRIPT, tp * pp, [str(out), phase, str(tp), str(pp), str(ckpt), "sharded" if sharded else "whole"],
+              timeout=300).check()
     # tp rank 0 of every stage
     return merge_stages([load_record(out / f"{phase}.rank{s * tp}.pt") for s in range(pp)])
 
@@ -60,3 +61,21 @@ def test_resume_across_layouts(tmp_path: Path, reference, save: tuple[int, int],
     same = save == load
     assert_parity(second, ref_second, rtol=1e-6 if same else 1e-5, atol=1e-6 if same else 1e-5,
                   where=f"resumed {save} -> {load}")
+
+
+@pytest.mark.parametrize("load", [(1, 2), (2, 1), (2, 2), (0, 0)], ids=["to-pp2", "to-tp2", "same", "consolidated"])
+def test_sharded_checkpoint_resumes_in_any_layout(tmp_path: Path, reference, load: tuple[int, int]) -> None:
+    """save_distributed_checkpoint=True at tp2 x pp2: a folder of shards (DCP) that loads into other layouts; for one
+    process without the strategy it is consolidated into one ordinary file first."""
+    from lightning_tpp import consolidate
+
+    ref_first, ref_second = reference
+    ckpt = tmp_path / "run.ckpt"
+    _phase(tmp_path, "first", 2, 2, ckpt, sharded=True)
+    assert ckpt.is_dir() and (ckpt / ".metadata").is_file()
+    if load == (0, 0):
+        single = tmp_path / "single.ckpt"
+        consolidate(ckpt, single)
+        ckpt = single
+    second = _phase(tmp_path, "second", *load, ckpt, sharded=True)
+    assert_parity(second, ref_second, rtol=1e-5, atol=1e-5, where=f"sharded tp2pp2 -> {load}")

@@ -2,6 +2,7 @@
 
     python worker_resume.py OUT first  TP PP CKPT   # 1 epoch (3 steps), then save CKPT
     python worker_resume.py OUT second TP PP CKPT   # resume from CKPT for a second epoch (steps 4-6)
+    ... [sharded]                                   # save as a torch.distributed.checkpoint folder
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from models import LitLM, token_dataset
 from parity import Recorder
 
 
-def run(out: Path, phase: str, tp: int, pp: int, ckpt: Path, model: str = "nanogpt4") -> None:
+def run(out: Path, phase: str, tp: int, pp: int, ckpt: Path, model: str = "nanogpt4", sharded: bool = False) -> None:
     from lightning_tpp import TensorPipeStrategy
 
     L.seed_everything(0, verbose=False)
     module = LitLM(model, lr=0.05, optimizer="sgdm")
-    strategy = TensorPipeStrategy(tp=tp, pp=pp, microbatches=2, print_plan=False) if tp * pp else "auto"
+    strategy = TensorPipeStrategy(tp=tp, pp=pp, microbatches=2, print_plan=False,
+                                  save_distributed_checkpoint=sharded) if tp * pp else "auto"
     recorder = Recorder()
     trainer = L.Trainer(accelerator="cpu", devices=max(tp * pp, 1), strategy=strategy,
                         max_steps=3 if phase == "first" else 6, logger=False, enable_checkpointing=False,
@@ -38,4 +40,4 @@ def run(out: Path, phase: str, tp: int, pp: int, ckpt: Path, model: str = "nanog
 
 if __name__ == "__main__":
     out, phase, tp, pp, ckpt = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
-    run(out, phase, tp, pp, ckpt)
+    run(out, phase, tp, pp, ckpt, sharded=len(sys.argv) > 6 and sys.argv[6] == "sharded")

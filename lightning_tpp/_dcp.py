@@ -1,0 +1,233 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), under the single-device names, and their
+conversion to one ordinary Lightning checkpoint.
+
+A checkpoint is a folder::
+
+    run.ckpt/
+      .metadata, __*_*.distcp    DCP: "model.<name>" and "optim<i>.<name>.<state key>", each rank writing its shards
+      meta.pt                    everything else Lightning saves (loops, callbacks, schedulers, hyper-parameters),
+                                 the optimizers' parameter groups (by name) and the single-device parameter order
+
+Plain column/row/vocab shards are saved as DTensors (``Shard(dim)`` of the tp mesh), so DCP reshards them into any
+layout on load; fused projections (qkv) and replicated tensors are saved whole. The folder is written aside and
+renamed into place, so a save that dies midway leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_tpp._checkpoint import CheckpointMismatchError, ParamNames, _params_by_index, atomic_save, \
+    indexed_optimizer_state
+from lightning_tpp._comm import TPGroup
+from lightning_tpp._sharding import ShardSpec, shard_tensor
+from lightning_tpp._tp_apply import gather_with_spec
+
+META = "meta.pt"
+
+
+def is_sharded_checkpoint(path: Any) -> bool:
+    return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+class _Layout:
+    """How this rank's tensors map to whole tensors: wrap for DCP, and unwrap what DCP loaded."""
+
+    def __init__(self, tp_mesh: Any, group: TPGroup) -> None:
+        self.mesh, self.group = tp_mesh, group
+
+    def wrap(self, t: Tensor, spec: Optional[ShardSpec], full_shape: tuple[int, ...]) -> Any:
+        if spec is None or self.group.size == 1:
+            return t
+        if spec.parts is None:
+            return DTensor.from_local(t.contiguous(), self.mesh, [Shard(spec.dim)], run_check=False,
+                                      shape=torch.Size(full_shape), stride=_contiguous_stride(full_shape))
+        return gather_with_spec(t, spec, self.group)
+
+    def unwrap(self, loaded: Any, spec: Optional[ShardSpec]) -> Tensor:
+        if isinstance(loaded, DTensor):
+            return loaded.to_local()
+        if spec is not None and self.group.size > 1:
+            return shard_tensor(loaded, spec, self.group.rank, self.group.size)
+        return loaded
+
+
+def _model_entries(module: nn.Module) -> dict[str, tuple[Tensor, Optional[ShardSpec], tuple[int, ...]]]:
+    params = dict(module.named_parameters(remove_duplicate=False))
+    out = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        p = params.get(name)
+        spec = getattr(p, "_tpp_spec", None)
+        out[name] = (value, spec, getattr(p, "_tpp_full_shape", tuple(value.shape)))
+    return out
+
+
+def _optimizer_entries(optimizers: list[Any], module: nn.Module, names: ParamNames
+                       ) -> dict[str, tuple[Tensor, Optional[ShardSpec], tuple[int, ...]]]:
+    local = names.local(module)
+    out = {}
+    for i, opt in enumerate(optimizers):
+        params = _params_by_index(opt)
+        for idx, per_param in opt.state_dict()["state"].items():
+            p = params[idx]
+            spec = getattr(p, "_tpp_spec", None)
+            full = getattr(p, "_tpp_full_shape", tuple(p.shape))
+            for key, value in per_param.items():
+                if isinstance(value, Tensor):
+                    sharded = value.shape == p.shape
+                    out[f"optim{i}.{local[id(p)]}.{key}"] = (value, spec if sharded else None,
+                                                             full if sharded else tuple(value.shape))
+    return out
+
+
+def save_sharded(path: Path, checkpoint: dict[str, Any], module: nn.Module, optimizers: list[Any],
+                 names: ParamNames, layout: _Layout, *, is_global_zero: bool, param_groups: list[Any]) -> None:
+    """Every rank calls this (DCP's save is collective)."""
+    state = {f"model.{k}": layout.wrap(*v) for k, v in _model_entries(module).items()}
+    state.update({k: layout.wrap(*v) for k, v in _optimizer_entries(optimizers, module, names).items()})
+    tmp = path.with_name(f".{path.name}.partial")
+    if is_global_zero and tmp.exists():
+        shutil.rmtree(tmp)
+    dist.barrier()
+    dcp.save(state, checkpoint_id=tmp)
+    if is_global_zero:
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        meta["tpp"] = {"param_order": list(names.order), "param_groups": param_groups}
+        atomic_save(meta, tmp / META)
+        old = path.with_name(f".{path.name}.old")
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        if old.exists():
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    dist.barrier()
+
+
+def merge_param_groups(stages: list[list[list[dict[str, Any]]]]) -> list[list[dict[str, Any]]]:
+    """Each optimizer's named parameter groups from every pipeline stage, joined group by group."""
+    merged = [[{**g, "params": list(g["params"])} for g in groups] for groups in stages[0]]
+    for stage in stages[1:]:
+        for opt_groups, stage_groups in zip(merged, stage):
+            for g, h in zip(opt_groups, stage_groups):
+                g["params"] += [n for n in h["params"] if n not in g["params"]]
+    return merged
+
+
+def named_param_groups(optimizers: list[Any], module: nn.Module, names: ParamNames) -> list[list[dict[str, Any]]]:
+    local = names.local(module)
+    out = []
+    for opt in optimizers:
+        params = _params_by_index(opt)
+        sd = opt.state_dict()
+        out.append([{**{k: v for k, v in g.items() if k != "params"},
+                     "params": [local[id(params[i])] for i in g["params"]]} for g in sd["param_groups"]])
+    return out
+
+
+def load_sharded(path: Path, module: nn.Module, optimizers: list[Any], names: ParamNames, layout: _Layout,
+                 load_meta: Any, *, strict: bool) -> dict[str, Any]:
+    """Load model (and optimizer state, where optimizers exist) in this rank's layout; returns the rest."""
+    meta = load_meta(path / META)
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    entries = {f"model.{k}": v for k, v in _model_entries(module).items()}
+    missing = sorted(k[6:] for k in entries if k not in stored)
+    if missing and strict:
+        raise CheckpointMismatchError(f"checkpoint {path} lacks model entries {missing}")
+    targets = {k: layout.wrap(*v) for k, v in entries.items() if k in stored}
+    opt_entries = _expected_optimizer_entries(optimizers, module, names, stored)
+    targets.update({k: layout.wrap(*v) for k, v in opt_entries.items()})
+    dcp.load(targets, checkpoint_id=path)
+    with torch.no_grad():
+        for key, (value, spec, _) in entries.items():
+            if key in targets:
+                value.copy_(layout.unwrap(targets[key], spec))
+    _restore_optimizers(optimizers, module, names, meta["tpp"]["param_groups"],
+                        {k: layout.unwrap(targets[k], v[1]) for k, v in opt_entries.items()})
+    return meta
+
+
+def _expected_optimizer_entries(optimizers: list[Any], module: nn.Module, names: ParamNames, stored: Any
+                                ) -> dict[str, tuple[Tensor, Optional[ShardSpec], tuple[int, ...]]]:
+    """Buffers for the optimizer state the checkpoint holds for this rank's parameters (state is created lazily)."""
+    local = names.local(module)
+    out = {}
+    for i, opt in enumerate(optimizers):
+        for p in _params_by_index(opt):
+            prefix = f"optim{i}.{local[id(p)]}."
+            full = getattr(p, "_tpp_full_shape", tuple(p.shape))
+            spec = getattr(p, "_tpp_spec", None)
+            for key, md in stored.items():
+                if key.startswith(prefix) and "." not in key[len(prefix):]:
+                    shape = tuple(md.size) if hasattr(md, "size") else ()
+                    sharded = shape == tuple(full)
+                    local_shape = tuple(p.shape) if sharded else shape
+                    dtype = md.properties.dtype if hasattr(md, "properties") else torch.float32
+                    buf = torch.empty(local_shape, dtype=dtype, device=p.device if sharded else "cpu")
+                    out[key] = (buf, spec if sharded else None, full if sharded else shape)
+    return out
+
+
+def _restore_optimizers(optimizers: list[Any], module: nn.Module, names: ParamNames, groups: list[Any],
+                        loaded: dict[str, Tensor]) -> None:
+    local = names.local(module)
+    for i, opt in enumerate(optimizers):
+        params = _params_by_index(opt)
+        state: dict[int, dict[str, Any]] = {}
+        for idx, p in enumerate(params):
+            prefix = f"optim{i}.{local[id(p)]}."
+            per = {k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)}
+            if per:
+                state[idx] = per
+        saved = groups[i] if i < len(groups) else [{}] * len(opt.param_groups)
+        new_groups, start = [], 0
+        for g_saved, g_now in zip(saved, opt.param_groups):
+            n = len(g_now["params"])
+            new_groups.append({**{k: v for k, v in g_saved.items() if k != "params"},
+                               "params": list(range(start, start + n))})
+            start += n
+        opt.load_state_dict({"state": state, "param_groups": new_groups})
+
+
+def consolidate(path: Path, out: Path) -> None:
+    """One ordinary Lightning checkpoint from a sharded one, in one process without ``torch.distributed``."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if not is_sharded_checkpoint(path):
+        raise CheckpointMismatchError(f"{path} is not a sharded lightning_tpp checkpoint (no .metadata inside)")
+    flat_file = out.with_name(f".{out.name}.flat")
+    dcp_to_torch_save(path, flat_file)
+    try:
+        flat = torch.load(flat_file, map_location="cpu", weights_only=True)
+    finally:
+        flat_file.unlink()
+    meta = torch.load(path / META, map_location="cpu", weights_only=False)
+    tpp = meta.pop("tpp")
+    order = ParamNames(tuple(tpp["param_order"]), {})
+    checkpoint = dict(meta)
+    checkpoint["state_dict"] = {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}
+    checkpoint["optimizer_states"] = []
+    for i, groups in enumerate(tpp["param_groups"]):
+        named: dict[str, Any] = {"state": {}, "param_groups": groups}
+        prefix = f"optim{i}."
+        for key, value in flat.items():
+            if key.startswith(prefix):
+                name, _, state_key = key[len(prefix):].rpartition(".")
+                named["state"].setdefault(name, {})[state_key] = value
+        checkpoint["optimizer_states"].append(indexed_optimizer_state(named, order))
+    atomic_save(checkpoint, out)
