@@ -81,7 +81,7 @@ class _WholeWeightsLauncher(_MultiProcessingLauncher):
     @override
     def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Any:
         module = trainer.lightning_module
-        full = self._strategy.lightning_module_state_dict()  # collective: every rank runs this method
+        full = self._strategy.whole_model_state()  # collective: every rank runs this method
         module.state_dict = lambda *args, **kwargs: full  # type: ignore[method-assign]
         try:
             return super()._collect_rank_zero_results(trainer, results)
@@ -133,7 +133,7 @@ class TensorPipeStrategy(ParallelStrategy):
         tp_plan: Union[Literal["auto"], dict[str, str]] = "auto",
         verify: bool = True,
         print_plan: bool = True,
-        save_distributed_checkpoint: bool = False,
+        save_distributed_checkpoint: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -513,9 +513,13 @@ class TensorPipeStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
         if self._save_sharded:
             return {}  # written by save_checkpoint, shard by shard
+        return self.whole_model_state()
+
+    def whole_model_state(self) -> dict[str, Any]:
+        """The single-device ``state_dict`` (on the first stage's ranks; collective over tp and pp)."""
+        assert self.lightning_module is not None
         state = full_state_dict(self.lightning_module, self._tp_group)
         if self._pp == 1:
             return state

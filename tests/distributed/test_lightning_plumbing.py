@@ -46,12 +46,15 @@ def test_model_summary_counts_whole_model(plumbing) -> None:
     assert all(r["summary_total"] == expected for r in ranks)
 
 
-def test_checkpoint_loads_in_one_process_and_predicts_the_same(plumbing) -> None:
+def test_checkpoint_loads_in_one_process_and_predicts_the_same(plumbing, tmp_path: Path) -> None:
+    """ModelCheckpoint writes sharded checkpoints (the default); consolidated, one process loads them."""
+    from lightning_tpp import consolidate
     from worker_plumbing import PlumbingLM
 
     out, ranks = plumbing
-    assert ranks[0]["best"] and Path(ranks[0]["last"]).is_file()
-    model = PlumbingLM.load_from_checkpoint(ranks[0]["last"], map_location="cpu")
+    assert ranks[0]["best"] and (Path(ranks[0]["last"]) / ".metadata").is_file()
+    consolidate(Path(ranks[0]["last"]), tmp_path / "one.ckpt")
+    model = PlumbingLM.load_from_checkpoint(tmp_path / "one.ckpt", map_location="cpu")
     model.eval()
     # predict ran after fit on the same weights; replica 0 saw validation samples 0, 2, 4, ... (DistributedSampler)
     x = torch.stack([token_dataset(24, seed=1)[i][0] for i in range(0, 8, 2)])

@@ -36,11 +36,13 @@ def test_logged_values_identical_on_every_stage(pp_run) -> None:
         assert len({r["fit_metrics"]["train_loss"] for r in group}) == 1
 
 
-def test_predict_and_checkpoint(pp_run) -> None:
+def test_predict_and_checkpoint(pp_run, tmp_path: Path) -> None:
+    from lightning_tpp import consolidate
     from worker_pp_plumbing import PipeLM
 
     (tp, pp, dp), ranks = pp_run
-    model = PipeLM.load_from_checkpoint(ranks[0]["last"], map_location="cpu")
+    consolidate(Path(ranks[0]["last"]), tmp_path / "one.ckpt")
+    model = PipeLM.load_from_checkpoint(tmp_path / "one.ckpt", map_location="cpu")
     model.eval()
     val = token_dataset(24, seed=1)
     for rank, r in enumerate(ranks):

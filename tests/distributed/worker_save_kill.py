@@ -1,4 +1,4 @@
-"""Save a checkpoint, then die (SIGKILL) halfway through writing the next one to the same path."""
+"""Save a whole-model checkpoint file, then die (SIGKILL) halfway through writing the next one to the same path."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from models import LitLM, token_dataset
 def main() -> None:
     path = Path(sys.argv[1])
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=TensorPipeStrategy(tp=2, timeout=timedelta(seconds=20)),
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=TensorPipeStrategy(
+        tp=2, timeout=timedelta(seconds=20), save_distributed_checkpoint=False),
                         max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     model = LitLM("nanogpt")
     trainer.fit(model, torch.utils.data.DataLoader(token_dataset(16), batch_size=4))
