@@ -81,6 +81,7 @@ class PipelineEngine:
         self._sends: list[Any] = []
         self._parked: dict[nn.Parameter, Tensor] = {}
         self.trace: Optional[list[tuple[str, int, int, float, float, float]]] = None  # see record_trace
+        self.position: Optional[tuple[str, int, int]] = None
         self._waited = 0.0
 
     def record_trace(self, enabled: bool = True) -> None:
@@ -218,6 +219,7 @@ class PipelineEngine:
         scale = [loss_scale * share for share in shares]
         try:
             for kind, mb, chunk in order:
+                self.position = (kind, mb, chunk)
                 start, self._waited = time.perf_counter(), 0.0
                 if kind == "F":
                     self._forward(mb, chunk, step, micro[mb], states)
@@ -228,6 +230,7 @@ class PipelineEngine:
             self._wait_sends()
         finally:
             self.runtime.ctx = None
+        self.position = None
         for p, grad in self.tied:
             if grad is not None and p.grad is not None:
                 dist.all_reduce(p.grad, group=grad)
@@ -250,6 +253,17 @@ class PipelineEngine:
                 raise PipelineError(f"a batch of {m} samples cannot run the interleaved schedule (needs a multiple of "
                                     f"pp={self.pp} micro-batches): use drop_last=True") from None
             return actions("gpipe", self.rank, self.pp, m)
+
+    def describe_position(self) -> str:
+        """Where the current step is, for failure messages: ' in stage 1, backward of micro-batch 3'."""
+        if self.position is None:
+            return ""
+        kind, mb, chunk = self.position
+        names = {"F": "forward", "B": "backward", "I": "input-gradient backward", "W": "weight-gradient backward"}
+        return f" in pipeline stage {self._stage(chunk)}, {names[kind]} of micro-batch {mb}"
+
+    def discard_grads(self) -> None:
+        self._parked = {}
 
     def restore_grads(self) -> None:
         """Add the gradients of the last schedule back (after Lightning's ``zero_grad``)."""

@@ -11,6 +11,9 @@ then Lightning clips (global norm over every shard) and steps.
 
 from __future__ import annotations
 
+import atexit
+import functools
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from datetime import timedelta
@@ -37,7 +40,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from torch.optim import Optimizer
@@ -63,6 +66,7 @@ from lightning_tpp._dcp import (
     named_param_groups,
     save_sharded,
 )
+from lightning_tpp._watchdog import FailureWatch, NonFiniteLossError, check_agreement, model_structure
 from lightning_tpp._grads import average_gradients, broadcast_module, clip_by_global_norm
 from lightning_tpp._mesh import MeshDims, build_mesh, resolve_dims
 from lightning_tpp._pipeline import PreparedStages, finish_stages, format_partition, prepare_stages, replay_logs
@@ -73,6 +77,13 @@ from lightning_tpp._tp_apply import apply_plan
 from lightning_tpp._tp_plan import TPPlan, check_divisible, detect, hf_plan, overlay
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+@functools.lru_cache(maxsize=None)
+def _destroy_process_group_at_exit() -> None:
+    """Destroy the process group before the interpreter tears down: gloo's threads otherwise may abort the process
+    ("terminate called without an active exception") after all work is done. Registered once per process."""
+    atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
 
 
 class _WholeWeightsLauncher(_MultiProcessingLauncher):
@@ -111,7 +122,10 @@ class TensorPipeStrategy(ParallelStrategy):
             file written by rank 0. Both load into any layout.
         print_plan: print the plan table on global rank 0 at setup.
         process_group_backend: ``"gloo"``/``"nccl"``; default by device.
-        timeout: collective timeout.
+        timeout: how long a collective may wait, and how long a silent peer is tolerated before every rank stops
+            with a message naming it (the latter capped at 60 s).
+        on_nonfinite: a NaN/inf loss on any rank: ``"raise"`` on every rank, ``"skip"`` the step everywhere, or
+            ``"warn"`` and go on. All ranks take the same decision.
         start_method: ``"auto"`` (``"fork"`` in notebooks, else ``"popen"``: the script is run again per rank),
             ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
     """
@@ -134,6 +148,7 @@ class TensorPipeStrategy(ParallelStrategy):
         verify: bool = True,
         print_plan: bool = True,
         save_distributed_checkpoint: bool = True,
+        on_nonfinite: Literal["raise", "skip", "warn"] = "raise",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -167,6 +182,11 @@ class TensorPipeStrategy(ParallelStrategy):
         self._tp_plan_arg = tp_plan
         self._verify = verify
         self._save_sharded = save_distributed_checkpoint
+        if on_nonfinite not in ("raise", "skip", "warn"):
+            raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'raise', 'skip' or 'warn'")
+        self._on_nonfinite = on_nonfinite
+        self._watch: Optional[FailureWatch] = None
+        self._skip_backward = False
         self._restored_sharded = False
         self._print_plan = print_plan
         self._process_group_backend = process_group_backend
@@ -258,12 +278,18 @@ class TensorPipeStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        _destroy_process_group_at_exit()
         self._dims = resolve_dims(self.world_size, self._tp, self._pp, self._dp_arg)
         self._mesh = build_mesh(self._dims, self.root_device.type)
         coords = self._dims.coords(self.global_rank)
         self._tp_group = TPGroup(self._mesh.get_group("tp"), coords["tp"], self._dims.tp)
         self._dp_group = self._mesh.get_group("dp")
         self._pp_group = self._mesh.get_group("pp")
+        if self._watch is None and self.world_size > 1:
+            seconds = self._timeout.total_seconds() if self._timeout is not None else 1800.0
+            self._watch = FailureWatch(dist.distributed_c10d._get_default_store(), self.global_rank, self.world_size,
+                                       timeout=min(seconds, 60.0))
+            self._watch.start()
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -295,6 +321,7 @@ class TensorPipeStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self, module: nn.Module) -> None:
+        check_agreement(self._fingerprint(module))
         broadcast_module(module, src=0)
         self._param_names = ParamNames.of(module)  # the single-device names, before stages drop modules
         if self._pp > 1:
@@ -323,6 +350,12 @@ class TensorPipeStrategy(ParallelStrategy):
             rank_zero_info(format_plan(module, plan, self._tp))
         if self._print_plan and self._prepared is not None:
             rank_zero_info(format_partition(self._prepared.partition, self.dims.pp))
+
+    def _fingerprint(self, module: nn.Module) -> dict[str, Any]:
+        config = {k: repr(getattr(self, k)) for k in ("_tp", "_pp", "_dp_arg", "microbatches", "schedule",
+                                                       "virtual_stages", "_tp_plan_arg", "_balance", "_split_points",
+                                                       "_blocks", "_save_sharded", "_on_nonfinite")}
+        return {"configuration": config, "model": model_structure(module), "seed": os.environ.get("PL_GLOBAL_SEED")}
 
     def _use_dp_groups_for_metrics(self, module: nn.Module) -> None:
         """torchmetrics sync over the world by default; tp (and pp) replicas are not extra samples."""
@@ -364,8 +397,33 @@ class TensorPipeStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._engine is None:
-            return super().training_step(*args, **kwargs)
+        out = super().training_step(*args, **kwargs) if self._engine is None else self._pipeline_training_step(
+            *args, **kwargs)
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if isinstance(loss, Tensor) and not self._finite_everywhere(loss):
+            if self._engine is not None:
+                self._engine.discard_grads()
+            self._skip_backward = True  # skip: no gradient from this batch on any rank (Lightning refuses None)
+            return torch.zeros((), device=self.root_device)
+        return out
+
+    def _finite_everywhere(self, loss: Tensor) -> bool:
+        """One decision for all ranks about a NaN/inf loss (``on_nonfinite``)."""
+        bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0], device=self.root_device)
+        flags = [torch.zeros_like(bad) for _ in range(self.world_size)]
+        dist.all_gather(flags, bad)
+        ranks = [r for r, f in enumerate(flags) if f.item()]
+        if not ranks:
+            return True
+        step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
+        message = f"non-finite loss at step {step} on ranks {ranks} (on_nonfinite={self._on_nonfinite!r})"
+        if self._on_nonfinite == "raise":
+            raise NonFiniteLossError(f"{message}; pass on_nonfinite='skip' to skip such steps, or lower the learning "
+                                     f"rate / enable gradient clipping")
+        rank_zero_warn(message + ("; skipping the step on every rank" if self._on_nonfinite == "skip" else ""))
+        return self._on_nonfinite == "warn"
+
+    def _pipeline_training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         assert module is not None and module.trainer is not None
 
@@ -413,12 +471,14 @@ class TensorPipeStrategy(ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """Under a pipeline the schedule already ran backward inside ``training_step``: run the hooks and restore
         the parked gradients instead of differentiating the (detached) step loss."""
-        if self._engine is None:
+        if self._engine is None and not self._skip_backward:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         assert self.lightning_module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._engine.restore_grads()
+        if self._engine is not None and not self._skip_backward:
+            self._engine.restore_grads()
+        self._skip_backward = False
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -601,7 +661,28 @@ class TensorPipeStrategy(ParallelStrategy):
                                checkpoint_path)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """This rank failed: tell every other rank who failed, where and why, so that none waits for it."""
+        if self._watch is None:
+            return
+        where = self._engine.describe_position() if self._engine is not None else ""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        stage = getattr(getattr(trainer, "state", None), "stage", None)
+        coords = self.dims.coords(self.global_rank) if self._dims is not None else {}
+        message = (f"rank {self.global_rank} {coords} failed during {stage.value if stage else 'setup'}{where}: "
+                   f"{type(exception).__name__}: {str(exception)[:500]}")
+        if isinstance(exception, (dist.DistBackendError, RuntimeError)):  # a peer may be gone: name it
+            silent = self._watch.silent_ranks()
+            if silent:
+                message = (f"rank(s) {silent} stopped responding (killed or lost); rank {self.global_rank} {coords} "
+                           f"noticed{where}: {type(exception).__name__}: {str(exception)[:300]}")
+        self._watch.report(message)
+
+    @override
     def teardown(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()

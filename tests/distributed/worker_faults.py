@@ -1,0 +1,60 @@
+"""A rank of a run into which a fault is injected (scenario in argv[1]); see test_faults.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_tpp import TensorPipeStrategy
+from models import LitLM, token_dataset
+
+RANK = int(os.environ.get("LOCAL_RANK", "0"))
+
+
+class Faulty(LitLM):
+    def __init__(self, scenario: str) -> None:
+        super().__init__("nanogpt")
+        self.scenario = scenario
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2 and RANK == 1:
+            if self.scenario in ("raise_tp", "raise_pp"):
+                raise RuntimeError("injected failure in training_step")
+            if self.scenario == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+        loss = super().training_step(batch, batch_idx)
+        if self.scenario.startswith("nan") and batch_idx == 2 and RANK == 1:
+            loss = loss * float("nan")
+        return loss
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    kwargs = dict(timeout=timedelta(seconds=8))
+    if scenario == "raise_pp":
+        kwargs.update(pp=2, microbatches=2)
+    elif scenario in ("raise_tp", "kill"):
+        kwargs.update(tp=2)
+    elif scenario.startswith("nan"):
+        kwargs.update(on_nonfinite=scenario.split("_")[1])  # dp=2
+    elif scenario == "disagree":
+        kwargs.update(tp=2, tp_plan={"*.mlp": "replicate"} if RANK == 1 else "auto")
+    L.seed_everything(0, verbose=False)
+    ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=1)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=TensorPipeStrategy(**kwargs), max_steps=5,
+                        logger=False, enable_progress_bar=False, callbacks=[ckpt])
+    model = Faulty(scenario)
+    trainer.fit(model, torch.utils.data.DataLoader(token_dataset(40), batch_size=4))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.save({"params": params, "step": trainer.global_step}, out / f"done.rank{RANK}.pt")
+
+
+if __name__ == "__main__":
+    main()
