@@ -37,11 +37,11 @@ class FailureWatch:
         self._thread = threading.Thread(target=self._run, name="lightning_tpp-watchdog", daemon=True)
         self._thread.start()
 
-    def silent_ranks(self, wait: float = 1.5) -> list[int]:
+    def silent_ranks(self, wait: float = 2.0) -> list[int]:
         """Ranks (not done) whose heartbeat does not advance within ``wait`` seconds: the dead, after an error."""
         def beats() -> dict[int, bytes]:
-            return {r: self.store.get(f"tpp/hb/{r}") for r in range(self.world) if r != self.rank
-                    and self.store.get(f"tpp/done/{r}") != b"1" and self.store.check([f"tpp/hb/{r}"])}
+            return {r: self.store.get(f"tpp/hb/{r}") if self.store.check([f"tpp/hb/{r}"]) else b""
+                    for r in range(self.world) if r != self.rank and self.store.get(f"tpp/done/{r}") != b"1"}
         try:
             before = beats()
             time.sleep(wait)

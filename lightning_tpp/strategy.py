@@ -50,6 +50,8 @@ from lightning_tpp._checkpoint import (
     ParamNames,
     atomic_save,
     load_or_explain,
+    rng_state,
+    set_rng_state,
     full_state_dict,
     indexed_optimizer_state,
     load_full_state_dict,
@@ -624,7 +626,11 @@ class TensorPipeStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
                         ) -> None:
-        """Rank 0 writes the whole-model checkpoint aside and then renames it into place (local paths)."""
+        """Rank 0 writes the whole-model checkpoint aside and then renames it into place (local paths); every rank's
+        RNG states travel with it."""
+        rng: list[Any] = [None] * self.world_size
+        dist.all_gather_object(rng, rng_state())
+        checkpoint["tpp_rng_states"] = rng
         if self._save_sharded:
             return self._save_sharded_checkpoint(checkpoint, Path(self.broadcast(str(filepath))))
         if not self.is_global_zero:
@@ -649,6 +655,13 @@ class TensorPipeStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = self._load_checkpoint(checkpoint_path, weights_only)
+        rng = checkpoint.get("tpp_rng_states")
+        if isinstance(rng, list) and len(rng) == self.world_size:  # same number of ranks: each resumes its streams
+            set_rng_state(rng[self.global_rank])
+        return checkpoint
+
+    def _load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool]) -> dict[str, Any]:
         path = self.broadcast(str(checkpoint_path))
         self._restored_sharded = is_sharded_checkpoint(path)
         if self._restored_sharded:

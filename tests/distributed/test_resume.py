@@ -61,6 +61,8 @@ def test_resume_across_layouts(tmp_path: Path, reference, save: tuple[int, int],
     same = save == load
     assert_parity(second, ref_second, rtol=1e-6 if same else 1e-5, atol=1e-6 if same else 1e-5,
                   where=f"resumed {save} -> {load}")
+    # trainer.validate(ckpt_path=...) in this layout: the checkpoint's weights, whatever layout wrote them
+    torch.testing.assert_close(second.logged["val_loss"], ref_second.logged["val_loss"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("load", [(1, 2), (2, 1), (2, 2), (0, 0)], ids=["to-pp2", "to-tp2", "same", "consolidated"])
@@ -79,3 +81,4 @@ def test_sharded_checkpoint_resumes_in_any_layout(tmp_path: Path, reference, loa
         ckpt = single
     second = _phase(tmp_path, "second", *load, ckpt, sharded=True)
     assert_parity(second, ref_second, rtol=1e-5, atol=1e-5, where=f"sharded tp2pp2 -> {load}")
+    torch.testing.assert_close(second.logged["val_loss"], ref_second.logged["val_loss"], rtol=1e-5, atol=1e-6)

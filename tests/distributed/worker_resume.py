@@ -30,11 +30,13 @@ def run(out: Path, phase: str, tp: int, pp: int, ckpt: Path, model: str = "nanog
     trainer = L.Trainer(accelerator="cpu", devices=max(tp * pp, 1), strategy=strategy,
                         max_steps=3 if phase == "first" else 6, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        callbacks=[recorder], num_sanity_val_steps=0, limit_val_batches=0)
+                        callbacks=[recorder])
     loader = torch.utils.data.DataLoader(token_dataset(12), batch_size=4, shuffle=False)
     trainer.fit(module, loader, ckpt_path=None if phase == "first" else ckpt)
     if phase == "first":
         trainer.save_checkpoint(ckpt)
+    else:  # evaluate the checkpoint we started from, in this layout
+        recorder.record.logged = trainer.validate(module, loader, ckpt_path=ckpt, verbose=False)[0]
     torch.save(asdict(recorder.record), out / f"{phase}.rank{trainer.global_rank}.pt")
 
 
