@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, WARMUP = 12, 3
 SHAPE = dict(vocab=512, block_size=128, n_embd=256, n_head=8, n_layer=8)
-BATCH, MICRO = 32, 8
+BATCH, MICRO = 64, 8
 
 
 # ----------------------------------------------------------------------------------------------------------------

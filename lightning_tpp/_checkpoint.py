@@ -213,12 +213,13 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
     from lightning.fabric.utilities.seed import _set_rng_states
 
     restored: dict[str, Any] = {"torch": torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8),
                                 "python": state["python"]}
     if "numpy" in state:
+        import numpy as np
+
         name, keys, pos, has_gauss, cached = state["numpy"]
         restored["numpy"] = (name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
     if state.get("torch.cuda") and torch.cuda.is_available():

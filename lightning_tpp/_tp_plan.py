@@ -136,7 +136,7 @@ def _attention(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]],
     if heads is None or len(lins) < 2:
         return None
     kv_heads = _find_int(module, KV_NAMES, blocks)
-    (out_name, out), inputs = lins[-1], lins[:-1]
+    (_, out), inputs = lins[-1], lins[:-1]
     q_width, _ = linear_dims(out)
     if q_width % heads:
         return None

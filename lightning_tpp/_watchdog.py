@@ -60,6 +60,14 @@ class FailureWatch:
         except Exception:  # noqa: BLE001 - the store may already be gone at shutdown
             pass
 
+    @property
+    def reported(self) -> bool:
+        """This rank failed, or saw another rank's failure report."""
+        try:
+            return self._reported or bool(self.store.check([_ABORT]))
+        except Exception:  # noqa: BLE001 - the store is gone: treat as failed, do not wait for anyone
+            return True
+
     def report(self, message: str) -> None:
         """This rank failed: tell every rank (the first report wins) and let this process end on its own. If another
         rank failed first, this error is a consequence of that one: say so, and end now."""

@@ -6,7 +6,6 @@ one backward all-reduce, not one each."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path

@@ -1,0 +1,161 @@
+"""Checkpoint glue of :class:`~lightning_tpp.TensorPipeStrategy` (a mixin): layout-free saves and loads.
+
+Whole-file checkpoints hold the single-device ``state_dict`` and optimizer state (gathered over tp and pp); sharded
+ones are a ``torch.distributed.checkpoint`` folder (:mod:`lightning_tpp._dcp`). Both load into any layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_tpp._checkpoint import (
+    atomic_save,
+    full_state_dict,
+    indexed_optimizer_state,
+    load_full_state_dict,
+    load_indexed_optimizer_state,
+    load_or_explain,
+    merge_named,
+    named_optimizer_state,
+    rng_state,
+    set_rng_state,
+)
+from lightning_tpp._dcp import (
+    _Layout,
+    is_sharded_checkpoint,
+    load_sharded,
+    merge_param_groups,
+    named_param_groups,
+    save_sharded,
+)
+
+
+class CheckpointMixin:
+    """Expects the strategy's ``_tp_group``, ``_pp``, ``_mesh``, ``dims``, ``_param_names``, ``_save_sharded``."""
+
+    _restored_sharded: bool
+    _save_sharded: bool
+
+    def _gather_stages(self, obj: Any) -> Optional[list[Any]]:
+        """Every pipeline stage's ``obj`` on the first stage's rank of this pp group (None elsewhere)."""
+        coords = self.dims.coords(self.global_rank)
+        dst = self.dims.rank_of(dp=coords["dp"], pp=0, tp=coords["tp"])
+        out: Optional[list[Any]] = [None] * self.dims.pp if self.global_rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self._pp_group)
+        return out
+
+    @property
+    @override  # type: ignore[misc]
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the parallel layout: shards are cut from whole tensors, or read by DCP
+
+    @property
+    @override  # type: ignore[misc]
+    def lightning_restore_optimizer(self) -> bool:
+        return not self._restored_sharded  # a sharded checkpoint's optimizer state is loaded with the model
+
+    @override  # type: ignore[misc]
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._save_sharded:
+            return {}  # written by save_checkpoint, shard by shard
+        return self.whole_model_state()
+
+    def whole_model_state(self) -> dict[str, Any]:
+        """The single-device ``state_dict`` (on the first stage's ranks; collective over tp and pp)."""
+        assert self.lightning_module is not None
+        state = full_state_dict(self.lightning_module, self._tp_group)
+        if self._pp == 1:
+            return state
+        stages = self._gather_stages({k: v.cpu() for k, v in state.items()})
+        return {k: v for stage in stages for k, v in stage.items()} if stages is not None else state
+
+    @override  # type: ignore[misc]
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        if "state_dict" not in checkpoint:
+            return  # a sharded checkpoint, loaded in load_checkpoint
+        state = checkpoint["state_dict"]
+        if self._pp > 1:  # this stage's entries; the other stages' keys are not "unexpected" here
+            own = self.lightning_module.state_dict().keys()
+            state = {k: v for k, v in state.items() if k in own}
+        load_full_state_dict(self.lightning_module, state, self._tp_group, strict=strict)
+
+    @override  # type: ignore[misc]
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The ordinary single-device ``optimizer.state_dict()`` (whole tensors, indices in the single-device
+        model's parameter order), whatever the layout: resumable in any layout and without a strategy."""
+        assert self.lightning_module is not None
+        if self._save_sharded:
+            return {}
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        named = named_optimizer_state(optimizer, self.lightning_module, self._param_names, self._tp_group)
+        if self._pp > 1:
+            stages = self._gather_stages(named)
+            if stages is None:
+                return {}
+            named = merge_named(stages)
+        return indexed_optimizer_state(named, self._param_names)
+
+    @override  # type: ignore[misc]
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.lightning_module is not None
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            load_indexed_optimizer_state(optimizer, self.lightning_module, state, self._param_names, self._tp_group)
+            _optimizer_to_device(optimizer, self.root_device)
+
+    @override  # type: ignore[misc]
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+                        ) -> None:
+        """Rank 0 writes the whole-model checkpoint aside and then renames it into place (local paths); every rank's
+        RNG states travel with it."""
+        rng: list[Any] = [None] * self.world_size
+        dist.all_gather_object(rng, rng_state())
+        checkpoint["tpp_rng_states"] = rng
+        if self._save_sharded:
+            return self._save_sharded_checkpoint(checkpoint, Path(self.broadcast(str(filepath))))
+        if not self.is_global_zero:
+            return
+        if storage_options is not None or "://" in str(filepath):
+            return self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        atomic_save(checkpoint, Path(filepath))
+
+    def _layout(self) -> _Layout:
+        return _Layout(self._mesh["tp"], self._tp_group)
+
+    def _save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
+        assert self.lightning_module is not None
+        module, optimizers = self.lightning_module, [getattr(o, "_optimizer", o) for o in self.optimizers]
+        groups = named_param_groups(optimizers, module, self._param_names)
+        if self._pp > 1:  # every stage's parameter names in each group
+            stages = self._gather_stages(groups)
+            if stages is not None:
+                groups = merge_param_groups(stages)
+        save_sharded(path, checkpoint, module, optimizers, self._param_names, self._layout(),
+                     is_global_zero=self.is_global_zero, param_groups=groups)
+
+    @override  # type: ignore[misc]
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = self._load_checkpoint(checkpoint_path, weights_only)
+        rng = checkpoint.get("tpp_rng_states")
+        if isinstance(rng, list) and len(rng) == self.world_size:  # same number of ranks: each resumes its streams
+            set_rng_state(rng[self.global_rank])
+        return checkpoint
+
+    def _load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool]) -> dict[str, Any]:
+        path = self.broadcast(str(checkpoint_path))
+        self._restored_sharded = is_sharded_checkpoint(path)
+        if self._restored_sharded:
+            assert self.lightning_module is not None
+            return load_sharded(Path(path), self.lightning_module,
+                                [getattr(o, "_optimizer", o) for o in self.optimizers], self._param_names,
+                                self._layout(), lambda p: self.checkpoint_io.load_checkpoint(p, weights_only=False),
+                                strict=self.lightning_module.strict_loading)
+        return load_or_explain(lambda p: self.checkpoint_io.load_checkpoint(p, weights_only=weights_only),
+                               checkpoint_path)
