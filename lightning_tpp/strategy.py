@@ -403,9 +403,15 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
     def _finite_everywhere(self, loss: Tensor) -> bool:
         """One decision for all ranks about a NaN/inf loss (``on_nonfinite``)."""
         bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0], device=self.root_device)
-        flags = [torch.zeros_like(bad) for _ in range(self.world_size)]
-        dist.all_gather(flags, bad)
-        ranks = [r for r, f in enumerate(flags) if f.item()]
+        # the ranks of one replica hold the same loss (tp computes it replicated, pp broadcasts it): ask only the
+        # other replicas, and nobody when there are none (no synchronisation point added to the step)
+        coords = self.dims.coords(self.global_rank)
+        replicas = [self.dims.rank_of(dp=d, pp=coords["pp"], tp=coords["tp"]) for d in range(self.dims.dp)]
+        flags = [bad]
+        if self.dims.dp > 1:
+            flags = [torch.zeros_like(bad) for _ in replicas]
+            dist.all_gather(flags, bad, group=self._dp_group)
+        ranks = [r for r, f in zip(replicas, flags) if f.item()]
         if not ranks:
             return True
         step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
