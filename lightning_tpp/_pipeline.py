@@ -3,8 +3,9 @@ creates process groups).
 
 Two steps, with tensor parallelism applied in between (so the dispatchers sit outermost)::
 
-    prepare_stages:  partition -> meta twins of blocks/pre/post -> other stages' modules replaced (parameters freed)
-    finish_stages:   dispatchers on this rank's blocks and embeddings -> tied-weight groups -> PipelineEngine
+    prepare_stages:  partition -> units (blocks, embeddings, norms, heads) with meta twins -> other stages' units
+                     replaced (parameters freed)
+    finish_stages:   dispatchers on this rank's units -> tied-weight groups -> PipelineEngine
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from lightning_tpp._pp_partition import (
     PipelinePartitionError,
     ancestor_parameters,
     describe,
-    find_block_sequence,
+    find_block_sequences,
     plan_partition,
 )
-from lightning_tpp._pp_stage import StageRuntime, _RemoteModule, _set_module, mark_dispatch, meta_twin
+from lightning_tpp._pp_stage import StageRuntime, Unit, _RemoteModule, _set_module, mark_dispatch, meta_twin
 
 
 @dataclass
@@ -42,25 +43,40 @@ class PreparedStages:
     trainable_params: int
 
 
-def _owners(partition: Partition) -> dict[str, int]:
-    """Module FQN -> the stage that owns it (blocks by bounds, pre -> first, post -> last)."""
-    owners = {name: partition.stage_of_block(i) for i, name in enumerate(partition.names)}
-    owners.update({n: 0 for n in partition.pre})
-    owners.update({n: partition.stages - 1 for n in partition.post})
-    return owners
+def _expand(module: nn.Module, name: str) -> list[str]:
+    """The modules of a block that its forward calls: the block itself, or for a ModuleList/ModuleDict (a block
+    ``[attn, ff]`` that the forward unpacks) its children."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return [n for k, child in module.named_children() for n in _expand(child, f"{name}.{k}")]
+    return [name]
 
 
-def measure_block_costs(module: nn.Module, blocks: str, example: Any, repeats: int = 3) -> list[float]:
-    """Forward + backward seconds of each block on ``example`` (the module's ``example_input_array``)."""
-    names, _, _ = describe(module, blocks)
+def _units(module: nn.Module, partition: Partition) -> list[Unit]:
+    """Every module with a dispatcher, with its stage."""
     modules = dict(module.named_modules())
-    stamps: dict[str, list[float]] = {n: [] for n in names}
+    owners = partition.owners()
+    units = [Unit(n, owners[n]) for n in partition.pre]
+    for i, members in enumerate(partition.members):
+        units += [Unit(n, partition.stage_of_block(i)) for m in members for n in _expand(modules[m], m)]
+    units += [Unit(n, owners[n]) for n, _ in partition.middle]
+    units += [Unit(n, owners[n]) for n in partition.post]
+    return units
+
+
+def measure_block_costs(module: nn.Module, members: Sequence[Sequence[str]], example: Any, repeats: int = 3
+                        ) -> list[float]:
+    """Forward + backward seconds of each block (its member modules) on ``example`` (the module's
+    ``example_input_array``)."""
+    modules = dict(module.named_modules())
+    stamps: dict[int, list[float]] = {i: [] for i in range(len(members))}
     starts: dict[str, float] = {}
     handles = []
-    for n in names:
-        handles.append(modules[n].register_forward_pre_hook(lambda m, a, n=n: starts.__setitem__(n, time.perf_counter())))
-        handles.append(modules[n].register_forward_hook(
-            lambda m, a, o, n=n: stamps[n].append(time.perf_counter() - starts[n])))
+    for i, block in enumerate(members):
+        for n in (n for m in block for n in _expand(modules[m], m)):
+            handles.append(modules[n].register_forward_pre_hook(
+                lambda m, a, n=n: starts.__setitem__(n, time.perf_counter())))
+            handles.append(modules[n].register_forward_hook(
+                lambda m, a, o, n=n, i=i: stamps[i].append(time.perf_counter() - starts[n])))
     try:
         for _ in range(repeats):
             out = module(*example) if isinstance(example, (tuple, list)) else module(example)
@@ -72,14 +88,15 @@ def measure_block_costs(module: nn.Module, blocks: str, example: Any, repeats: i
     finally:
         for h in handles:
             h.remove()
-    return [3.0 * sorted(v)[len(v) // 2] for v in stamps.values()]  # backward ~ 2x forward
+    return [3.0 * sum(v) / repeats for v in stamps.values()]  # backward ~ 2x forward
 
 
 def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: int, device: torch.device,
-                   blocks: Optional[str], balance: Union[str, Sequence[int]], split_points: Optional[Sequence[str]]
-                   ) -> PreparedStages:
+                   blocks: Optional[Union[str, Sequence[str]]], balance: Union[str, Sequence[int]],
+                   split_points: Optional[Sequence[str]]) -> PreparedStages:
     stages = dims.pp * virtual
-    container = blocks if blocks is not None else find_block_sequence(module)
+    containers = find_block_sequences(module) if blocks is None else (
+        (blocks,) if isinstance(blocks, str) else tuple(blocks))
     costs = None
     if balance == "time":
         example = getattr(module, "example_input_array", None)
@@ -87,14 +104,15 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
             raise PipelinePartitionError("balance='time' measures each block on the LightningModule's "
                                          "example_input_array; set self.example_input_array, or use "
                                          "balance='params'")
-        costs = torch.tensor(measure_block_costs(module, container, example), device=device)
+        members = describe(module, containers, zip_siblings=blocks is None)[0]
+        costs = torch.tensor(measure_block_costs(module, members, example), device=device)
         dist.broadcast(costs, src=0)  # every rank must cut at the same places
         costs = costs.tolist()
-    partition = plan_partition(module, stages, blocks=container,
+    partition = plan_partition(module, stages, blocks=blocks,
                                balance_by=balance if not isinstance(balance, str) else "params",
                                split_points=split_points, block_costs=costs)
     local = [c * dims.pp + pp_rank for c in range(virtual)]
-    owners = _owners(partition)
+    owners = partition.owners()
     modules = dict(module.named_modules())
     # weights used by modules of several stages (tied embedding/head): every owner keeps a copy, grads are summed
     holders: dict[int, tuple[nn.Parameter, set[int]]] = {}
@@ -103,8 +121,9 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
             holders.setdefault(id(p), (p, set()))[1].add(stage)
     tied_stages = sorted({tuple(sorted(s)) for _, s in holders.values() if len(s) > 1})
     params = list(module.parameters())
-    prepared = PreparedStages(partition, StageRuntime(device), local, {}, tied_stages,
-                              ancestor_parameters(module, container),
+    runtime = StageRuntime(device)
+    runtime.units = _units(module, partition)
+    prepared = PreparedStages(partition, runtime, local, {}, tied_stages, ancestor_parameters(module, containers),
                               sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
     if 0 not in local:  # other stages compute with zeros in their place; not saved, no gradient
         for fqn in prepared.ancestor_params:
@@ -112,22 +131,16 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
             owner = module.get_submodule(owner_name)
             zeros = torch.zeros_like(owner._parameters.pop(attr))
             owner.register_buffer(attr, zeros, persistent=False)
-    for name in (*partition.names, *partition.pre, *partition.post):
-        prepared.twins[name] = meta_twin(modules[name])
+    for unit in runtime.units:
+        prepared.twins[unit.name] = meta_twin(modules[unit.name])
     for p, stages_of in holders.values():
         if len(stages_of) > 1:
             p._tpp_tied_stages = tuple(sorted(stages_of))
             if min(stages_of) not in local:
                 p._tpp_tied_secondary = True  # counted once in the global gradient norm
-    for i, name in enumerate(partition.names):
-        if owners[name] not in local:
-            _set_module(module, name, _RemoteModule(prepared.twins[name], prepared.runtime, kind="block", index=i,
-                                                    name=name))
-    for kind, names in (("pre", partition.pre), ("post", partition.post)):
-        for name in names:
-            if owners[name] not in local:
-                _set_module(module, name, _RemoteModule(prepared.twins[name], prepared.runtime, kind=kind, index=-1,
-                                                        name=name))
+    for i, unit in enumerate(runtime.units):
+        if unit.stage not in local:
+            _set_module(module, unit.name, _RemoteModule(prepared.twins[unit.name], runtime, unit=i))
     return prepared
 
 
@@ -135,21 +148,17 @@ def finish_stages(module: nn.Module, prepared: PreparedStages, *, dims: MeshDims
                   virtual: int, schedule: str, microbatches: int, pp_group: Any) -> PipelineEngine:
     partition, runtime, local = prepared.partition, prepared.runtime, prepared.local_stages
     modules = dict(module.named_modules())
-    owners = _owners(partition)
-    for i, name in enumerate(partition.names):
-        if owners[name] in local:
-            mark_dispatch(modules[name], runtime, kind="block", index=i, name=name, twin=prepared.twins[name])
-    if 0 in local:
-        for name in partition.pre:
-            mark_dispatch(modules[name], runtime, kind="pre", index=-1, name=name, twin=prepared.twins[name])
+    for i, unit in enumerate(runtime.units):
+        if unit.stage in local:
+            mark_dispatch(modules[unit.name], runtime, unit=i, twin=prepared.twins[unit.name])
     chunk_params: list[list[nn.Parameter]] = []
     for g in local:
-        names = [n for n, s in owners.items() if s == g]
         seen: dict[int, nn.Parameter] = {}
-        for n in names:
-            for p in modules[n].parameters():
-                if p.requires_grad:
-                    seen.setdefault(id(p), p)
+        for unit in runtime.units:
+            if unit.stage == g:
+                for p in modules[unit.name].parameters():
+                    if p.requires_grad:
+                        seen.setdefault(id(p), p)
         if g == 0:
             for fqn in prepared.ancestor_params:
                 p = module.get_parameter(fqn)
@@ -157,11 +166,10 @@ def finish_stages(module: nn.Module, prepared: PreparedStages, *, dims: MeshDims
                     seen.setdefault(id(p), p)
         chunk_params.append(list(seen.values()))
     tied = _tied_groups(module, prepared, dims, coords)
-    rank_of = lambda stage: dims.rank_of(dp=coords["dp"], pp=stage % dims.pp, tp=coords["tp"])  # noqa: E731
+    stage_rank = lambda pp_rank: dims.rank_of(dp=coords["dp"], pp=pp_rank, tp=coords["tp"])  # noqa: E731
     return PipelineEngine(module, partition, runtime, rank=coords["pp"], pp=dims.pp, virtual=virtual,
-                          schedule=schedule, microbatches=microbatches, group=pp_group,
-                          prev_rank=rank_of(coords["pp"] - 1), next_rank=rank_of(coords["pp"] + 1),
-                          last_rank=rank_of(partition.stages - 1), chunk_params=chunk_params, tied=tied)
+                          schedule=schedule, microbatches=microbatches, group=pp_group, stage_rank=stage_rank,
+                          chunk_params=chunk_params, tied=tied, ancestor_params=prepared.ancestor_params)
 
 
 def _tied_groups(module: nn.Module, prepared: PreparedStages, dims: MeshDims, coords: dict[str, int]
@@ -180,12 +188,14 @@ def _tied_groups(module: nn.Module, prepared: PreparedStages, dims: MeshDims, co
 
 
 def format_partition(partition: Partition, pp: int) -> str:
-    lines = [f"Pipeline partition of {partition.blocks or '<root>'} ({len(partition.names)} blocks) into "
-             f"{partition.stages} stages:"]
+    label = ", ".join(partition.blocks) if partition.blocks != ("",) else "<root>"
+    lines = [f"Pipeline partition of {label} ({len(partition.members)} blocks) into {partition.stages} stages:"]
+    owners = partition.owners()
     for g, (a, b) in enumerate(partition.bounds):
-        extra = (["+ " + ", ".join(partition.pre)] if g == 0 and partition.pre else []) + \
-                (["+ " + ", ".join(partition.post)] if g == partition.stages - 1 and partition.post else [])
-        lines.append(f"  stage {g} (pp rank {g % pp}): blocks {a}..{b - 1} {' '.join(extra)}".rstrip())
+        extra = [n for n in (*partition.pre, *(n for n, _ in partition.middle), *partition.post) if owners[n] == g]
+        names = f"{partition.names[a]}..{partition.names[b - 1]}" if b - a > 1 else partition.names[a]
+        lines.append(f"  stage {g} (pp rank {g % pp}): blocks {a}..{b - 1} ({names})"
+                     f"{' + ' + ', '.join(extra) if extra else ''}")
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ adds them back, so ``zero_grad`` and gradient accumulation behave as without a p
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -25,12 +26,13 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_tpp._pp_partition import Partition
 from lightning_tpp._pp_schedule import actions
-from lightning_tpp._pp_stage import RunContext, StageOutput, StageRuntime
+from lightning_tpp._pp_stage import Route, RunContext, StageOutput, StageRuntime, plan_routes, trace
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
            torch.uint8, torch.int8, torch.int16]
 _MAX_DIMS = 8
 _HEADER = 3 + _MAX_DIMS  # dtype, requires_grad, ndim, dims...
+_MAX_LEAVES = 64  # tensors per bundle
 
 
 class PipelineError(RuntimeError):
@@ -39,10 +41,9 @@ class PipelineError(RuntimeError):
 
 @dataclass
 class _MicroBatch:
-    inputs: list[Tensor] = field(default_factory=list)  # received activations (leaves of this stage's graph)
-    outputs: list[Tensor] = field(default_factory=list)  # sent activations (roots of this stage's graph)
+    inputs: dict[int, list[Tensor]] = field(default_factory=dict)  # received, per sending stage (graph leaves)
+    outputs: dict[int, list[Tensor]] = field(default_factory=dict)  # sent, per receiving stage (graph roots)
     loss: Optional[Tensor] = None
-    received: bool = False
     param_groups: Any = None
     deferred: Optional[tuple[list[Tensor], Optional[list[Tensor]]]] = None
 
@@ -69,14 +70,16 @@ def split_batch(batch: Any, n: int) -> tuple[list[Any], list[float]]:
 
 class PipelineEngine:
     def __init__(self, module: nn.Module, partition: Partition, runtime: StageRuntime, *, rank: int, pp: int,
-                 virtual: int, schedule: str, microbatches: int, group: Any, prev_rank: int, next_rank: int,
-                 last_rank: int, chunk_params: list[list[nn.Parameter]], tied: list[tuple[nn.Parameter, Any]]
-                 ) -> None:
+                 virtual: int, schedule: str, microbatches: int, group: Any, stage_rank: Callable[[int], int],
+                 chunk_params: list[list[nn.Parameter]], tied: list[tuple[nn.Parameter, Any]],
+                 ancestor_params: tuple[str, ...] = ()) -> None:
         self.module, self.partition, self.runtime = module, partition, runtime
         self.rank, self.pp, self.virtual = rank, pp, virtual
         self.schedule, self.microbatches = schedule, microbatches
-        self.group, self.prev_rank, self.next_rank, self.last_rank = group, prev_rank, next_rank, last_rank
-        self.chunk_params, self.tied = chunk_params, tied
+        self.group, self.stage_rank = group, stage_rank  # pp rank -> global rank (same dp and tp coordinates)
+        self.last_rank = stage_rank((partition.stages - 1) % pp)
+        self.chunk_params, self.tied, self.ancestor_params = chunk_params, tied, ancestor_params
+        self._route_cache: dict[Any, list[Route]] = {}
         self.order = actions(schedule, rank, pp, microbatches, virtual)
         self._sends: list[Any] = []
         self._parked: dict[nn.Parameter, Tensor] = {}
@@ -89,12 +92,41 @@ class PipelineEngine:
         self.trace = [] if enabled else None
 
     # ------------------------------------------------------------------------------------------------------------
-    # point-to-point
+    # which values cross stages (traced once per kind of step and batch structure)
 
-    def _tag(self, mb: int, sender_stage: int, kind: int, leaf: int = 0) -> int:
-        """Unique per message of a step; both ends derive it from the *sending* stage (with interleaving the last
-        rank's chunk c feeds rank 0's chunk c + 1)."""
-        return ((mb * self.partition.stages + sender_stage) * 4 + kind) * 64 + leaf
+    def _routes(self, kind: str, step: Callable[[Any], Any], micro: Any) -> list[Route]:
+        leaves, spec = tree_flatten(micro)
+        key = (kind, str(spec), tuple((t.dim(), t.dtype) if isinstance(t, Tensor) else type(t).__name__
+                                      for t in leaves))
+        if key not in self._route_cache:
+            sources = {}
+            for fqn in self.ancestor_params:
+                owner_name, _, attr = fqn.rpartition(".")
+                owner = self.module.get_submodule(owner_name) if owner_name else self.module
+                sources[fqn] = getattr(owner, attr)
+            with _sandbox(self.module, self.runtime.device) as logged:
+                calls, result = trace(self.runtime, lambda: (step(micro), logged), sources)
+            routes = plan_routes(self.runtime, calls, result, self.partition.stages)
+            digest = [repr([(k, sorted(t)) for k, t in calls])]
+            every = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(every, digest[0], group=self.group)
+            if any(d != digest[0] for d in every):
+                raise PipelineError(f"the pipeline stages traced different forwards for one {kind} step (the forward "
+                                    f"takes a different path on some ranks); it must call the same layers everywhere")
+            self._route_cache[key] = routes
+        return self._route_cache[key]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # point-to-point: one bundle of tensors per micro-batch, stage pair and direction
+
+    def _tag(self, mb: int, src: int, dst: int, kind: int, leaf: int = 0) -> int:
+        """Unique per message of a step; both ends derive it from the stages (with interleaving a rank holds several,
+        and one stage may feed several later ones)."""
+        stages = self.partition.stages
+        return (((mb * stages + src) * stages + dst) * 3 + kind) * _MAX_LEAVES + leaf
+
+    def _rank_of_stage(self, stage: int) -> int:
+        return self.stage_rank(stage % self.pp)
 
     def _isend(self, t: Tensor, dst: int, tag: int) -> None:
         self._sends.append(dist.isend(t.contiguous(), dst, tag=tag))
@@ -106,33 +138,33 @@ class PipelineEngine:
         self._waited += time.perf_counter() - start
         return buf
 
-    def _send_activation(self, mb: int, chunk: int, tensors: list[Tensor]) -> None:
+    def _send_bundle(self, mb: int, src: int, dst: int, tensors: list[Tensor]) -> None:
+        if len(tensors) > _MAX_LEAVES:
+            raise PipelineError(f"{len(tensors)} tensors cross from pipeline stage {src} to {dst}; at most "
+                                f"{_MAX_LEAVES} are supported")
         header = torch.zeros(len(tensors) * _HEADER, dtype=torch.int64, device=self.runtime.device)
         for i, t in enumerate(tensors):
             if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
                 raise PipelineError(f"cannot send a {t.dim()}-d {t.dtype} activation between stages")
             row = [_DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
             header[i * _HEADER:i * _HEADER + len(row)] = torch.tensor(row)
-        g = self._stage(chunk)
-        self._isend(header, self.next_rank, self._tag(mb, g, 0))
+        rank = self._rank_of_stage(dst)
+        self._isend(header, rank, self._tag(mb, src, dst, 0))
         for i, t in enumerate(tensors):
-            self._isend(t.detach(), self.next_rank, self._tag(mb, g, 1, i))
+            self._isend(t.detach(), rank, self._tag(mb, src, dst, 1, i))
 
-    def _receive_activation(self, mb: int, chunk: int, state: _MicroBatch, meta: Any) -> Any:
-        leaves, spec = tree_flatten(meta)
-        slots = [i for i, v in enumerate(leaves) if isinstance(v, Tensor)]
-        sender = self._stage(chunk) - 1
-        header = self._recv((len(slots) * _HEADER,), torch.int64, self.prev_rank, self._tag(mb, sender, 0)).tolist()
-        out = list(leaves)
-        for k, i in enumerate(slots):
+    def _receive_bundle(self, mb: int, src: int, dst: int, count: int, state: _MicroBatch) -> list[Tensor]:
+        if src in state.inputs:
+            return state.inputs[src]
+        rank = self._rank_of_stage(src)
+        header = self._recv((count * _HEADER,), torch.int64, rank, self._tag(mb, src, dst, 0)).tolist()
+        out = []
+        for k in range(count):
             dtype_code, grad, ndim, *dims = header[k * _HEADER:(k + 1) * _HEADER]
-            t = self._recv(tuple(dims[:ndim]), _DTYPES[dtype_code], self.prev_rank, self._tag(mb, sender, 1, k))
-            if grad:
-                t.requires_grad_(True)
-            state.inputs.append(t)
-            out[i] = t
-        state.received = True
-        return tree_unflatten(out, spec)
+            t = self._recv(tuple(dims[:ndim]), _DTYPES[dtype_code], rank, self._tag(mb, src, dst, 1, k))
+            out.append(t.requires_grad_(True) if grad else t)
+        state.inputs[src] = out
+        return out
 
     # ------------------------------------------------------------------------------------------------------------
     # one forward / backward of one micro-batch on one chunk
@@ -140,62 +172,82 @@ class PipelineEngine:
     def _stage(self, chunk: int) -> int:
         return chunk * self.pp + self.rank
 
-    def _forward(self, mb: int, chunk: int, step: Callable[[Any], Any], micro: Any, states: dict) -> None:
+    def _forward(self, mb: int, chunk: int, step: Callable[[Any], Any], micro: Any, states: dict,
+                 routes: list[Route]) -> Any:
+        """Run stage ``chunk``'s part of the step; returns the step's result on the last stage."""
         g = self._stage(chunk)
+        route = routes[g]
         state = states[(mb, chunk)] = _MicroBatch()
-        start, end = self.partition.bounds[g]
         last = g == self.partition.stages - 1
-        self.runtime.ctx = RunContext(g, start, end, g == 0, last,
-                                      lambda meta: self._receive_activation(mb, chunk, state, meta))
+        if not route.runs:
+            return None
+        ctx = RunContext(g, route, lambda s: self._receive_bundle(mb, s, g, route.inbound[s], state))
+        self.runtime.ctx = ctx
+        result = None
         try:
             result = step(micro)
-        except StageOutput as out:
-            state.outputs = [t for t in tree_flatten(out.value)[0] if isinstance(t, Tensor)]
-            self._send_activation(mb, chunk, state.outputs)
+        except StageOutput:
+            pass
         else:
             if not last:
-                raise PipelineError(f"stage {g}: the step finished without reaching block "
-                                    f"{self.partition.names[end - 1]!r}; the step must run the model's forward")
-            state.loss = _loss_of(result, g)
+                raise PipelineError(f"stage {g}: the step finished without calling "
+                                    f"{self.runtime.units[route.stop_after[0]].name!r} (call {route.stop_after[1]}) "
+                                    f"as the traced forward did; the step must run the model's forward")
         finally:
             self.runtime.ctx = None
-        if g > 0 and not state.received:
-            raise PipelineError(f"stage {g}: the forward never called block {self.partition.names[start - 1]!r}, "
-                                f"whose output this stage receives")
+        missing = [s for s in route.inbound if s not in state.inputs]
+        if missing:
+            raise PipelineError(f"stage {g}: the forward never used what stages {missing} send it, unlike the traced "
+                                f"forward of this step; the forward must call the same layers on every step")
+        for dst, items in route.outbound.items():
+            tensors = [ctx.kept[key][leaf] for key, leaf in items]
+            state.outputs[dst] = tensors
+            self._send_bundle(mb, g, dst, tensors)
+        return result
 
     def _roots(self, mb: int, chunk: int, state: _MicroBatch, scale: float) -> tuple[list[Tensor], Optional[list]]:
+        g = self._stage(chunk)
+        roots: dict[int, Tensor] = {}
+        grads: dict[int, Tensor] = {}
         if state.loss is not None:
-            return [state.loss * scale], None
-        roots = [t for t in state.outputs if t.requires_grad]
-        grads = [self._recv(tuple(t.shape), t.dtype, self.next_rank, self._tag(mb, self._stage(chunk) + 1, 2, i))
-                 for i, t in enumerate(roots)]
-        return roots, grads
+            roots[id(state.loss)], grads[id(state.loss)] = state.loss, torch.full_like(state.loss, scale)
+        for dst, tensors in state.outputs.items():
+            needed = [t for t in tensors if t.requires_grad]
+            rank = self._rank_of_stage(dst)
+            for i, t in enumerate(needed):
+                grad = self._recv(tuple(t.shape), t.dtype, rank, self._tag(mb, dst, g, 2, i))
+                roots[id(t)], grads[id(t)] = t, grads[id(t)] + grad if id(t) in grads else grad
+        return list(roots.values()), [grads[k] for k in roots]
 
-    def _send_input_grads(self, mb: int, chunk: int, grads: list[Optional[Tensor]], inputs: list[Tensor]) -> None:
-        for i, (g, t) in enumerate(zip(grads, inputs)):
-            self._isend(g if g is not None else torch.zeros_like(t), self.prev_rank,
-                        self._tag(mb, self._stage(chunk), 2, i))
+    def _send_input_grads(self, mb: int, chunk: int, state: _MicroBatch, grads: dict[int, Optional[Tensor]]) -> None:
+        g = self._stage(chunk)
+        for src, tensors in state.inputs.items():
+            rank = self._rank_of_stage(src)
+            for i, t in enumerate(x for x in tensors if x.requires_grad):
+                grad = grads.get(id(t))
+                self._isend(grad if grad is not None else torch.zeros_like(t), rank, self._tag(mb, g, src, 2, i))
 
     def _backward(self, kind: str, mb: int, chunk: int, states: dict, scale: float) -> None:
         state: _MicroBatch = states[(mb, chunk)]
-        first = self._stage(chunk) == 0
-        inputs = [t for t in state.inputs if t.requires_grad]
+        inputs = [t for tensors in state.inputs.values() for t in tensors if t.requires_grad]
         if kind == "B":
             roots, grads = self._roots(mb, chunk, state, scale)
-            torch.autograd.backward(roots, grads)
-            if not first:
-                self._send_input_grads(mb, chunk, [t.grad for t in inputs], inputs)
+            if roots:
+                torch.autograd.backward(roots, grads)
+            self._send_input_grads(mb, chunk, state, {id(t): t.grad for t in inputs})
         elif kind == "I":
             roots, grads = self._roots(mb, chunk, state, scale)
-            if first or not inputs:
+            if not inputs or not roots:
                 state.deferred = (roots, grads)  # nothing to send upstream: the whole backward is weight work
+                self._send_input_grads(mb, chunk, state, {})
             else:
                 dinputs, state.param_groups = stage_backward_input(roots, grads, inputs,
                                                                    iter(self.chunk_params[chunk]))
-                self._send_input_grads(mb, chunk, list(dinputs), inputs)
+                self._send_input_grads(mb, chunk, state, {id(t): d for t, d in zip(inputs, dinputs)})
         else:  # "W"
             if state.deferred is not None:
-                torch.autograd.backward(*state.deferred)
+                if state.deferred[0]:
+                    torch.autograd.backward(*state.deferred)
             else:
                 for p in self.chunk_params[chunk]:  # torch accumulates with "+=": an expanded grad cannot take it
                     if p.grad is not None and not p.grad.is_contiguous():
@@ -211,6 +263,7 @@ class PipelineEngine:
         """Run the schedule over ``batch``; returns the mean micro-batch loss (the same tensor value on every stage)."""
         micro, shares = split_batch(batch, min(self.microbatches, _batch_size(batch)))
         order = self._order(len(micro))
+        routes = self._routes("training_step", step, micro[0])
         params = [p for chunk in self.chunk_params for p in chunk]
         previous = {p: p.grad for p in params}
         for p in params:
@@ -222,7 +275,9 @@ class PipelineEngine:
                 self.position = (kind, mb, chunk)
                 start, self._waited = time.perf_counter(), 0.0
                 if kind == "F":
-                    self._forward(mb, chunk, step, micro[mb], states)
+                    result = self._forward(mb, chunk, step, micro[mb], states, routes)
+                    if self._stage(chunk) == self.partition.stages - 1:
+                        states[(mb, chunk)].loss = _loss_of(result, self._stage(chunk))
                 else:
                     self._backward(kind, mb, chunk, states, scale[mb])
                 if self.trace is not None:
@@ -271,34 +326,22 @@ class PipelineEngine:
             p.grad = g if p.grad is None else p.grad + g
         self._parked = {}
 
-    def eval_step(self, step: Callable[[Any], Any], batch: Any) -> Any:
+    def eval_step(self, step: Callable[[Any], Any], batch: Any, kind: str) -> Any:
         """Forward only, whole batch as one micro-batch, through every chunk of this rank in stage order."""
         states: dict[tuple[int, int], _MicroBatch] = {}
+        routes = self._routes(kind, step, batch)
         result = None
         try:
             for chunk in range(self.virtual):
-                g = self._stage(chunk)
-                if g == self.partition.stages - 1:
-                    result = self._eval_last(step, batch, chunk, states)
-                else:
-                    self._forward(0, chunk, step, batch, states)
+                out = self._forward(0, chunk, step, batch, states, routes)
+                if self._stage(chunk) == self.partition.stages - 1:
+                    result = out
             self._wait_sends()
         finally:
             self.runtime.ctx = None
         box = [tree_map(lambda t: t.detach().cpu() if isinstance(t, Tensor) else t, result)]
         dist.broadcast_object_list(box, src=self.last_rank, group=self.group)
         return tree_map(lambda t: t.to(self.runtime.device) if isinstance(t, Tensor) else t, box[0])
-
-    def _eval_last(self, step: Callable[[Any], Any], batch: Any, chunk: int, states: dict) -> Any:
-        g = self._stage(chunk)
-        state = states[(0, chunk)] = _MicroBatch()
-        start, end = self.partition.bounds[g]
-        self.runtime.ctx = RunContext(g, start, end, g == 0, True,
-                                      lambda meta: self._receive_activation(0, chunk, state, meta))
-        try:
-            return step(batch)
-        finally:
-            self.runtime.ctx = None
 
     def broadcast_from_last(self, value: Tensor) -> Tensor:
         value = value.detach().float().reshape(()).contiguous()
@@ -344,3 +387,29 @@ def captured_logs(module: Any) -> Iterator[list[tuple[str, Any, dict]]]:
         yield entries
     finally:
         del module.log
+
+
+@contextlib.contextmanager
+def _sandbox(module: Any, device: torch.device) -> Iterator[list[Tensor]]:
+    """For a traced step: no gradients, random state and torchmetrics states restored afterwards, ``self.log``
+    values collected (the tensors the last stage must be able to compute) instead of logged."""
+    from torchmetrics import Metric
+
+    metrics = [m for m in module.modules() if isinstance(m, Metric)]
+    saved = [(copy.deepcopy(m.metric_state), m._update_count, m._forward_cache, m._computed) for m in metrics]
+    logged: list[Tensor] = []
+    previous = module.__dict__.get("log")
+    module.log = lambda name, value, *args, **kwargs: logged.append(value)
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            yield logged
+    finally:
+        if previous is None:
+            del module.log
+        else:
+            module.log = previous
+        for m, (state, count, cache, computed) in zip(metrics, saved):
+            for k, v in state.items():
+                setattr(m, k, v)
+            m._update_count, m._forward_cache, m._computed = count, cache, computed

@@ -2,14 +2,18 @@
 
 The model's *block sequence* is its repeated layers: the largest ``nn.ModuleList``/``nn.Sequential`` whose children
 share one class (``transformer.h``, ``model.layers``, ``encoder.layers``), or the children of a plain
-``nn.Sequential`` model. Modules with parameters registered before the sequence (embeddings) go with the first stage,
-those after it (final norm, head) with the last; parameter-free modules (rotary tables, masks) run everywhere::
+``nn.Sequential`` model. Other lists of comparable size join it: an encoder-decoder's two stacks follow one another
+(``encoder.layers`` then ``decoder.layers``), sibling lists of equal length zipped in one loop make one block of
+their i-th entries. Modules with parameters registered before the sequence (embeddings) go with the first stage,
+those after it (final norm, head) with the last, those between two stacks (the encoder's final norm) with the block
+before them; parameter-free modules (rotary tables, masks) run everywhere::
 
     pre | b0 b1 b2 b3 b4 b5 b6 b7 | post         pp = 2, balanced by parameters
     stage 0: pre b0 b1 b2 b3
     stage 1:               b4 b5 b6 b7 post
 
-Stages are contiguous; :func:`balance` minimises the largest stage cost (pre/post costs included).
+Stages are contiguous; :func:`balance` minimises the largest stage cost (pre/post costs included). Which values
+cross from stage to stage is not decided here: the stages trace it (see ``_pp_stage``).
 """
 
 from __future__ import annotations
@@ -26,20 +30,36 @@ class PipelinePartitionError(ValueError):
 
 @dataclass(frozen=True)
 class Partition:
-    """Block ``bounds[s] = (start, end)`` of each (virtual) stage ``s`` of the block sequence at ``blocks``."""
+    """Block ``bounds[s] = (start, end)`` of each (virtual) stage ``s`` of the block sequence.
 
-    blocks: str  # FQN of the container of the blocks
-    names: tuple[str, ...]  # FQN of each block
+    The sequence may span several containers run one after the other (an encoder's layers, then a decoder's), and a
+    block may be several modules (the i-th entry of sibling lists zipped in one loop)."""
+
+    blocks: tuple[str, ...]  # FQNs of the containers of the blocks, in order
+    members: tuple[tuple[str, ...], ...]  # FQNs of the modules of each block
     pre: tuple[str, ...]  # FQNs of modules with parameters before the blocks (first stage)
     post: tuple[str, ...]  # ... after the blocks (last stage)
+    middle: tuple[tuple[str, int], ...]  # (module between two containers, blocks before it): stage of that block
     bounds: tuple[tuple[int, int], ...]
 
     @property
     def stages(self) -> int:
         return len(self.bounds)
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(m[0] for m in self.members)
+
     def stage_of_block(self, i: int) -> int:
         return next(s for s, (a, b) in enumerate(self.bounds) if a <= i < b)
+
+    def owners(self) -> dict[str, int]:
+        """Module FQN -> the stage that holds it."""
+        owners = {name: self.stage_of_block(i) for i, names in enumerate(self.members) for name in names}
+        owners.update({n: 0 for n in self.pre})
+        owners.update({n: self.stage_of_block(i - 1) for n, i in self.middle})
+        owners.update({n: self.stages - 1 for n in self.post})
+        return owners
 
 
 def _inside(name: str, outer: str) -> bool:
@@ -56,61 +76,86 @@ def _homogeneous(m: nn.Module) -> bool:
     return len(kids) >= 2 and all(type(k) is type(kids[0]) for k in kids)
 
 
-def find_block_sequence(model: nn.Module) -> str:
-    """FQN of the container whose children are the pipeline's blocks (see the module docstring)."""
+def find_block_sequences(model: nn.Module) -> tuple[str, ...]:
+    """FQNs of the containers whose children are the pipeline's blocks (see the module docstring): the largest
+    list, and the other lists of comparable size (an encoder-decoder's two stacks; lists zipped in one loop)."""
     lists = [(n, m) for n, m in model.named_modules()
              if isinstance(m, (nn.ModuleList, nn.Sequential)) and _homogeneous(m) and _params(m) > 0]
-    total = max(_params(model), 1)
     # keep the outermost lists (a list nested in a block is part of that block)
     outer = [(n, m) for n, m in lists if not any(_inside(n, o) for o, _ in lists)]
-    big = sorted(outer, key=lambda nm: -_params(nm[1]))
-    if len(big) >= 2 and _params(big[1][1]) > 0.25 * total:
-        raise PipelinePartitionError(
-            f"found two block sequences of similar size, {big[0][0]!r} ({len(big[0][1])} blocks) and {big[1][0]!r} "
-            f"({len(big[1][1])} blocks): an encoder-decoder (the decoder reads the encoder's output, and its own "
-            f"embedded input, at every block) or lists zipped in one loop. A linear pipeline of one sequence would "
-            f"compute the other side's inputs on the wrong stage, so this model is refused: train it with tp and dp "
-            f"(pp=1). blocks='<name>' overrides this check only for models whose modules before the blocks feed "
-            f"nothing but the blocks")
-    if big:
-        return big[0][0]
+    if outer:
+        biggest = max(_params(m) for _, m in outer)
+        return tuple(n for n, m in outer if _params(m) >= 0.1 * biggest)  # registration order
     root = model
     while not isinstance(root, nn.Sequential) and len(list(root.children())) == 1:
         root = next(root.children())
     if isinstance(root, nn.Sequential) and len(root) >= 2:
-        return next(n for n, m in model.named_modules() if m is root)
+        return (next(n for n, m in model.named_modules() if m is root),)
     raise PipelinePartitionError(
         f"no repeated block sequence in {type(model).__name__}: pipeline parallelism cuts an nn.ModuleList or "
         f"nn.Sequential of same-class layers (e.g. transformer layers). Pass blocks='<module name>' to name one")
 
 
-def describe(model: nn.Module, blocks: str) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    """(block names, pre modules, post modules) around the container ``blocks``."""
+def _groups(model: nn.Module, containers: Sequence[str], zip_siblings: bool) -> list[list[str]]:
+    """Consecutive sibling containers of equal length are zipped (block i = their i-th children) unless named as an
+    encoder and a decoder; other containers follow one another."""
     modules = dict(model.named_modules())
-    if blocks not in modules:
-        raise PipelinePartitionError(f"blocks={blocks!r} is not a module of the model")
-    container = modules[blocks]
-    prefix = f"{blocks}." if blocks else ""
-    names = tuple(f"{prefix}{n}" for n, _ in container.named_children())
+    groups: list[list[str]] = []
+    for name in containers:
+        prev = groups[-1][-1] if groups else None
+        if (zip_siblings and prev is not None and prev.rpartition(".")[0] == name.rpartition(".")[0]
+                and len(modules[prev]) == len(modules[name])
+                and not any(w in n.rpartition(".")[2].lower() for n in (prev, name) for w in ("enc", "dec"))):
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+    return groups
+
+
+def describe(model: nn.Module, blocks: "str | Sequence[str]", *, zip_siblings: bool = True
+             ) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...], tuple[str, ...], tuple[tuple[str, int], ...]]:
+    """(members of each block, pre modules, post modules, middle modules with the number of blocks before them).
+    ``zip_siblings=False`` (containers named by the user) runs the containers one after the other."""
+    containers = [blocks] if isinstance(blocks, str) else list(blocks)
+    modules = dict(model.named_modules())
+    for c in containers:
+        if c not in modules:
+            raise PipelinePartitionError(f"blocks={c!r} is not a module of the model")
+    members: list[tuple[str, ...]] = []
+    done_after: dict[str, int] = {}  # last container of each group -> blocks up to and including that group
+    for group in _groups(model, containers, zip_siblings):
+        prefixes = [f"{c}." if c else "" for c in group]
+        kids = [[f"{p}{n}" for n, _ in modules[c].named_children()] for p, c in zip(prefixes, group)]
+        members += list(zip(*kids))
+        done_after[group[-1]] = len(members)
     order = list(modules)
-    start = order.index(blocks)
-    pre, post = [], []
+    pre, post, middle = [], [], []
+    chosen: list[str] = []
     for i, (n, m) in enumerate(modules.items()):
-        if n == blocks or _inside(n, blocks) or _inside(blocks, n):
+        if any(n == c or _inside(n, c) or _inside(c, n) for c in containers):
             continue  # the blocks themselves; their ancestors (see ancestor_parameters)
-        if any(p is not None for p in m._parameters.values()):  # modules without parameters run on every stage
-            (pre if i < start else post).append(n)
-    return names, tuple(pre), tuple(post)
+        if any(_inside(n, o) for o in chosen) or not any(p is not None for p in m._parameters.values()):
+            continue  # inside a module already placed; modules without parameters run on every stage
+        chosen.append(n)
+        before = max((k for c, k in done_after.items() if order.index(c) < i and not _inside(n, c)), default=0)
+        if before == 0:
+            pre.append(n)
+        elif before == len(members):
+            post.append(n)
+        else:
+            middle.append((n, before))
+    return tuple(members), tuple(pre), tuple(post), tuple(middle)
 
 
-def ancestor_parameters(model: nn.Module, blocks: str) -> tuple[str, ...]:
+def ancestor_parameters(model: nn.Module, blocks: "str | Sequence[str]") -> tuple[str, ...]:
     """Parameters owned directly by an ancestor of the blocks (a ViT's ``cls_token``/``pos_embed`` on the root):
     the ancestor cannot move to one stage, so they are taken to be used before the blocks (first stage)."""
+    containers = [blocks] if isinstance(blocks, str) else list(blocks)
     out = []
     for n, m in model.named_modules():
-        if n == blocks or _inside(blocks, n):
+        if any(n == c or _inside(c, n) for c in containers):
             out += [f"{n}.{k}" if n else k for k, p in m._parameters.items() if p is not None]
-    return tuple(out)
+    return tuple(dict.fromkeys(out))
 
 
 def balance(costs: Sequence[float], stages: int, *, first_extra: float = 0.0, last_extra: float = 0.0
@@ -161,15 +206,18 @@ def bounds_from_counts(counts: Sequence[int], n_blocks: int) -> list[tuple[int, 
     return bounds
 
 
-def bounds_from_split_points(points: Sequence[str], names: Sequence[str], stages: int) -> list[tuple[int, int]]:
+def bounds_from_split_points(points: Sequence[str], members: Sequence[Sequence[str]], stages: int
+                             ) -> list[tuple[int, int]]:
+    names = [m[0] for m in members]
     if len(points) != stages - 1:
         raise PipelinePartitionError(f"split_points={list(points)} must name {stages - 1} blocks (where stages 1.."
                                      f"{stages - 1} start) for {stages} stages")
     idx = []
     for p in points:
-        if p not in names:
-            raise PipelinePartitionError(f"split point {p!r} is not a block; blocks are {list(names)}")
-        idx.append(names.index(p))
+        found = [i for i, m in enumerate(members) if p in m]
+        if not found:
+            raise PipelinePartitionError(f"split point {p!r} is not a block; blocks are {names}")
+        idx.append(found[0])
     starts = [0, *idx]
     if any(b <= a for a, b in zip(starts, starts[1:])):
         raise PipelinePartitionError(f"split_points={list(points)} must be in increasing block order and skip the "
@@ -177,28 +225,34 @@ def bounds_from_split_points(points: Sequence[str], names: Sequence[str], stages
     return [(a, b) for a, b in zip(starts, [*idx, len(names)])]
 
 
-def plan_partition(model: nn.Module, stages: int, *, blocks: Optional[str] = None,
+def plan_partition(model: nn.Module, stages: int, *, blocks: "str | Sequence[str] | None" = None,
                    balance_by: "Sequence[int] | str" = "params", split_points: Optional[Sequence[str]] = None,
                    block_costs: Optional[Sequence[float]] = None) -> Partition:
     """Choose the stage bounds: ``split_points`` > explicit ``balance`` counts > costs (parameters or measured)."""
-    container = blocks if blocks is not None else find_block_sequence(model)
-    names, pre, post = describe(model, container)
+    containers = find_block_sequences(model) if blocks is None else (
+        (blocks,) if isinstance(blocks, str) else tuple(blocks))
+    members, pre, post, middle = describe(model, containers, zip_siblings=blocks is None)
+    label = ", ".join(repr(c) for c in containers)
     modules = dict(model.named_modules())
-    if stages > len(names):
-        raise PipelinePartitionError(f"pp={stages} stages (x virtual stages) but {container!r} has only "
-                                     f"{len(names)} blocks; use at most {len(names)} stages")
+    if stages > len(members):
+        raise PipelinePartitionError(f"pp={stages} stages (x virtual stages) but {label} has only "
+                                     f"{len(members)} blocks; use at most {len(members)} stages")
     if split_points is not None:
-        bounds = bounds_from_split_points(split_points, names, stages)
+        bounds = bounds_from_split_points(split_points, members, stages)
     elif not isinstance(balance_by, str):
-        bounds = bounds_from_counts(list(balance_by), len(names))
+        bounds = bounds_from_counts(list(balance_by), len(members))
         if len(bounds) != stages:
             raise PipelinePartitionError(f"balance={list(balance_by)} has {len(bounds)} entries for {stages} stages")
     else:
-        if block_costs is not None and len(block_costs) != len(names):
-            raise PipelinePartitionError(f"{len(block_costs)} block costs for the {len(names)} blocks of "
-                                         f"{container!r}")
-        costs = list(block_costs) if block_costs is not None else [float(_params(modules[n])) for n in names]
+        if block_costs is not None and len(block_costs) != len(members):
+            raise PipelinePartitionError(f"{len(block_costs)} block costs for the {len(members)} blocks of {label}")
+        if block_costs is not None:
+            costs = list(block_costs)
+        else:
+            costs = [float(sum(_params(modules[n]) for n in m)) for m in members]
+            for n, i in middle:  # a final encoder norm weighs on the encoder's last block
+                costs[i - 1] += _params(modules[n])
         first = float(sum(_params(modules[n]) for n in pre)) if block_costs is None else 0.0
         last = float(sum(_params(modules[n]) for n in post)) if block_costs is None else 0.0
         bounds = balance(costs, stages, first_extra=first, last_extra=last)
-    return Partition(container, names, pre, post, tuple(bounds))
+    return Partition(containers, members, pre, post, middle, tuple(bounds))

@@ -1,47 +1,74 @@
 """A pipeline stage keeps the user's real modules and runs the model's *own* forward, unchanged.
 
-Every block (and every module with parameters before the blocks) gets a dispatcher. During the run of stage ``g``,
-which holds blocks ``[start, end)``::
+Every module that holds parameters outside the blocks (embeddings, norms, heads) and every block module is a *unit*
+with an owning stage, and gets a dispatcher. During the run of stage ``g``::
 
-    block < start - 1   -> zeros shaped like its output (the shape comes from a meta-device twin; no parameters)
-    block == start - 1  -> the activation received from stage g - 1 (what that block returned there)
-    start <= block < end -> the real block
-    block == end - 1    -> and then stop the forward (StageOutput), unless this is the last stage
+    unit owned by g           -> the real module; its output is kept if a later stage needs it
+    unit owned by another     -> the output received from its owner, if this stage uses it, else zeros shaped like
+                                 it (the shape comes from a meta-device twin; no parameters)
+    g's last unit (g not last) -> then stop the forward (StageOutput) and send what later stages need
 
-so embeddings, masks, rotary tables and whatever the forward computes between blocks need no annotation, and the
-loss is the user's own ``training_step`` on the last stage. Modules of other stages are replaced by
-:class:`_RemoteModule` (no parameters: its ``state_dict`` keys are gone, a subset of the single-device keys remains).
+so masks, rotary tables and whatever the forward computes between units need no annotation, and the loss is the
+user's own ``training_step`` on the last stage. Which outputs cross stages — the previous block's hidden state, but
+also an encoder's output read by every decoder block, a conditioning vector read by every block, an embedding of the
+decoder's input computed before the encoder — is found by :func:`trace`: one run of the step in which every unit
+returns zeros and each tensor carries the set of unit outputs it was computed from. Modules of other stages are
+replaced by :class:`_RemoteModule` (no parameters: its ``state_dict`` keys are gone, a subset of the single-device
+keys remains).
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from lightning_tpp._tp_apply import VERIFYING
 from lightning_tpp._tp_layers import swap_class
+
+Key = tuple[int, int]  # (unit, how many times it was called before in this forward)
 
 
 class StageOutput(BaseException):
-    """Raised by the last block of a non-final stage to end the forward; carries that block's output."""
+    """Raised after the last unit of a non-final stage to end the forward."""
 
-    def __init__(self, value: Any) -> None:
-        super().__init__()
-        self.value = value
+
+class PipelineTraceError(ValueError):
+    """The model's forward uses values across stages in a way a pipeline cannot run."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    stage: int
+
+
+@dataclass
+class Route:
+    """What one stage does with the values crossing stages, for one kind of step."""
+
+    incoming: dict[Key, dict[int, tuple[int, int]]] = field(default_factory=dict)  # call -> {leaf: (stage, slot)}
+    inbound: dict[int, int] = field(default_factory=dict)  # producer stage -> tensors in its bundle
+    outbound: dict[int, list[tuple[Key, int]]] = field(default_factory=dict)  # consumer stage -> (call, leaf)s
+    keep: frozenset = frozenset()  # own calls whose outputs are sent
+    stop_after: Optional[Key] = None  # own call after which a non-last stage ends its forward
+    runs: bool = True  # whether the stage has anything to do in this step
 
 
 @dataclass
 class RunContext:
     stage: int
-    start: int
-    end: int
-    first: bool
-    last: bool
-    receive: Callable[[Any], Any]  # meta-shaped output of block start-1 -> the received output
+    route: Route
+    fetch: Callable[[int], list[Tensor]]  # producer stage -> the tensors it sent this stage (received once)
+    calls: dict[int, int] = field(default_factory=dict)
+    kept: dict[Key, list[Any]] = field(default_factory=dict)
+    tracer: Optional["_Taint"] = None
+    trace: list[tuple[Key, frozenset]] = field(default_factory=list)
 
 
 def meta_twin(module: nn.Module) -> nn.Module:
@@ -75,11 +102,49 @@ def _to_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return copy.deepcopy((args, kwargs), memo)
 
 
+class _Taint(TorchFunctionMode):
+    """Tags each tensor with the unit outputs ``(call, leaf)`` it was computed from (see :func:`trace`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: dict[int, tuple[Tensor, frozenset]] = {}
+        self.paused = False
+
+    def tag(self, t: Tensor, tags: frozenset) -> None:
+        old = self.tags.get(id(t))
+        self.tags[id(t)] = (t, tags | old[1] if old is not None and old[0] is t else tags)
+
+    def of(self, obj: Any) -> frozenset:
+        from lightning_tpp._tp_apply import _tensors
+
+        out: set = set()
+        for t in _tensors(obj, set()):
+            entry = self.tags.get(id(t))
+            if entry is not None and entry[0] is t:
+                out |= entry[1]
+        return frozenset(out)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        from lightning_tpp._tp_apply import _tensors
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.paused:
+            tags = self.of((args, kwargs))
+            if tags:
+                for t in _tensors(out, set()):
+                    self.tag(t, tags)
+                if args and isinstance(args[0], Tensor) and (out is None or getattr(func, "__name__", "")[-1:] == "_"):
+                    self.tag(args[0], tags)  # in place (x[i] = y, x.add_(y))
+        return out
+
+
 class StageRuntime:
-    """The state the dispatchers consult: the current run, and a cache of output shapes per input signature."""
+    """The state the dispatchers consult: the units, the current run, and a cache of output shapes."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.units: list[Unit] = []
         self.ctx: Optional[RunContext] = None
         self._shapes: dict[tuple, Any] = {}
 
@@ -96,31 +161,118 @@ class StageRuntime:
                         if isinstance(t, Tensor) else t, meta)
 
     def dispatch(self, module: nn.Module, args: tuple, kwargs: dict, real: Optional[Callable[[], Any]]) -> Any:
-        kind, index = module.__dict__["_tpp_kind"], module.__dict__["_tpp_index"]
+        unit = module.__dict__["_tpp_unit"]
         ctx = self.ctx
-        if ctx is None:
+        if ctx is None or VERIFYING.get():  # outside a step, or a tensor-parallel block checking itself
             if real is None:
-                raise RuntimeError(f"{module.__dict__['_tpp_name']} lives on another pipeline stage: run the model "
+                raise RuntimeError(f"{self.units[unit].name} lives on another pipeline stage: run the model "
                                    f"through the Trainer (fit/validate/test/predict)")
             return real()
-        if kind == "pre":
-            return real() if ctx.first and real is not None else self.zeros(
-                self.meta_output(module.__dict__["_tpp_twin"], args, kwargs))
-        if kind == "post":
+        n = ctx.calls.get(unit, 0)
+        ctx.calls[unit] = n + 1
+        key = (unit, n)
+        if ctx.tracer is not None:
+            return self._trace_call(module, key, args, kwargs)
+        if self.units[unit].stage == ctx.stage:
             if real is None:
-                raise RuntimeError(f"{module.__dict__['_tpp_name']} ran on stage {ctx.stage}, which does not hold it")
-            return real()
-        if ctx.start <= index < ctx.end:
-            out = real()  # type: ignore[misc]
-            if index == ctx.end - 1 and not ctx.last:
-                raise StageOutput(out)
+                raise RuntimeError(f"{self.units[unit].name} ran on stage {ctx.stage}, which does not hold it")
+            out = real()
+            if key in ctx.route.keep:
+                ctx.kept[key] = tree_flatten(out)[0]
+            if key == ctx.route.stop_after:
+                raise StageOutput()
             return out
-        meta = self.meta_output(module.__dict__["_tpp_twin"], args, kwargs)
-        return ctx.receive(meta) if index == ctx.start - 1 else self.zeros(meta)
+        out = self.zeros(self.meta_output(module.__dict__["_tpp_twin"], args, kwargs))
+        wanted = ctx.route.incoming.get(key)
+        if wanted:
+            leaves, spec = tree_flatten(out)
+            for leaf, (stage, slot) in wanted.items():
+                leaves[leaf] = ctx.fetch(stage)[slot]
+            out = tree_unflatten(leaves, spec)
+        return out
+
+    def _trace_call(self, module: nn.Module, key: Key, args: tuple, kwargs: dict) -> Any:
+        ctx = self.ctx
+        assert ctx is not None and ctx.tracer is not None
+        ctx.trace.append((key, ctx.tracer.of((args, kwargs))))
+        ctx.tracer.paused = True
+        try:
+            out = self.zeros(self.meta_output(module.__dict__["_tpp_twin"], args, kwargs))
+        finally:
+            ctx.tracer.paused = False
+        for i, leaf in enumerate(tree_flatten(out)[0]):
+            if isinstance(leaf, Tensor):
+                ctx.tracer.tag(leaf, frozenset([(key, i)]))
+        return out
+
+
+def trace(runtime: StageRuntime, run: Callable[[], Any], sources: dict[str, Tensor]
+          ) -> tuple[list[tuple[Key, frozenset]], frozenset]:
+    """Run ``run`` (the user's step, which returns what the last stage consumes) with every unit returning zeros and
+    each tensor tagged with the unit outputs it depends on. Returns ``(call, tags of its inputs)`` per unit call in
+    order, and the tags of the result. ``sources`` are tensors tagged ``("param", name)`` (root-level parameters)."""
+    tracer = _Taint()
+    runtime.ctx = RunContext(-1, Route(), lambda s: [], tracer=tracer)
+    for name, t in sources.items():
+        tracer.tag(t, frozenset([(("param", name), 0)]))
+    try:
+        with tracer:
+            result = run()
+            result_tags = tracer.of(result)
+        return runtime.ctx.trace, result_tags
+    finally:
+        runtime.ctx = None
+
+
+def plan_routes(runtime: StageRuntime, calls: list[tuple[Key, frozenset]], result: frozenset, stages: int
+                ) -> list[Route]:
+    """Each stage's :class:`Route` from a :func:`trace`: a stage receives every unit output (leaf) its own units,
+    or (last stage) the step's result, were computed from, from the unit's owner."""
+    owner = lambda key: 0 if key[0] == "param" else runtime.units[key[0]].stage  # noqa: E731
+    name = lambda key: key[1] if key[0] == "param" else runtime.units[key[0]].name  # noqa: E731
+    needs: dict[int, list[tuple[Key, int]]] = {g: [] for g in range(stages)}
+    consumers = [(key, runtime.units[key[0]].stage, tags) for key, tags in calls]
+    consumers.append((None, stages - 1, result))
+    for key, stage, tags in consumers:
+        for src, leaf in tags:
+            if owner(src) == stage:
+                continue
+            what = f"unit {name(key)!r}" if key is not None else "the step's result (loss, outputs)"
+            if src[0] == "param":
+                raise PipelineTraceError(
+                    f"parameter {name(src)!r} of the module above the blocks is used by {what} on pipeline stage "
+                    f"{stage}, but lives on stage 0 (the forward uses it after the blocks have started). Move it "
+                    f"into a submodule (e.g. the head) so that it can be placed on that stage")
+            if owner(src) > stage:
+                raise PipelineTraceError(
+                    f"{what} on pipeline stage {stage} uses the output of {name(src)!r}, which runs on the later "
+                    f"stage {owner(src)}: the forward does not call its layers in the order they are registered. "
+                    f"Pass blocks=[...] (the containers, in the order the forward runs them) or split_points=[...]")
+            if (src, leaf) not in needs[stage]:
+                needs[stage].append((src, leaf))
+    order = {key: i for i, (key, _) in enumerate(calls)}
+    routes = []
+    for g in range(stages):
+        route = Route()
+        for s in range(stages):
+            mine = sorted((item for item in needs[g] if owner(item[0]) == s), key=lambda it: (order[it[0]], it[1]))
+            if mine:
+                route.inbound[s] = len(mine)
+            for slot, (src, leaf) in enumerate(mine):
+                route.incoming.setdefault(src, {})[leaf] = (s, slot)
+            theirs = sorted((item for item in needs[s] if owner(item[0]) == g), key=lambda it: (order[it[0]], it[1]))
+            if theirs:
+                route.outbound[s] = theirs
+        route.keep = frozenset(src for items in route.outbound.values() for src, _ in items)
+        own = [key for key, _ in calls if runtime.units[key[0]].stage == g]
+        route.stop_after = own[-1] if own and g < stages - 1 else None
+        route.runs = g == stages - 1 or bool(own)
+        routes.append(route)
+    return routes
 
 
 class _PipelineDispatch:
-    """Mixin for this rank's blocks and pre-block modules: ask the runtime whether to run."""
+    """Mixin for this rank's units: ask the runtime whether to run."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         real = lambda: super(_PipelineDispatch, self).forward(*args, **kwargs)  # noqa: E731
@@ -130,9 +282,9 @@ class _PipelineDispatch:
 class _RemoteModule(nn.Module):
     """Stands in for a module held by another stage: no parameters; attributes read through to a meta twin."""
 
-    def __init__(self, twin: nn.Module, runtime: StageRuntime, *, kind: str, index: int, name: str) -> None:
+    def __init__(self, twin: nn.Module, runtime: StageRuntime, *, unit: int) -> None:
         super().__init__()
-        self.__dict__.update(_tpp_twin=twin, _tpp_runtime=runtime, _tpp_kind=kind, _tpp_index=index, _tpp_name=name)
+        self.__dict__.update(_tpp_twin=twin, _tpp_runtime=runtime, _tpp_unit=unit)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.__dict__["_tpp_runtime"].dispatch(self, args, kwargs, None)
@@ -144,7 +296,8 @@ class _RemoteModule(nn.Module):
             return getattr(self.__dict__["_tpp_twin"], name)
 
     def extra_repr(self) -> str:
-        return f"remote {self.__dict__['_tpp_kind']} {self.__dict__['_tpp_name']}"
+        unit = self.__dict__["_tpp_runtime"].units[self.__dict__["_tpp_unit"]]
+        return f"remote {unit.name} (stage {unit.stage})"
 
 
 def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -153,7 +306,6 @@ def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def mark_dispatch(module: nn.Module, runtime: StageRuntime, *, kind: str, index: int, name: str,
-                  twin: nn.Module) -> None:
-    module.__dict__.update(_tpp_twin=twin, _tpp_runtime=runtime, _tpp_kind=kind, _tpp_index=index, _tpp_name=name)
+def mark_dispatch(module: nn.Module, runtime: StageRuntime, *, unit: int, twin: nn.Module) -> None:
+    module.__dict__.update(_tpp_twin=twin, _tpp_runtime=runtime, _tpp_unit=unit)
     swap_class(module, _PipelineDispatch)

@@ -14,6 +14,7 @@ equal to a global width or head count is divided by ``tp``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import math
 from dataclasses import dataclass
@@ -243,7 +244,7 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
 
 def _tp_objects(module: nn.Module) -> Iterator[Any]:
     for m in module.modules():
-        for key in ("_tpp_group", "_tpp_scope", "_tpp_block"):
+        for key in ("_tpp_group", "_tpp_scope", "_tpp_block", "_tpp_runtime", "_tpp_twin"):  # shared, not copied
             if key in m.__dict__:
                 yield m.__dict__[key]
 
@@ -336,6 +337,11 @@ def _reshard(layer: nn.Module, spec: ShardSpec, group: TPGroup) -> None:
         p._tpp_spec = s
 
 
+# True while a block is being verified: its extra forwards are not part of the model's run (a pipeline's dispatchers
+# pass them straight to the real modules instead of counting them as the step's calls)
+VERIFYING: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_tpp_verifying", default=False)
+
+
 def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:
     """Compare the parallel block with its original on this call's inputs; pick the fused layout that matches."""
     st: BlockState = block._tpp_block  # type: ignore[assignment]
@@ -347,6 +353,7 @@ def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:
     fused = {n: specs for n, specs in st.info.fused.items() if len(specs) > 1}
     attempts = max((len(s) for s in fused.values()), default=1)
     problem = None
+    token = VERIFYING.set(True)
     try:
         with torch.no_grad():
             a, k = _isolated(args, kwargs)
@@ -361,6 +368,7 @@ def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:
                 if all_reduce_flag(problem is None, group.group):
                     return
     finally:
+        VERIFYING.reset(token)
         for m, mode in modes.items():
             m.training = mode
     raise TensorParallelMismatchError(

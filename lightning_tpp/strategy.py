@@ -16,7 +16,7 @@ import functools
 import os
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -106,7 +106,8 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         balance: ``"params"`` (balance stages by parameter count), ``"time"`` (by measured block time on the
             module's ``example_input_array``), or blocks per stage, e.g. ``[3, 5]``.
         split_points: names of the blocks that start stages 1.., e.g. ``["model.layers.12"]`` (overrides balance).
-        blocks: name of the module holding the blocks to pipeline (found automatically when omitted).
+        blocks: name of the module holding the blocks to pipeline, or names of several run one after the other
+            (an encoder's layers, then a decoder's); found automatically when omitted.
         tp_plan: ``"auto"``, or a mapping of module-name globs to styles (``"colwise"``, ``"rowwise"``,
             ``"colwise_gather"``, ``"vocab"``, ``"mha"``, ``"replicate"``) laid over the automatic plan.
         verify: check each parallelised block against the original on its first call.
@@ -136,7 +137,7 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         virtual_stages: int = 1,
         balance: Union[Literal["params", "time"], list[int]] = "params",
         split_points: Optional[list[str]] = None,
-        blocks: Optional[str] = None,
+        blocks: Optional[Union[str, Sequence[str]]] = None,
         tp_plan: Union[Literal["auto"], dict[str, str]] = "auto",
         verify: bool = True,
         print_plan: bool = True,
@@ -444,7 +445,7 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
                 return getattr(module, hook)(batch, *args[1:], **kwargs)
 
         with captured_logs(module) as logs:
-            out = self._engine.eval_step(step, args[0])
+            out = self._engine.eval_step(step, args[0], hook)
         replay_logs(self._engine, module, logs)
         return out
 

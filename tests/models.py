@@ -229,6 +229,100 @@ class Seq2Seq(nn.Module):
         return self.out(self.transformer(self.src_embed(idx), self.tgt_embed(idx), tgt_mask=mask, tgt_is_causal=True))
 
 
+# ---- conditioning: a vector computed by its own MLP before the blocks and read by every block (DiT/adaLN style) ---
+class AdaLNBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False)
+        self.modulation = nn.Linear(dim, 2 * dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.modulation(c).unsqueeze(1).chunk(2, dim=-1)
+        h = self.norm(x) * (1 + scale) + shift
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm(x) * (1 + scale) + shift)
+
+
+class ConditionedLM(nn.Module):
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.cond = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.blocks = nn.ModuleList([AdaLNBlock(dim, heads) for _ in range(LAYERS)])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        c = self.cond(x[:, 0])  # conditioned on the first token, like a class label
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], device=idx.device)
+        for block in self.blocks:
+            x = block(x, c, mask)
+        return self.head(x)
+
+
+# ---- x-transformers / lucidrains style: a list of [attention, feed-forward] lists, unpacked in the loop ----------
+class PreNormResidual(nn.Module):
+    def __init__(self, dim: int, fn: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.fn = nn.LayerNorm(dim), fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fn(self.norm(x))
+
+
+class NestedListLM(nn.Module):
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([
+            nn.ModuleList([PreNormResidual(dim, nn.Sequential(nn.Linear(dim, dim), nn.Tanh())),
+                           PreNormResidual(dim, nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(),
+                                                              nn.Linear(4 * dim, dim)))])
+            for _ in range(LAYERS)])
+        self.norm = nn.LayerNorm(dim)
+        self.to_logits = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for mix, ff in self.layers:
+            x = ff(mix(x))
+        return self.to_logits(self.norm(x))
+
+
+# ---- Hugging Face T5: encoder-decoder, shared embedding called by both stacks, relative position bias -----------
+class HFT5(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.T5Config(vocab_size=VOCAB, d_model=DIM, d_kv=DIM // HEADS, d_ff=2 * DIM,
+                                    num_layers=LAYERS, num_decoder_layers=LAYERS, num_heads=HEADS, dropout_rate=0.0,
+                                    decoder_start_token_id=0, pad_token_id=0, tie_word_embeddings=True)
+        self.model = transformers.T5ForConditionalGeneration(cfg)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx, decoder_input_ids=idx).logits
+
+
+class HFBart(nn.Module):
+    """BART: learned positions and an embedding layer norm in each stack, shared token embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=DIM, encoder_layers=LAYERS, decoder_layers=LAYERS,
+                                      encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+                                      encoder_ffn_dim=2 * DIM, decoder_ffn_dim=2 * DIM, max_position_embeddings=SEQ,
+                                      dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+        self.model = transformers.BartForConditionalGeneration(cfg)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx, decoder_input_ids=idx).logits
+
+
 # ---- Hugging Face transformers, tiny random configs ----------------------------------------------------------------
 class HFCausalLM(nn.Module):
     def __init__(self, kind: str) -> None:
@@ -263,6 +357,10 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "sequential": lambda: nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, 2 * DIM), nn.GELU(),
                                         nn.Linear(2 * DIM, DIM), nn.GELU(), nn.Linear(DIM, VOCAB)),
     "llama_varlen": TinyLlama,
+    "conditioned": ConditionedLM,
+    "nested_lists": NestedListLM,
+    "hf_t5": HFT5,
+    "hf_bart": HFBart,
     "nanogpt4": lambda: NanoGPT(n_layer=4),
     "llama4": lambda: TinyLlama(n_layers=4),
 }

@@ -43,6 +43,21 @@ def test_pp2_every_schedule(tmp_path: Path, schedule: str) -> None:
                     extra=("--schedule", schedule))
 
 
+CROSSING_MODELS = ["seq2seq", "hf_t5", "hf_bart", "conditioned", "nested_lists", "fused_gqa"]
+
+
+def test_pp2_values_crossing_stages(tmp_path: Path) -> None:
+    """Values other than the previous block's output cross stages: nn.Transformer and Hugging Face T5 (the encoder's
+    output read by every decoder block, the decoder's embedded input computed on the first stage, T5's shared
+    embedding and position bias), a conditioning vector read by every block, [attention, feed-forward] lists
+    unpacked in the loop, and sibling lists zipped in one loop."""
+    run_and_compare(tmp_path, CROSSING_MODELS)
+
+
+def test_tp2_pp2_values_crossing_stages(tmp_path: Path) -> None:
+    run_and_compare(tmp_path, ["seq2seq", "hf_bart", "conditioned", "nested_lists"], tp=2)
+
+
 def test_pp2_interleaved(tmp_path: Path) -> None:
     run_and_compare(tmp_path, ["nanogpt4", "llama4"], extra=("--schedule", "interleaved-1f1b", "--virtual", "2"))
 

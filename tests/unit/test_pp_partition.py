@@ -17,10 +17,10 @@ from lightning_tpp._pp_partition import (
     bounds_from_counts,
     bounds_from_split_points,
     describe,
-    find_block_sequence,
+    find_block_sequences,
     plan_partition,
 )
-from models import EncoderLM, FusedGQAModel, LitLM, NanoGPT, TinyLlama
+from models import EncoderLM, FusedGQAModel, HFT5, LitLM, NanoGPT, NestedListLM, Seq2Seq, TinyLlama
 
 
 def _mlp() -> nn.Sequential:
@@ -45,7 +45,7 @@ class _BigEmbedding(nn.Module):
         self.head = nn.Linear(8, 2)
 
 
-# ---- find_block_sequence --------------------------------------------------------------------------------------------
+# ---- find_block_sequences -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "factory, expected",
     [
@@ -60,7 +60,7 @@ class _BigEmbedding(nn.Module):
     ids=["nanogpt", "llama", "encoder", "lit_llama", "lit_hf_llama", "sequential_root", "wrapped_sequential"],
 )
 def test_find_block_sequence(factory, expected):
-    assert find_block_sequence(factory()) == expected
+    assert find_block_sequences(factory()) == (expected,)
 
 
 def test_find_block_sequence_ignores_lists_nested_in_blocks():
@@ -77,32 +77,75 @@ def test_find_block_sequence_ignores_lists_nested_in_blocks():
             self.blocks = nn.ModuleList([Blk() for _ in range(3)])
 
     model = M()
-    assert find_block_sequence(model) == "blocks"
-    names, pre, post = describe(model, "blocks")
-    assert names == ("blocks.0", "blocks.1", "blocks.2") and pre == ("emb",) and post == ()
+    assert find_block_sequences(model) == ("blocks",)
+    members, pre, post, middle = describe(model, "blocks")
+    assert members == (("blocks.0",), ("blocks.1",), ("blocks.2",)) and pre == ("emb",) and post == ()
+    assert middle == ()
 
 
-def test_find_block_sequence_encoder_decoder_raises():
-    model = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=32,
+def test_encoder_decoder_stacks_follow_one_another():
+    """nn.Transformer: the encoder's layers, then the decoder's; the encoder's final norm sits between them and goes
+    with the last encoder block."""
+    model = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=3, dim_feedforward=32,
                            batch_first=True)
-    with pytest.raises(PipelinePartitionError) as info:
-        find_block_sequence(model)
-    msg = str(info.value)
-    assert "'encoder.layers'" in msg and "'decoder.layers'" in msg
-    assert "two block sequences" in msg
-    assert "this model is refused: train it with tp and dp (pp=1)" in msg
+    assert find_block_sequences(model) == ("encoder.layers", "decoder.layers")
+    part = plan_partition(model, 2, balance_by=[2, 3])
+    assert part.names == ("encoder.layers.0", "encoder.layers.1", "decoder.layers.0", "decoder.layers.1",
+                          "decoder.layers.2")
+    assert part.middle == (("encoder.norm", 2),) and part.post == ("decoder.norm",) and part.pre == ()
+    assert part.owners()["encoder.norm"] == 0 and part.owners()["decoder.norm"] == 1
 
 
-def test_find_block_sequence_parallel_lists_raise():
-    # three zipped lists (norms / attns / mlps): no single sequence to cut
-    with pytest.raises(PipelinePartitionError, match="two block sequences"):
-        find_block_sequence(FusedGQAModel())
+def test_encoder_decoder_in_a_lightning_module():
+    """Embeddings registered before the transformer go with stage 0, the head with the last stage; the default cut
+    balances parameters over the 4 blocks (decoder layers are heavier: cross-attention)."""
+    part = plan_partition(Seq2Seq(), 2)
+    assert part.blocks == ("transformer.encoder.layers", "transformer.decoder.layers")
+    assert part.pre == ("src_embed", "tgt_embed") and part.post == ("transformer.decoder.norm", "out")
+    assert part.bounds == ((0, 2), (2, 4))
+
+
+def test_hugging_face_t5_stacks():
+    part = plan_partition(HFT5(), 2)
+    assert part.blocks == ("model.encoder.block", "model.decoder.block")
+    assert [n for n, _ in part.middle] == ["model.encoder.final_layer_norm", "model.decoder.embed_tokens"]
+
+
+def test_sibling_lists_are_zipped():
+    """Lists zipped in one loop (norms/attns/mlps): block i is made of their i-th entries; lists far smaller than
+    the largest (the norms here) are not blocks, and go with the stage of the first block like embeddings."""
+    model = FusedGQAModel()
+    assert find_block_sequences(model) == ("attns", "mlps")
+    part = plan_partition(model, 2)
+    assert part.members == (("attns.0", "mlps.0"), ("attns.1", "mlps.1"))
+    assert part.bounds == ((0, 1), (1, 2))
+
+
+def test_sibling_encoder_and_decoder_lists_are_not_zipped():
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc_layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+            self.dec_layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    assert plan_partition(Flat(), 2).members == (("enc_layers.0",), ("enc_layers.1",), ("dec_layers.0",),
+                                                  ("dec_layers.1",))
+
+
+def test_explicit_containers_run_one_after_the_other():
+    part = plan_partition(FusedGQAModel(), 2, blocks=["attns", "mlps"])
+    assert part.members == (("attns.0",), ("attns.1",), ("mlps.0",), ("mlps.1",))
+
+
+def test_nested_lists_are_blocks():
+    part = plan_partition(NestedListLM(), 2)
+    assert part.names == ("layers.0", "layers.1") and part.post == ("norm", "to_logits")
 
 
 @pytest.mark.parametrize("model", [nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3))], ids=["linear", "seq_of_one"])
 def test_find_block_sequence_no_blocks_raises(model):
     with pytest.raises(PipelinePartitionError, match=r"no repeated block sequence .*Pass blocks="):
-        find_block_sequence(model)
+        find_block_sequences(model)
 
 
 def test_find_block_sequence_skips_parameter_free_lists():
@@ -112,25 +155,25 @@ def test_find_block_sequence_skips_parameter_free_lists():
             self.acts = nn.ModuleList([nn.ReLU() for _ in range(8)])  # no parameters: not a block sequence
             self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
 
-    assert find_block_sequence(M()) == "blocks"
+    assert find_block_sequences(M()) == ("blocks",)
 
 
 # ---- describe -------------------------------------------------------------------------------------------------------
 def test_describe_nanogpt():
-    names, pre, post = describe(NanoGPT(n_layer=3), "transformer.h")
-    assert names == ("transformer.h.0", "transformer.h.1", "transformer.h.2")
+    members, pre, post, _ = describe(NanoGPT(n_layer=3), "transformer.h")
+    assert members == (("transformer.h.0",), ("transformer.h.1",), ("transformer.h.2",))
     assert pre == ("transformer.wte", "transformer.wpe")
     assert post == ("transformer.ln_f", "lm_head")
 
 
 def test_describe_llama_and_root_sequential():
-    names, pre, post = describe(TinyLlama(n_layers=3), "layers")
-    assert names == ("layers.0", "layers.1", "layers.2")
+    members, pre, post, _ = describe(TinyLlama(n_layers=3), "layers")
+    assert members == (("layers.0",), ("layers.1",), ("layers.2",))
     assert pre == ("tok_embeddings",) and post == ("norm", "output")
-    names, pre, post = describe(_mlp(), "")
-    assert names == ("0", "1", "2", "3", "4") and pre == () and post == ()
-    names, pre, post = describe(_Wrapper(), "net")
-    assert names == ("net.0", "net.1", "net.2", "net.3", "net.4") and pre == () and post == ()
+    members, pre, post, _ = describe(_mlp(), "")
+    assert members == (("0",), ("1",), ("2",), ("3",), ("4",)) and pre == () and post == ()
+    members, pre, post, _ = describe(_Wrapper(), "net")
+    assert [m[0] for m in members] == ["net.0", "net.1", "net.2", "net.3", "net.4"] and pre == () and post == ()
 
 
 def test_describe_unknown_container_raises():
@@ -219,10 +262,10 @@ NAMES = ("layers.0", "layers.1", "layers.2", "layers.3")
 
 
 def test_bounds_from_split_points():
-    assert bounds_from_split_points(["layers.1"], NAMES, 2) == [(0, 1), (1, 4)]
-    assert bounds_from_split_points(["layers.2"], NAMES, 2) == [(0, 2), (2, 4)]
-    assert bounds_from_split_points(["layers.1", "layers.3"], NAMES, 3) == [(0, 1), (1, 3), (3, 4)]
-    assert bounds_from_split_points([], NAMES, 1) == [(0, 4)]
+    assert bounds_from_split_points(["layers.1"], [(n,) for n in NAMES], 2) == [(0, 1), (1, 4)]
+    assert bounds_from_split_points(["layers.2"], [(n,) for n in NAMES], 2) == [(0, 2), (2, 4)]
+    assert bounds_from_split_points(["layers.1", "layers.3"], [(n,) for n in NAMES], 3) == [(0, 1), (1, 3), (3, 4)]
+    assert bounds_from_split_points([], [(n,) for n in NAMES], 1) == [(0, 4)]
 
 
 @pytest.mark.parametrize(
@@ -241,7 +284,7 @@ def test_bounds_from_split_points():
 )
 def test_bounds_from_split_points_errors(points, stages, match):
     with pytest.raises(PipelinePartitionError, match=match):
-        bounds_from_split_points(points, NAMES, stages)
+        bounds_from_split_points(points, [(n,) for n in NAMES], stages)
 
 
 # ---- plan_partition -------------------------------------------------------------------------------------------------
@@ -253,7 +296,7 @@ def test_plan_partition_default_balances_params():
     model = TinyLlama(n_layers=4)
     part = plan_partition(model, 2)
     assert isinstance(part, Partition)
-    assert part.blocks == "layers"
+    assert part.blocks == ("layers",)
     assert part.names == NAMES
     assert part.pre == ("tok_embeddings",) and part.post == ("norm", "output")
     assert part.bounds == ((0, 2), (2, 4))
@@ -306,7 +349,7 @@ def test_plan_partition_explicit_blocks():
     model = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=4, dim_feedforward=32,
                            batch_first=True)
     part = plan_partition(model, 2, blocks="decoder.layers", block_costs=[1.0] * 4)
-    assert part.blocks == "decoder.layers"
+    assert part.blocks == ("decoder.layers",)
     assert part.names == tuple(f"decoder.layers.{i}" for i in range(4))
     assert part.bounds == ((0, 2), (2, 4))
 
@@ -319,7 +362,7 @@ def test_plan_partition_too_many_stages_raises():
 # ---- edge cases ------------------------------------------------------------------------------------------------------
 def test_find_block_sequence_root_sequential_of_containers():
     model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)) for _ in range(3)])
-    assert find_block_sequence(model) == ""
+    assert find_block_sequences(model) == ("",)
 
 
 def test_plan_partition_root_owned_parameter():
@@ -362,6 +405,6 @@ def test_measured_block_costs_follow_the_work() -> None:
             return x
 
     torch.manual_seed(0)
-    costs = measure_block_costs(Net(), "layers", torch.randn(64, 256), repeats=5)
+    costs = measure_block_costs(Net(), [(f"layers.{i}",) for i in range(4)], torch.randn(64, 256), repeats=5)
     assert len(costs) == 4 and max(costs) == costs[3]
     assert balance(costs, 2) == [(0, 3), (3, 4)]
