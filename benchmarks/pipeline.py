@@ -1,11 +1,13 @@
 """Pipeline benchmark (not a test): ratios measured side by side in one run on this machine.
 
-    python benchmarks/pipeline.py            # about 3 minutes on 2 cores
-    python benchmarks/pipeline.py --quick    # fewer steps
+    python benchmarks/pipeline.py            # about 6 minutes on 2 cores (3 rounds)
+    python benchmarks/pipeline.py --quick    # one round, fewer steps
+    DS_PYTHON=/tmp/dsvenv/bin/python python benchmarks/pipeline.py   # with DeepSpeed (benchmarks/deepspeed_pipeline.py)
 
 1. Step time of one GPT-style model (the one in examples/gpt.py, larger) with pp=2 and 8 micro-batches (1F1B):
    - TensorPipeStrategy under the Trainer,
    - hand-written torch.distributed.pipelining (PipelineStage + Schedule1F1B) on the same split, no Trainer,
+   - DeepSpeed's PipelineEngine on the same split, when a python with deepspeed is given (DS_PYTHON),
    - one process (Trainer, no strategy).
    Every process uses one thread, so pp=2 uses 2 cores and one process 1 core: the ideal speedup at m=8 is
    2 / (1 + 1/8) = 1.78.
@@ -29,9 +31,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, WARMUP = 12, 3
+STEPS, WARMUP = 9, 3
 SHAPE = dict(vocab=512, block_size=128, n_embd=256, n_head=8, n_layer=8)
 BATCH, MICRO = 64, 8
+LR = 3e-3
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -169,7 +172,7 @@ def role_torchpp(args: argparse.Namespace) -> None:
     stage = PipelineStage(module, rank, 2, torch.device("cpu"))
     schedule = Schedule1F1B(stage, n_microbatches=MICRO,
                             loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
-    opt = torch.optim.AdamW(module.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(module.parameters(), lr=LR)
     loader = torch.utils.data.DataLoader(_data(args.steps), batch_size=BATCH)
     times = []
     for x, y in loader:
@@ -268,6 +271,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     if args.role in ("single", "ours"):
         return role_trainer(args)
@@ -280,16 +284,38 @@ def main() -> None:
     warm = 2 if args.quick else WARMUP
     out = Path(tempfile.mkdtemp(prefix="tpp-bench-"))
     med = lambda runs: max(statistics.median(r["step"][warm:]) for r in runs)  # noqa: E731 - slowest rank
-    t_ours = med(_launch("ours", 2, out, ["--steps", str(steps)]))
-    t_torch = med(_launch("torchpp", 2, out, ["--steps", str(steps)]))
+    from deepspeed_pipeline import run_deepspeed
+
+    # rounds of (ours, hand-written, DeepSpeed) one after the other: each ratio compares runs minutes apart at most,
+    # and the median over rounds damps this machine's drift
+    rows: list[dict[str, float]] = []
+    for r in range(1 if args.quick else args.rounds):
+        row = {"ours": med(_launch("ours", 2, out, ["--steps", str(steps)])),
+               "torch": med(_launch("torchpp", 2, out, ["--steps", str(steps)]))}
+        ds = run_deepspeed(out / f"ds{r}", steps, warm)
+        if ds is not None:
+            row["deepspeed"] = ds
+        rows.append(row)
+        print(f"  round {r}: " + "  ".join(f"{k} {v * 1000:.1f} ms" for k, v in row.items()), flush=True)
     t_single = med(_launch("single", 1, out, ["--steps", str(steps)]))
     # what two processes can do on this machine at all: two independent one-process runs at the same time
     t_pair = med(_launch("single", 2, out, ["--steps", str(steps)], independent=True))
+    t_ours = statistics.median(row["ours"] for row in rows)
+    vs_torch = statistics.median(row["ours"] / row["torch"] for row in rows)
     print(f"GPT {SHAPE}, batch {BATCH}, pp=2, {MICRO} micro-batches, 1F1B, one thread per process")
     print(f"  step time  TensorPipeStrategy+Trainer {t_ours * 1000:8.1f} ms")
-    print(f"             torch pipelining by hand   {t_torch * 1000:8.1f} ms")
+    print(f"             torch pipelining by hand   {statistics.median(r['torch'] for r in rows) * 1000:8.1f} ms")
     print(f"             one process (Trainer)      {t_single * 1000:8.1f} ms")
-    print(f"  ours / hand-written pipelining = {t_ours / t_torch:.3f}   (goal <= 1.03)")
+    print(f"  ours / hand-written pipelining = {vs_torch:.3f}   (goal <= 1.03; per round "
+          f"{[round(r['ours'] / r['torch'], 3) for r in rows]})")
+    if all("deepspeed" in r for r in rows):
+        vs_ds = statistics.median(r["deepspeed"] / r["ours"] for r in rows)
+        t_ds = statistics.median(r["deepspeed"] for r in rows)
+        print(f"             DeepSpeed PipelineEngine   {t_ds * 1000:8.1f} ms")
+        print(f"  DeepSpeed / ours               = {vs_ds:.3f}   (goal >= 1.05; per round "
+              f"{[round(r['deepspeed'] / r['ours'], 3) for r in rows]})")
+    else:
+        print("  DeepSpeed PipelineEngine: not installed (see benchmarks/deepspeed_pipeline.py; DS_PYTHON=...)")
     print(f"             one process, two at once   {t_pair * 1000:8.1f} ms")
     print(f"  speedup over one process       = {t_single / t_ours:.3f}   (goal >= 1.70, limit 1.78)")
     print(f"  this machine's two-process throughput = {2 * t_single / t_pair:.3f} x one process; pipeline "

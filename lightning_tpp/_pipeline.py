@@ -55,11 +55,11 @@ def _units(module: nn.Module, partition: Partition) -> list[Unit]:
     """Every module with a dispatcher, with its stage."""
     modules = dict(module.named_modules())
     owners = partition.owners()
-    units = [Unit(n, owners[n]) for n in partition.pre]
+    units = [Unit(n, owners[n], "pre") for n in partition.pre]
     for i, members in enumerate(partition.members):
         units += [Unit(n, partition.stage_of_block(i)) for m in members for n in _expand(modules[m], m)]
-    units += [Unit(n, owners[n]) for n, _ in partition.middle]
-    units += [Unit(n, owners[n]) for n in partition.post]
+    units += [Unit(n, owners[n], "middle") for n, _ in partition.middle]
+    units += [Unit(n, owners[n], "post") for n in partition.post]
     return units
 
 

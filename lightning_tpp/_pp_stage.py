@@ -46,6 +46,7 @@ class PipelineTraceError(ValueError):
 class Unit:
     name: str
     stage: int
+    kind: str = "block"  # or "pre", "middle", "post": placed by where it is registered around the blocks
 
 
 @dataclass
@@ -243,11 +244,16 @@ def plan_routes(runtime: StageRuntime, calls: list[tuple[Key, frozenset]], resul
                     f"parameter {name(src)!r} of the module above the blocks is used by {what} on pipeline stage "
                     f"{stage}, but lives on stage 0 (the forward uses it after the blocks have started). Move it "
                     f"into a submodule (e.g. the head) so that it can be placed on that stage")
-            if owner(src) > stage:
+            if owner(src) > stage and runtime.units[src[0]].kind == "block":
                 raise PipelineTraceError(
                     f"{what} on pipeline stage {stage} uses the output of {name(src)!r}, which runs on the later "
                     f"stage {owner(src)}: the forward does not call its layers in the order they are registered. "
                     f"Pass blocks=[...] (the containers, in the order the forward runs them) or split_points=[...]")
+            if owner(src) > stage:
+                raise PipelineTraceError(
+                    f"{what} on pipeline stage {stage} uses the output of {name(src)!r}, which is registered after "
+                    f"the blocks and so lives on stage {owner(src)}, but the forward calls it before them: assign it "
+                    f"in __init__ before the blocks (modules are placed by the order they are registered)")
             if (src, leaf) not in needs[stage]:
                 needs[stage].append((src, leaf))
     order = {key: i for i, (key, _) in enumerate(calls)}

@@ -25,6 +25,8 @@ class CenteredMLP(nn.Module):
 
 
 class EncoderDecoder(LitLM):
+    """The embedding is assigned after the transformer (so after its blocks) but used before them."""
+
     def __init__(self) -> None:
         super().__init__("nanogpt")
         self.model = nn.Transformer(d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=2,
