@@ -25,8 +25,6 @@ import argparse
 import importlib.util
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline import BATCH, LR, MICRO, ROOT, SHAPE, STEPS, WARMUP  # the same work as benchmarks/pipeline.py
+from pipeline import BATCH, LR, MICRO, SHAPE, STEPS, WARMUP, _launch  # the same work as benchmarks/pipeline.py
 
 
 def _has_deepspeed(python: str) -> bool:
@@ -51,30 +49,9 @@ def run_deepspeed(out_dir: Path, steps: int = STEPS, warmup: int = WARMUP, *, py
     if not _has_deepspeed(python):
         return None
     out_dir.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-               "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'examples'}"}
-        procs.append(subprocess.Popen([python, __file__, "--role", "worker", "--out", str(out_dir),
-                                       "--steps", str(steps)], env=env, start_new_session=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + timeout
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                os.killpg(q.pid, signal.SIGKILL)
-            raise SystemExit("deepspeed pipeline timed out")
-    if any(p.returncode for p in procs):
-        raise SystemExit("deepspeed pipeline failed:\n" + "\n".join(o[-3000:] for o in outputs))
-    runs = [json.loads((out_dir / f"deepspeed.{r}.json").read_text())["step"] for r in range(2)]
-    return max(statistics.median(t[warmup:]) for t in runs)
+    runs = _launch("worker", 2, out_dir, ["--steps", str(steps)], name="deepspeed", python=python, script=__file__,
+                   env={"DS_ACCELERATOR": "cpu"}, timeout=timeout)
+    return max(statistics.median(r["step"][warmup:]) for r in runs)
 
 
 def _worker(args: argparse.Namespace) -> None:

@@ -1,6 +1,6 @@
 """Pipeline benchmark (not a test): ratios measured side by side in one run on this machine.
 
-    python benchmarks/pipeline.py            # about 6 minutes on 2 cores (3 rounds)
+    python benchmarks/pipeline.py            # about 9 minutes on 2 cores (3 rounds)
     python benchmarks/pipeline.py --quick    # one round, fewer steps
     DS_PYTHON=/tmp/dsvenv/bin/python python benchmarks/pipeline.py   # with DeepSpeed (benchmarks/deepspeed_pipeline.py)
 
@@ -42,22 +42,25 @@ LR = 3e-3
 
 
 def _launch(role: str, nprocs: int, out: Path, extra: list[str], *, name: str | None = None,
-            independent: bool = False, timeout: float = 600) -> list[dict]:
-    """``nprocs`` ranks of one job, or (``independent``) ``nprocs`` separate one-process jobs at the same time."""
+            independent: bool = False, timeout: float = 600, python: str = sys.executable, script: str = __file__,
+            env: dict[str, str] | None = None) -> list[dict]:
+    """``nprocs`` ranks of one job, or (``independent``) ``nprocs`` separate one-process jobs at the same time; each
+    rank runs ``python script --role role`` and writes ``{name or role}.{rank}.json`` to ``out``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
     for rank in range(nprocs):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs), "NODE_RANK": "0", "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'examples'}"}
+        rank_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                    "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs), "NODE_RANK": "0", "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'examples'}{os.pathsep}{ROOT / 'benchmarks'}",
+                    **(env or {})}
         if nprocs == 1 or independent:
             for k in ("MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
-                env.pop(k)
-            env["BENCH_JOB"] = str(rank)
-        procs.append(subprocess.Popen([sys.executable, __file__, "--role", role, "--out", str(out), *extra],
-                                      env=env, start_new_session=True, stdout=subprocess.PIPE,
+                rank_env.pop(k)
+            rank_env["BENCH_JOB"] = str(rank)
+        procs.append(subprocess.Popen([python, script, "--role", role, "--out", str(out), *extra],
+                                      env=rank_env, start_new_session=True, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout
     outputs = []
@@ -122,7 +125,8 @@ def role_trainer(args: argparse.Namespace) -> None:
     if args.role == "ours":
         from lightning_tpp import TensorPipeStrategy
 
-        strategy = TensorPipeStrategy(pp=2, microbatches=MICRO, schedule="1f1b", print_plan=False)
+        strategy = TensorPipeStrategy(pp=2, microbatches=MICRO, schedule=args.schedule, print_plan=False,
+                                      virtual_stages=2 if args.schedule == "interleaved-1f1b" else 1)
         devices = 2
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -291,13 +295,15 @@ def main() -> None:
     rows: list[dict[str, float]] = []
     for r in range(1 if args.quick else args.rounds):
         row = {"ours": med(_launch("ours", 2, out, ["--steps", str(steps)])),
-               "torch": med(_launch("torchpp", 2, out, ["--steps", str(steps)]))}
+               "torch": med(_launch("torchpp", 2, out, ["--steps", str(steps)])),
+               "ours-zb": med(_launch("ours", 2, out, ["--steps", str(steps), "--schedule", "zero-bubble"])),
+               "single": med(_launch("single", 1, out, ["--steps", str(steps)]))}
         ds = run_deepspeed(out / f"ds{r}", steps, warm)
         if ds is not None:
             row["deepspeed"] = ds
         rows.append(row)
         print(f"  round {r}: " + "  ".join(f"{k} {v * 1000:.1f} ms" for k, v in row.items()), flush=True)
-    t_single = med(_launch("single", 1, out, ["--steps", str(steps)]))
+    t_single = statistics.median(row["single"] for row in rows)
     # what two processes can do on this machine at all: two independent one-process runs at the same time
     t_pair = med(_launch("single", 2, out, ["--steps", str(steps)], independent=True))
     t_ours = statistics.median(row["ours"] for row in rows)
@@ -308,18 +314,25 @@ def main() -> None:
     print(f"             one process (Trainer)      {t_single * 1000:8.1f} ms")
     print(f"  ours / hand-written pipelining = {vs_torch:.3f}   (goal <= 1.03; per round "
           f"{[round(r['ours'] / r['torch'], 3) for r in rows]})")
+    t_zb = statistics.median(row["ours-zb"] for row in rows)
+    print(f"             ours, zero-bubble schedule {t_zb * 1000:8.1f} ms   (ours 1F1B / zero-bubble = "
+          f"{statistics.median(r['ours'] / r['ours-zb'] for r in rows):.3f})")
     if all("deepspeed" in r for r in rows):
-        vs_ds = statistics.median(r["deepspeed"] / r["ours"] for r in rows)
         t_ds = statistics.median(r["deepspeed"] for r in rows)
-        print(f"             DeepSpeed PipelineEngine   {t_ds * 1000:8.1f} ms")
-        print(f"  DeepSpeed / ours               = {vs_ds:.3f}   (goal >= 1.05; per round "
-              f"{[round(r['deepspeed'] / r['ours'], 3) for r in rows]})")
+        print(f"             DeepSpeed PipelineEngine   {t_ds * 1000:8.1f} ms   (1F1B, its only schedule)")
+        for name, key in (("1F1B", "ours"), ("zero-bubble", "ours-zb")):
+            print(f"  DeepSpeed / ours ({name:11s}) = {statistics.median(r['deepspeed'] / r[key] for r in rows):.3f}"
+                  f"   (goal >= 1.05; per round {[round(r['deepspeed'] / r[key], 3) for r in rows]})")
     else:
         print("  DeepSpeed PipelineEngine: not installed (see benchmarks/deepspeed_pipeline.py; DS_PYTHON=...)")
     print(f"             one process, two at once   {t_pair * 1000:8.1f} ms")
-    print(f"  speedup over one process       = {t_single / t_ours:.3f}   (goal >= 1.70, limit 1.78)")
+    speedup = statistics.median(r["single"] / r["ours"] for r in rows)
+    print(f"  speedup over one process       = {speedup:.3f}   (goal >= 1.70, limit 1.78 for 1F1B; per round "
+          f"{[round(r['single'] / r['ours'], 3) for r in rows]}); hand-written "
+          f"{statistics.median(r['single'] / r['torch'] for r in rows):.3f}, zero-bubble "
+          f"{statistics.median(r['single'] / r['ours-zb'] for r in rows):.3f}")
     print(f"  this machine's two-process throughput = {2 * t_single / t_pair:.3f} x one process; pipeline "
-          f"efficiency against it = {t_single / t_ours / (2 * t_single / t_pair):.3f}")
+          f"efficiency against it = {speedup / (2 * t_single / t_pair):.3f}")
 
     from lightning_tpp._pp_schedule import simulate, theoretical_bubble
 

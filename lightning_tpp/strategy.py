@@ -322,6 +322,10 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
             if not module.automatic_optimization:
                 raise ValueError("pipeline parallelism (pp>1) runs forward and backward inside the schedule and "
                                  "needs automatic optimization; set automatic_optimization = True or use pp=1")
+            if getattr(self.precision_plugin, "scaler", None) is not None:
+                raise ValueError("pipeline parallelism (pp>1) does not support a loss-scaling GradScaler "
+                                 "(precision='16-mixed'): every stage would have to agree on each step's scale and "
+                                 "skip decision. Use precision='bf16-mixed' (no scaler needed) or '32-true'")
             coords = self.dims.coords(self.global_rank)
             self._prepared = prepare_stages(module, dims=self.dims, pp_rank=coords["pp"],
                                             virtual=self.virtual_stages, device=self.root_device,

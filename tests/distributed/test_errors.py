@@ -23,7 +23,9 @@ SCRIPT = ROOT / "tests" / "distributed" / "worker_errors.py"
                      r"it before them: assign it in __init__ before the blocks"),
     ("pp_manual", 2, r"ValueError: pipeline parallelism \(pp>1\) runs forward and backward inside the schedule "
                      r"and needs automatic optimization"),
-], ids=["heads", "mismatch", "world", "pp_stages", "pp_encdec", "pp_manual"])
+    ("pp_fp16", 2, r"ValueError: pipeline parallelism \(pp>1\) does not support a loss-scaling GradScaler "
+                   r"\(precision='16-mixed'\).*Use precision='bf16-mixed'"),
+], ids=["heads", "mismatch", "world", "pp_stages", "pp_encdec", "pp_manual", "pp_fp16"])
 def test_error_on_every_rank(scenario: str, devices: int, message: str) -> None:
     import re
 

@@ -6,6 +6,7 @@ import sys
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_tpp import TensorPipeStrategy
@@ -62,6 +63,8 @@ SCENARIOS = {  # name -> (module, strategy kwargs, batch size)
                                                   microbatches=2), 4),
     "pp_encdec": (EncoderDecoder, dict(pp=2), 4),
     "pp_manual": (Manual, dict(pp=2), 4),
+    "pp_fp16": (lambda: LitLM("nanogpt"), dict(pp=2, precision_plugin=MixedPrecision(
+        "16-mixed", "cpu", torch.amp.GradScaler("cpu"))), 4),
 }
 
 

@@ -13,14 +13,20 @@ from lightning_tpp._pp_stage import PipelineTraceError, StageRuntime, mark_dispa
 from models import VOCAB, ConditionedLM, FusedGQAModel, NanoGPT, Seq2Seq
 
 
-def routes_of(model: nn.Module, stages: int, **partition_kwargs):
-    """Mark every unit of ``model`` (all local, as if one rank held every stage) and trace one forward + loss."""
+def dispatching(model: nn.Module, stages: int, **partition_kwargs) -> StageRuntime:
+    """Mark every unit of ``model`` (all local, as if one rank held every stage)."""
     part = plan_partition(model, stages, **partition_kwargs)
     runtime = StageRuntime(torch.device("cpu"))
     runtime.units = _units(model, part)
     modules = dict(model.named_modules())
     for i, unit in enumerate(runtime.units):
         mark_dispatch(modules[unit.name], runtime, unit=i, twin=meta_twin(modules[unit.name]))
+    return runtime
+
+
+def routes_of(model: nn.Module, stages: int, **partition_kwargs):
+    """Trace one forward + loss of ``model`` cut in ``stages``; the routes, and what each stage receives."""
+    runtime = dispatching(model, stages, **partition_kwargs)
     idx = torch.randint(0, VOCAB, (2, 8))
     calls, result = trace(runtime, lambda: F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()), {})
     names = [u.name for u in runtime.units]
@@ -84,12 +90,7 @@ def test_a_root_parameter_used_after_the_blocks_is_refused():
             return self.head(x) / self.temperature
 
     model = Scaled()
-    part = plan_partition(model, 2)
-    runtime = StageRuntime(torch.device("cpu"))
-    runtime.units = _units(model, part)
-    modules = dict(model.named_modules())
-    for i, unit in enumerate(runtime.units):
-        mark_dispatch(modules[unit.name], runtime, unit=i, twin=meta_twin(modules[unit.name]))
+    runtime = dispatching(model, 2)
     idx = torch.randint(0, VOCAB, (2, 8))
     calls, result = trace(runtime, lambda: model(idx).sum(), {"temperature": model.temperature})
     with pytest.raises(PipelineTraceError, match=r"parameter 'temperature' .* stage 1, but lives on stage 0"):
