@@ -288,6 +288,8 @@ class _PipelineDispatch:
 class _RemoteModule(nn.Module):
     """Stands in for a module held by another stage: no parameters; attributes read through to a meta twin."""
 
+    _tpp_remote = True  # tensor parallelism leaves modules containing one replicated
+
     def __init__(self, twin: nn.Module, runtime: StageRuntime, *, unit: int) -> None:
         super().__init__()
         self.__dict__.update(_tpp_twin=twin, _tpp_runtime=runtime, _tpp_unit=unit)

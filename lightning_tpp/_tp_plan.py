@@ -18,7 +18,7 @@ from __future__ import annotations
 import fnmatch
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
 
@@ -237,6 +237,8 @@ def detect(model: nn.Module, tp: int, *, check: bool = True) -> TPPlan:
                 plan.styles[f"{fqn}.out_proj"] = "rowwise"
                 claimed.update(info.layers)
             continue
+        if any(getattr(m, "_tpp_remote", False) for m in module.modules()):
+            continue  # spans pipeline stages: part of it runs elsewhere, so it cannot be one parallel block here
         lins = _child_linears(module, fqn, claimed)
         blocks = frozenset(id(modules[b]) for b in plan.blocks)
         info = _attention(fqn, module, lins, blocks) or _mlp(fqn, module, lins)
@@ -278,18 +280,22 @@ def hf_plan(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def overlay(model: nn.Module, plan: TPPlan, overrides: Mapping[str, str], *, source: str, strict: bool) -> None:
+def overlay(model: nn.Module, plan: TPPlan, overrides: Mapping[str, str], *, source: str, strict: bool,
+            whole_model: Optional[Sequence[str]] = None) -> None:
     """Lay ``overrides`` (module-name glob -> style) over ``plan`` in place.
 
     ``strict`` (user plans): unknown styles and globs that match nothing raise. Hugging Face plans use styles we do not
-    model (sequence parallel, packed experts); those entries are skipped with a note.
+    model (sequence parallel, packed experts); those entries are skipped with a note. Under pipeline parallelism
+    ``whole_model`` lists the module names of all stages: a glob may match modules that other stages hold.
     """
     modules = dict(model.named_modules())
+    names = list(whole_model) if whole_model is not None else list(modules)
     for pattern, raw in overrides.items():
-        matches = [n for n in modules if fnmatch.fnmatchcase(n, pattern)]
-        if strict and not matches:
+        if strict and not any(fnmatch.fnmatchcase(n, pattern) for n in names):
             raise TensorParallelConfigError(f"{source} entry {pattern!r} matches no module; module names look like "
-                                            f"{[n for n in modules if n][:5]}")
+                                            f"{[n for n in names if n][:5]}")
+        matches = [n for n in modules if fnmatch.fnmatchcase(n, pattern)
+                   and not getattr(modules[n], "_tpp_remote", False)]  # held by another pipeline stage
         for name in matches:
             m = modules[name]
             style = raw if strict else _HF_STYLES.get(raw)

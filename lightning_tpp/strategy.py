@@ -318,6 +318,7 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         check_agreement(self._fingerprint(module))
         broadcast_module(module, src=0)
         self._param_names = ParamNames.of(module)  # the single-device names, before stages drop modules
+        whole_model = [n for n, _ in module.named_modules()]
         if self._pp > 1:
             if not module.automatic_optimization:
                 raise ValueError("pipeline parallelism (pp>1) runs forward and backward inside the schedule and "
@@ -335,7 +336,7 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         if self._tp > 1:
             overlay(module, plan, hf_plan(module), source="Hugging Face tp plan", strict=False)
             if isinstance(self._tp_plan_arg, Mapping):
-                overlay(module, plan, self._tp_plan_arg, source="tp_plan", strict=True)
+                overlay(module, plan, self._tp_plan_arg, source="tp_plan", strict=True, whole_model=whole_model)
             check_divisible(plan, self._tp)
             apply_plan(module, plan, self._tp_group, verify=self._verify)
         self.plan = plan

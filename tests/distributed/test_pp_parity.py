@@ -63,7 +63,10 @@ def test_pp2_interleaved(tmp_path: Path) -> None:
 
 
 def test_tp2_pp2(tmp_path: Path) -> None:
-    run_and_compare(tmp_path, ["nanogpt", "llama", "hf_gpt2"], tp=2)
+    """Also: an nn.Sequential whose MLP pair straddles the stage boundary (kept replicated), zipped lists, a Hugging
+    Face tp plan naming a head that the other stage holds, and a loss computed inside the HF forward."""
+    run_and_compare(tmp_path, ["nanogpt", "llama", "hf_gpt2", "sequential", "fused_gqa", "hf_llama", "encoder",
+                               "hf_llama_labels"], tp=2)
 
 
 def test_pp2_dp2(tmp_path: Path) -> None:

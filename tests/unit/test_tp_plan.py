@@ -443,3 +443,31 @@ def test_gated_mlp_beside_an_attention_child_is_an_mlp() -> None:
     assert plan.blocks["attn"].kind == "attention"
     assert plan.blocks[""].kind == "mlp" and plan.blocks[""].layers == ["w1", "w3", "w2"]
     assert not plan.blocks[""].fused
+
+
+class _Elsewhere(nn.Module):
+    """What a pipeline stage holds in place of another stage's module."""
+
+    _tpp_remote = True
+
+
+def test_plans_skip_modules_held_by_other_pipeline_stages() -> None:
+    """Stage 0 of a pipeline: the last layer and the head live on stage 1. A user glob that matches them only in the
+    whole model is not an error; the Hugging Face style for the head is skipped; no block contains a stand-in."""
+    model = TinyLlama()
+    whole = [n for n, _ in model.named_modules()]
+    model.layers[1], model.output = _Elsewhere(), _Elsewhere()
+    plan = detect(model, 2)
+    assert plan.blocks and all(not b.startswith("layers.1") for b in plan.blocks)
+    overlay(model, plan, {"layers.1.attention": "replicate"}, source="tp_plan", strict=True, whole_model=whole)
+    overlay(model, plan, {"output": "colwise_gather"}, source="Hugging Face tp plan", strict=False)
+    assert "output" not in plan.styles
+    with pytest.raises(TensorParallelConfigError, match="'layers.9.attention' matches no module"):
+        overlay(model, plan, {"layers.9.attention": "replicate"}, source="tp_plan", strict=True, whole_model=whole)
+
+
+def test_a_block_containing_another_stages_module_stays_replicated() -> None:
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    assert detect(nn.Sequential(nn.Linear(8, 8), mlp), 2).blocks
+    mlp[0] = _Elsewhere()
+    assert not detect(nn.Sequential(nn.Linear(8, 8), mlp), 2).blocks
