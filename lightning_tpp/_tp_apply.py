@@ -364,7 +364,10 @@ def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:
                         layer = st.layers.get(name, block)
                         _reshard(layer, specs[min(i, len(specs) - 1)], group)
                 a, k = _isolated(args, kwargs)
-                problem = _close(block.forward(*a, **k), want, group)
+                try:
+                    problem = _close(block.forward(*a, **k), want, group)
+                except RuntimeError as err:  # local shapes that the forward cannot take (e.g. a misread layer order)
+                    problem = f"the parallel forward raised {type(err).__name__}: {err}"
                 if all_reduce_flag(problem is None, group.group):
                     return
     finally:

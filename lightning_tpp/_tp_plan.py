@@ -177,8 +177,8 @@ def _mlp(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]]) -> Opti
         return None
     dims = [linear_dims(m) for _, m in lins]
     first, last = dims[0], dims[-1]
-    if any(d != first for d in dims[:-1]) or last[0] != first[1] or len(lins) > 3:
-        return None
+    if any(d != first for d in dims[:-1]) or last[0] != first[1] or last[1] != first[0] or len(lins) > 3:
+        return None  # an MLP returns to the width it came from (d -> h -> d)
     if isinstance(module, nn.Sequential):  # only parameter-free layers (activations, dropout) between
         between = list(module)[list(module).index(lins[0][1]) + 1: list(module).index(lins[-1][1])]
         if any(any(True for _ in m.parameters()) for m in between if not _is_linear(m)):
@@ -290,23 +290,30 @@ def overlay(model: nn.Module, plan: TPPlan, overrides: Mapping[str, str], *, sou
     """
     modules = dict(model.named_modules())
     names = list(whole_model) if whole_model is not None else list(modules)
+    entries: list[tuple[str, str, Optional[str]]] = []  # (module, style given, our style or None)
     for pattern, raw in overrides.items():
         if strict and not any(fnmatch.fnmatchcase(n, pattern) for n in names):
             raise TensorParallelConfigError(f"{source} entry {pattern!r} matches no module; module names look like "
                                             f"{[n for n in names if n][:5]}")
-        matches = [n for n in modules if fnmatch.fnmatchcase(n, pattern)
-                   and not getattr(modules[n], "_tpp_remote", False)]  # held by another pipeline stage
-        for name in matches:
-            m = modules[name]
-            style = raw if strict else _HF_STYLES.get(raw)
-            if style == "rowwise" and isinstance(m, nn.Embedding):
-                style = "vocab"
-            if style not in STYLES:
-                if strict:
-                    raise TensorParallelConfigError(f"{source} style {raw!r} for {name!r} is not one of {STYLES}")
-                plan.notes.append(f"{name}: Hugging Face style {raw!r} is not supported; left as planned")
-                continue
-            _set_style(plan, name, m, style, source)
+        for name in modules:
+            if fnmatch.fnmatchcase(name, pattern) and not getattr(modules[name], "_tpp_remote", False):
+                style = raw if strict else _HF_STYLES.get(raw)  # (a module held by another stage is skipped)
+                if style == "rowwise" and isinstance(modules[name], nn.Embedding):
+                    style = "vocab"
+                if style not in STYLES:
+                    if strict:
+                        raise TensorParallelConfigError(f"{source} style {raw!r} for {name!r} is not one of "
+                                                        f"{STYLES}")
+                    style = None
+                entries.append((name, raw, style))
+    # a block with one style we do not model keeps the automatic plan (checked numerically at its first call) for
+    # all its layers: half of a foreign plan (a gathered qkv with our row-parallel output) would not fit together
+    foreign = {plan.block_of(n) or n for n, _, style in entries if style is None}
+    for name, raw, style in entries:
+        if style is None or (plan.block_of(name) or name) in foreign:
+            plan.notes.append(f"{name}: Hugging Face style {raw!r} is not supported here; left as planned")
+            continue
+        _set_style(plan, name, modules[name], style, source)
 
 
 def _set_style(plan: TPPlan, name: str, m: nn.Module, style: str, source: str) -> None:

@@ -345,6 +345,31 @@ class HFCausalLM(nn.Module):
         return self.model(input_ids=idx).logits
 
 
+class HFCausalLMFamily(nn.Module):
+    """Other Hugging Face decoder-only families, tiny random configs: fused per-head qkv (GPT-NeoX), fused qkv and
+    gate/up projections (Phi-3), GQA with rotary and qkv biases (Qwen2)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        import transformers
+
+        common = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, max_position_embeddings=SEQ, tie_word_embeddings=False)
+        if kind == "neox":
+            cfg = transformers.GPTNeoXConfig(**common, rotary_pct=0.5, use_parallel_residual=True)
+            self.model = transformers.GPTNeoXForCausalLM(cfg)
+        elif kind == "phi3":
+            cfg = transformers.Phi3Config(**common, num_key_value_heads=2, pad_token_id=0)
+            self.model = transformers.Phi3ForCausalLM(cfg)
+        else:
+            cfg = transformers.Qwen2Config(**common, num_key_value_heads=2)
+            self.model = transformers.Qwen2ForCausalLM(cfg)
+        self.model.config._attn_implementation = "eager"
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx).logits
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "nanogpt": NanoGPT,
     "llama": TinyLlama,
@@ -361,6 +386,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "nested_lists": NestedListLM,
     "hf_t5": HFT5,
     "hf_bart": HFBart,
+    "hf_neox": lambda: HFCausalLMFamily("neox"),
+    "hf_phi3": lambda: HFCausalLMFamily("phi3"),
+    "hf_qwen2": lambda: HFCausalLMFamily("qwen2"),
     "nanogpt4": lambda: NanoGPT(n_layer=4),
     "llama4": lambda: TinyLlama(n_layers=4),
 }

@@ -471,3 +471,15 @@ def test_a_block_containing_another_stages_module_stays_replicated() -> None:
     assert detect(nn.Sequential(nn.Linear(8, 8), mlp), 2).blocks
     mlp[0] = _Elsewhere()
     assert not detect(nn.Sequential(nn.Linear(8, 8), mlp), 2).blocks
+
+
+def test_an_output_projection_registered_first_is_not_read_as_an_mlp() -> None:
+    """Phi-3's attention registers o_proj (d -> d) before qkv_proj (d -> 3d): not an MLP (d -> h -> d)."""
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.o_proj = nn.Linear(16, 16)
+            self.qkv_proj = nn.Linear(16, 48)
+
+    assert not detect(nn.Sequential(Attn()), 2).blocks
