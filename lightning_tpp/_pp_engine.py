@@ -43,6 +43,7 @@ class PipelineError(RuntimeError):
 class _MicroBatch:
     inputs: dict[int, list[Tensor]] = field(default_factory=dict)  # received, per sending stage (graph leaves)
     outputs: dict[int, list[Tensor]] = field(default_factory=dict)  # sent, per receiving stage (graph roots)
+    grads: dict[int, list[tuple[Tensor, Any]]] = field(default_factory=dict)  # posted receives of their gradients
     loss: Optional[Tensor] = None
     param_groups: Any = None
     deferred: Optional[tuple[list[Tensor], Optional[list[Tensor]]]] = None
@@ -80,6 +81,7 @@ class PipelineEngine:
         self.last_rank = stage_rank((partition.stages - 1) % pp)
         self.chunk_params, self.tied, self.ancestor_params = chunk_params, tied, ancestor_params
         self._route_cache: dict[Any, list[Route]] = {}
+        self._headers: dict[tuple[int, int, int], tuple[Tensor, Any]] = {}  # (mb, src, dst) -> posted header recv
         self.order = actions(schedule, rank, pp, microbatches, virtual)
         self._sends: list[Any] = []
         self._parked: dict[nn.Parameter, Tensor] = {}
@@ -131,12 +133,26 @@ class PipelineEngine:
     def _isend(self, t: Tensor, dst: int, tag: int) -> None:
         self._sends.append(dist.isend(t.contiguous(), dst, tag=tag))
 
-    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> Tensor:
+    def _post(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> tuple[Tensor, Any]:
+        """Post a receive now (so that the transfer can happen while this rank computes); wait for it later."""
         buf = torch.empty(shape, dtype=dtype, device=self.runtime.device)
+        return buf, dist.irecv(buf, src, tag=tag)
+
+    def _wait(self, posted: list[tuple[Tensor, Any]]) -> list[Tensor]:
         start = time.perf_counter()
-        dist.irecv(buf, src, tag=tag).wait()
+        for _, work in posted:
+            work.wait()
         self._waited += time.perf_counter() - start
-        return buf
+        return [buf for buf, _ in posted]
+
+    def _post_headers(self, routes: list[Route], microbatches: int) -> None:
+        """Every header this rank will receive in the step, posted up front: a bundle then costs one round trip."""
+        for mb in range(microbatches):
+            for chunk in range(self.virtual):
+                g = self._stage(chunk)
+                for src, count in routes[g].inbound.items():
+                    self._headers[(mb, src, g)] = self._post((count * _HEADER,), torch.int64,
+                                                             self._rank_of_stage(src), self._tag(mb, src, g, 0))
 
     def _send_bundle(self, mb: int, src: int, dst: int, tensors: list[Tensor]) -> None:
         if len(tensors) > _MAX_LEAVES:
@@ -157,14 +173,14 @@ class PipelineEngine:
         if src in state.inputs:
             return state.inputs[src]
         rank = self._rank_of_stage(src)
-        header = self._recv((count * _HEADER,), torch.int64, rank, self._tag(mb, src, dst, 0)).tolist()
-        out = []
-        for k in range(count):
-            dtype_code, grad, ndim, *dims = header[k * _HEADER:(k + 1) * _HEADER]
-            t = self._recv(tuple(dims[:ndim]), _DTYPES[dtype_code], rank, self._tag(mb, src, dst, 1, k))
-            out.append(t.requires_grad_(True) if grad else t)
-        state.inputs[src] = out
-        return out
+        posted = self._headers.pop((mb, src, dst), None) or self._post(
+            (count * _HEADER,), torch.int64, rank, self._tag(mb, src, dst, 0))
+        header = self._wait([posted])[0].tolist()
+        rows = [header[k * _HEADER:(k + 1) * _HEADER] for k in range(count)]
+        out = self._wait([self._post(tuple(dims[:ndim]), _DTYPES[code], rank, self._tag(mb, src, dst, 1, k))
+                          for k, (code, _, ndim, *dims) in enumerate(rows)])
+        state.inputs[src] = [t.requires_grad_(True) if row[1] else t for t, row in zip(out, rows)]
+        return state.inputs[src]
 
     # ------------------------------------------------------------------------------------------------------------
     # one forward / backward of one micro-batch on one chunk
@@ -203,19 +219,19 @@ class PipelineEngine:
             tensors = [ctx.kept[key][leaf] for key, leaf in items]
             state.outputs[dst] = tensors
             self._send_bundle(mb, g, dst, tensors)
+            if torch.is_grad_enabled():  # the gradients will come back: post their receives now
+                rank = self._rank_of_stage(dst)
+                state.grads[dst] = [self._post(tuple(t.shape), t.dtype, rank, self._tag(mb, dst, g, 2, i))
+                                    for i, t in enumerate(x for x in tensors if x.requires_grad)]
         return result
 
-    def _roots(self, mb: int, chunk: int, state: _MicroBatch, scale: float) -> tuple[list[Tensor], Optional[list]]:
-        g = self._stage(chunk)
+    def _roots(self, state: _MicroBatch, scale: float) -> tuple[list[Tensor], Optional[list]]:
         roots: dict[int, Tensor] = {}
         grads: dict[int, Tensor] = {}
         if state.loss is not None:
             roots[id(state.loss)], grads[id(state.loss)] = state.loss, torch.full_like(state.loss, scale)
         for dst, tensors in state.outputs.items():
-            needed = [t for t in tensors if t.requires_grad]
-            rank = self._rank_of_stage(dst)
-            for i, t in enumerate(needed):
-                grad = self._recv(tuple(t.shape), t.dtype, rank, self._tag(mb, dst, g, 2, i))
+            for t, grad in zip([t for t in tensors if t.requires_grad], self._wait(state.grads[dst])):
                 roots[id(t)], grads[id(t)] = t, grads[id(t)] + grad if id(t) in grads else grad
         return list(roots.values()), [grads[k] for k in roots]
 
@@ -231,12 +247,12 @@ class PipelineEngine:
         state: _MicroBatch = states[(mb, chunk)]
         inputs = [t for tensors in state.inputs.values() for t in tensors if t.requires_grad]
         if kind == "B":
-            roots, grads = self._roots(mb, chunk, state, scale)
+            roots, grads = self._roots(state, scale)
             if roots:
                 torch.autograd.backward(roots, grads)
             self._send_input_grads(mb, chunk, state, {id(t): t.grad for t in inputs})
         elif kind == "I":
-            roots, grads = self._roots(mb, chunk, state, scale)
+            roots, grads = self._roots(state, scale)
             if not inputs or not roots:
                 state.deferred = (roots, grads)  # nothing to send upstream: the whole backward is weight work
                 self._send_input_grads(mb, chunk, state, {})
@@ -264,6 +280,7 @@ class PipelineEngine:
         micro, shares = split_batch(batch, min(self.microbatches, _batch_size(batch)))
         order = self._order(len(micro))
         routes = self._routes("training_step", step, micro[0])
+        self._post_headers(routes, len(micro))
         params = [p for chunk in self.chunk_params for p in chunk]
         previous = {p: p.grad for p in params}
         for p in params:
