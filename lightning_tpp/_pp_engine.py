@@ -106,8 +106,15 @@ class PipelineEngine:
                 owner_name, _, attr = fqn.rpartition(".")
                 owner = self.module.get_submodule(owner_name) if owner_name else self.module
                 sources[fqn] = getattr(owner, attr)
-            with _sandbox(self.module, self.runtime.device) as logged:
-                calls, result = trace(self.runtime, lambda: (step(micro), logged), sources)
+            try:
+                with _sandbox(self.module, self.runtime.device) as logged:
+                    calls, result = trace(self.runtime, lambda: (step(micro), logged), sources)
+            except Exception as err:
+                raise PipelineError(
+                    f"{kind} could not be traced to find which values cross pipeline stages: it runs once with "
+                    f"zeros in place of every layer's output, and raised {type(err).__name__}: {err}. A step that "
+                    f"cannot run on zeros (sampling from its outputs, asserting on their values) cannot be "
+                    f"pipelined automatically") from err
             routes = plan_routes(self.runtime, calls, result, self.partition.stages)
             digest = [repr([(k, sorted(t)) for k, t in calls])]
             every = [None] * dist.get_world_size(self.group)

@@ -246,11 +246,11 @@ class AdaLNBlock(nn.Module):
 
 
 class ConditionedLM(nn.Module):
-    def __init__(self, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS) -> None:
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS, n_layers: int = LAYERS) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.cond = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, dim))
-        self.blocks = nn.ModuleList([AdaLNBlock(dim, heads) for _ in range(LAYERS)])
+        self.blocks = nn.ModuleList([AdaLNBlock(dim, heads) for _ in range(n_layers)])
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -383,6 +383,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
                                         nn.Linear(2 * DIM, DIM), nn.GELU(), nn.Linear(DIM, VOCAB)),
     "llama_varlen": TinyLlama,
     "conditioned": ConditionedLM,
+    "conditioned4": lambda: ConditionedLM(n_layers=4),
     "nested_lists": NestedListLM,
     "hf_t5": HFT5,
     "hf_bart": HFBart,

@@ -25,7 +25,10 @@ SCRIPT = ROOT / "tests" / "distributed" / "worker_errors.py"
                      r"and needs automatic optimization"),
     ("pp_fp16", 2, r"ValueError: pipeline parallelism \(pp>1\) does not support a loss-scaling GradScaler "
                    r"\(precision='16-mixed'\).*Use precision='bf16-mixed'"),
-], ids=["heads", "mismatch", "world", "pp_stages", "pp_encdec", "pp_manual", "pp_fp16"])
+    ("pp_trace", 2, r"PipelineError: training_step could not be traced to find which values cross pipeline stages: "
+                    r"it runs once with zeros in place of every layer's output, and raised RuntimeError: .*"
+                    r"cannot be pipelined automatically"),
+], ids=["heads", "mismatch", "world", "pp_stages", "pp_encdec", "pp_manual", "pp_fp16", "pp_trace"])
 def test_error_on_every_rank(scenario: str, devices: int, message: str) -> None:
     import re
 

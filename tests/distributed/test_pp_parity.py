@@ -58,6 +58,13 @@ def test_tp2_pp2_values_crossing_stages(tmp_path: Path) -> None:
     run_and_compare(tmp_path, ["seq2seq", "hf_bart", "conditioned", "nested_lists"], tp=2)
 
 
+def test_pp4_values_skip_stages(tmp_path: Path) -> None:
+    """Four stages, one block each: the conditioning vector goes from stage 0 to stages 1, 2 and 3; in nn.Transformer
+    the embedded target goes from stage 0 to stage 2 (past the encoder's second stage) and the encoder's output from
+    stage 1 to stages 2 and 3. Gradients flow back along the same edges and are summed at the sender."""
+    run_and_compare(tmp_path, ["conditioned4", "seq2seq"], pp=4)
+
+
 def test_pp2_interleaved(tmp_path: Path) -> None:
     run_and_compare(tmp_path, ["nanogpt4", "llama4"], extra=("--schedule", "interleaved-1f1b", "--virtual", "2"))
 

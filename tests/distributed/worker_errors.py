@@ -40,6 +40,16 @@ class EncoderDecoder(LitLM):
         return self.head(self.model(h, h))
 
 
+class Sampling(LitLM):
+    """A step that samples from the model's output distribution (cannot run on zeros)."""
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch[0])
+        probs = torch.softmax(logits, -1) * (logits != 0)  # zero where the logits are exactly zero
+        picked = torch.multinomial(probs.flatten(0, 1), 1)
+        return -torch.log_softmax(logits, -1).flatten(0, 1).gather(1, picked).mean()
+
+
 class Manual(LitLM):
     def __init__(self) -> None:
         super().__init__("nanogpt")
@@ -63,6 +73,7 @@ SCENARIOS = {  # name -> (module, strategy kwargs, batch size)
                                                   microbatches=2), 4),
     "pp_encdec": (EncoderDecoder, dict(pp=2), 4),
     "pp_manual": (Manual, dict(pp=2), 4),
+    "pp_trace": (Sampling, dict(pp=2), 4),
     "pp_fp16": (lambda: LitLM("nanogpt"), dict(pp=2, precision_plugin=MixedPrecision(
         "16-mixed", "cpu", torch.amp.GradScaler("cpu"))), 4),
 }
