@@ -116,10 +116,10 @@ class PipelineEngine:
                     f"cannot run on zeros (sampling from its outputs, asserting on their values) cannot be "
                     f"pipelined automatically") from err
             routes = plan_routes(self.runtime, calls, result, self.partition.stages)
-            digest = [repr([(k, sorted(t)) for k, t in calls])]
-            every = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(every, digest[0], group=self.group)
-            if any(d != digest[0] for d in every):
+            digest = repr([(k, sorted(map(repr, tags))) for k, tags in calls])
+            every: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(every, digest, group=self.group)
+            if any(d != digest for d in every):
                 raise PipelineError(f"the pipeline stages traced different forwards for one {kind} step (the forward "
                                     f"takes a different path on some ranks); it must call the same layers everywhere")
             self._route_cache[key] = routes

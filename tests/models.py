@@ -291,6 +291,24 @@ class NestedListLM(nn.Module):
         return self.to_logits(self.norm(x))
 
 
+# ---- a parameter owned by the model itself (a ViT's pos_embed / cls_token), used before the blocks -------------
+class RootParamLM(nn.Module):
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM) -> None:
+        super().__init__()
+        self.pos_embed = nn.Parameter(torch.randn(SEQ, dim) * 0.02)
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([PreNormResidual(dim, nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(),
+                                                                        nn.Linear(2 * dim, dim)))
+                                     for _ in range(LAYERS)])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx) + self.pos_embed[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 # ---- Hugging Face T5: encoder-decoder, shared embedding called by both stacks, relative position bias -----------
 class HFT5(nn.Module):
     def __init__(self) -> None:
@@ -385,6 +403,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "conditioned": ConditionedLM,
     "conditioned4": lambda: ConditionedLM(n_layers=4),
     "nested_lists": NestedListLM,
+    "root_param": RootParamLM,
     "hf_t5": HFT5,
     "hf_bart": HFBart,
     "hf_neox": lambda: HFCausalLMFamily("neox"),

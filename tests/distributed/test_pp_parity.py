@@ -43,14 +43,15 @@ def test_pp2_every_schedule(tmp_path: Path, schedule: str) -> None:
                     extra=("--schedule", schedule))
 
 
-CROSSING_MODELS = ["seq2seq", "hf_t5", "hf_bart", "conditioned", "nested_lists", "fused_gqa"]
+CROSSING_MODELS = ["seq2seq", "hf_t5", "hf_bart", "conditioned", "nested_lists", "fused_gqa", "root_param"]
 
 
 def test_pp2_values_crossing_stages(tmp_path: Path) -> None:
     """Values other than the previous block's output cross stages: nn.Transformer and Hugging Face T5 (the encoder's
     output read by every decoder block, the decoder's embedded input computed on the first stage, T5's shared
     embedding and position bias), a conditioning vector read by every block, [attention, feed-forward] lists
-    unpacked in the loop, and sibling lists zipped in one loop."""
+    unpacked in the loop, sibling lists zipped in one loop, and a parameter of the model itself (pos_embed) used
+    before the blocks."""
     run_and_compare(tmp_path, CROSSING_MODELS)
 
 
