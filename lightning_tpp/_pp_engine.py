@@ -82,6 +82,8 @@ class PipelineEngine:
         self.chunk_params, self.tied, self.ancestor_params = chunk_params, tied, ancestor_params
         self._route_cache: dict[Any, list[Route]] = {}
         self._headers: dict[tuple[int, int, int], tuple[Tensor, Any]] = {}  # (mb, src, dst) -> posted header recv
+        # receives posted ahead need messages matched by tag (gloo); NCCL matches a pair's messages in posting order
+        self._early = dist.get_backend(group) != "nccl"
         self.order = actions(schedule, rank, pp, microbatches, virtual)
         self._sends: list[Any] = []
         self._parked: dict[nn.Parameter, Tensor] = {}
@@ -154,7 +156,7 @@ class PipelineEngine:
 
     def _post_headers(self, routes: list[Route], microbatches: int) -> None:
         """Every header this rank will receive in the step, posted up front: a bundle then costs one round trip."""
-        for mb in range(microbatches):
+        for mb in range(microbatches if self._early else 0):
             for chunk in range(self.virtual):
                 g = self._stage(chunk)
                 for src, count in routes[g].inbound.items():
@@ -226,19 +228,23 @@ class PipelineEngine:
             tensors = [ctx.kept[key][leaf] for key, leaf in items]
             state.outputs[dst] = tensors
             self._send_bundle(mb, g, dst, tensors)
-            if torch.is_grad_enabled():  # the gradients will come back: post their receives now
-                rank = self._rank_of_stage(dst)
-                state.grads[dst] = [self._post(tuple(t.shape), t.dtype, rank, self._tag(mb, dst, g, 2, i))
-                                    for i, t in enumerate(x for x in tensors if x.requires_grad)]
+            if torch.is_grad_enabled() and self._early:  # the gradients will come back: post their receives now
+                state.grads[dst] = self._post_grads(mb, g, dst, tensors)
         return result
 
-    def _roots(self, state: _MicroBatch, scale: float) -> tuple[list[Tensor], Optional[list]]:
+    def _post_grads(self, mb: int, stage: int, dst: int, sent: list[Tensor]) -> list[tuple[Tensor, Any]]:
+        rank = self._rank_of_stage(dst)
+        return [self._post(tuple(t.shape), t.dtype, rank, self._tag(mb, dst, stage, 2, i))
+                for i, t in enumerate(x for x in sent if x.requires_grad)]
+
+    def _roots(self, mb: int, chunk: int, state: _MicroBatch, scale: float) -> tuple[list[Tensor], Optional[list]]:
         roots: dict[int, Tensor] = {}
         grads: dict[int, Tensor] = {}
         if state.loss is not None:
             roots[id(state.loss)], grads[id(state.loss)] = state.loss, torch.full_like(state.loss, scale)
         for dst, tensors in state.outputs.items():
-            for t, grad in zip([t for t in tensors if t.requires_grad], self._wait(state.grads[dst])):
+            posted = state.grads.get(dst) or self._post_grads(mb, self._stage(chunk), dst, tensors)
+            for t, grad in zip([t for t in tensors if t.requires_grad], self._wait(posted)):
                 roots[id(t)], grads[id(t)] = t, grads[id(t)] + grad if id(t) in grads else grad
         return list(roots.values()), [grads[k] for k in roots]
 
@@ -254,12 +260,12 @@ class PipelineEngine:
         state: _MicroBatch = states[(mb, chunk)]
         inputs = [t for tensors in state.inputs.values() for t in tensors if t.requires_grad]
         if kind == "B":
-            roots, grads = self._roots(state, scale)
+            roots, grads = self._roots(mb, chunk, state, scale)
             if roots:
                 torch.autograd.backward(roots, grads)
             self._send_input_grads(mb, chunk, state, {id(t): t.grad for t in inputs})
         elif kind == "I":
-            roots, grads = self._roots(state, scale)
+            roots, grads = self._roots(mb, chunk, state, scale)
             if not inputs or not roots:
                 state.deferred = (roots, grads)  # nothing to send upstream: the whole backward is weight work
                 self._send_input_grads(mb, chunk, state, {})

@@ -56,7 +56,7 @@ class Recorder(Callback):
 
 def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, steps: int = 5, batch_size: int = 4,
           accumulate: int = 1, clip: Optional[float] = None, precision: str = "32-true", lr: float = 0.1,
-          optimizer: str = "sgd", accelerator: str = "cpu") -> Record:
+          optimizer: str = "sgd", accelerator: str = "cpu", in_order_receives: bool = False) -> Record:
     """Train ``name`` for ``steps`` optimizer steps. With ``strategy="auto"`` (one process) each batch is the union of
     what ``dp`` replicas draw from Lightning's shuffling DistributedSampler (seed 0, epoch 0) at that step."""
     L.seed_everything(0, verbose=False)
@@ -71,9 +71,16 @@ def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, s
     else:
         loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False)
     recorder = Recorder()
+    callbacks: list[L.Callback] = [recorder]
+    if in_order_receives:  # NCCL's way (messages of a pair matched in posting order), exercised on gloo
+        class InOrder(L.Callback):
+            def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+                trainer.strategy._engine._early = False
+
+        callbacks.append(InOrder())
     trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[recorder], accumulate_grad_batches=accumulate, gradient_clip_val=clip,
+                        callbacks=callbacks, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
                         precision=precision, limit_val_batches=0, num_sanity_val_steps=0)
     trainer.fit(module, loader)
     return recorder.record
@@ -140,6 +147,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--in-order-receives", action="store_true")
     args = parser.parse_args()
     from lightning_tpp import TensorPipeStrategy
 
@@ -149,7 +157,8 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
                                       virtual_stages=args.virtual, blocks=args.blocks, print_plan=rank == 0 and name == "nanogpt")
         record = train(name, strategy=strategy, devices=args.tp * args.dp * args.pp, dp=args.dp, steps=args.steps, batch_size=args.batch_size,
                        accumulate=args.accumulate, clip=args.clip, precision=args.precision,
-                       optimizer=args.optimizer, lr=args.lr, accelerator=args.accelerator)
+                       optimizer=args.optimizer, lr=args.lr, accelerator=args.accelerator,
+                       in_order_receives=args.in_order_receives)
         torch.save(asdict(record), Path(args.out) / f"{name}.rank{rank}.pt")
 
 

@@ -66,6 +66,11 @@ def test_pp4_values_skip_stages(tmp_path: Path) -> None:
     run_and_compare(tmp_path, ["conditioned4", "seq2seq"], pp=4)
 
 
+def test_pp2_receives_in_posting_order(tmp_path: Path) -> None:
+    """The NCCL path: no receive posted ahead (NCCL matches a pair's messages in posting order, not by tag)."""
+    run_and_compare(tmp_path, ["nanogpt", "seq2seq"], extra=("--in-order-receives",))
+
+
 def test_pp2_interleaved(tmp_path: Path) -> None:
     run_and_compare(tmp_path, ["nanogpt4", "llama4"], extra=("--schedule", "interleaved-1f1b", "--virtual", "2"))
 
