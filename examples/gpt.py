@@ -1,8 +1,8 @@
-"""Train a small GPT on the Zen of Python with tensor parallelism, on CPU processes.
+"""Train a small GPT on the Zen of Python with tensor and pipeline parallelism, on CPU processes.
 
-    python examples/gpt.py                  # tp=2 on 2 CPU processes
-    python examples/gpt.py --tp 2 --pp 2    # tp=2 x pp=2 on 4 processes
-    python examples/gpt.py --tp 2 --dp 2    # tp=2 x dp=2 on 4 processes
+    python examples/gpt.py                  # tp=2 x pp=2 on 4 CPU processes
+    python examples/gpt.py --pp 1           # tp=2 on 2 processes
+    python examples/gpt.py --pp 1 --dp 2    # tp=2 x dp=2 on 4 processes
 
 The LightningModule below is written for one device and knows nothing about parallelism: the strategy finds the
 attention and MLP blocks, splits them across the tensor-parallel ranks, cuts the block list into pipeline stages,
@@ -108,7 +108,7 @@ class PrintLoss(Callback):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=150)
     args = parser.parse_args()
