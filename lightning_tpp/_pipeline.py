@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_tpp._mesh import MeshDims
-from lightning_tpp._pp_engine import PipelineEngine, PipelineError
+from lightning_tpp._pp_engine import PipelineEngine, PipelineError, load_metric_state, metric_state
 from lightning_tpp._pp_partition import (
     Partition,
     PipelinePartitionError,
@@ -211,21 +211,6 @@ def _reduce(values: list[Any], reduce_fx: Any) -> float:
     return float(t.mean())
 
 
-def _metric_state(metric: Any) -> dict[str, Any]:
-    cpu = lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # noqa: E731
-    state = {k: [cpu(x) for x in v] if isinstance(v, list) else cpu(v) for k, v in metric.metric_state.items()}
-    return {"state": state, "forward_cache": cpu(metric._forward_cache), "update_count": metric._update_count}
-
-
-def _load_metric_state(metric: Any, payload: dict[str, Any], device: torch.device) -> None:
-    dev = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
-    for k, v in payload["state"].items():
-        setattr(metric, k, [dev(x) for x in v] if isinstance(v, list) else dev(v))
-    metric._forward_cache = dev(payload["forward_cache"])
-    metric._update_count = payload["update_count"]
-    metric._computed = None
-
-
 def replay_logs(engine: PipelineEngine, module: Any, entries: list[tuple[str, Any, dict]]) -> None:
     """Log on every rank what the last stage's step logged: one value per name and step (micro-batch values are
     reduced with the call's ``reduce_fx``). A torchmetrics object's state is copied from the last stage into the
@@ -247,7 +232,7 @@ def replay_logs(engine: PipelineEngine, module: Any, entries: list[tuple[str, An
                 if id(last) not in names:
                     raise PipelineError(f"self.log({name!r}, metric): under pipeline parallelism the metric must be "
                                         f"an attribute of the LightningModule")
-                payload.append((name, names[id(last)], _metric_state(last), kwargs))
+                payload.append((name, names[id(last)], metric_state(last), kwargs))
             else:
                 payload.append((name, None, _reduce(values, kwargs.get("reduce_fx", "mean")), kwargs))
     box = [payload]
@@ -256,7 +241,7 @@ def replay_logs(engine: PipelineEngine, module: Any, entries: list[tuple[str, An
         if metric_name is not None:
             metric = module.get_submodule(metric_name)
             if not engine.holds_last:
-                _load_metric_state(metric, value, engine.runtime.device)
+                load_metric_state(metric, value, engine.runtime.device)
             module.log(name, metric, **kwargs)
         else:
             module.log(name, torch.tensor(value, device=engine.runtime.device), **kwargs)

@@ -419,6 +419,22 @@ def captured_logs(module: Any) -> Iterator[list[tuple[str, Any, dict]]]:
         del module.log
 
 
+def metric_state(metric: Any) -> dict[str, Any]:
+    """A copy of a torchmetrics object's accumulated state, on the CPU (updates add to the live state in place)."""
+    cpu = lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v)  # noqa: E731
+    state = {k: [cpu(x) for x in v] if isinstance(v, list) else cpu(v) for k, v in metric.metric_state.items()}
+    return {"state": state, "forward_cache": cpu(metric._forward_cache), "update_count": metric._update_count}
+
+
+def load_metric_state(metric: Any, payload: dict[str, Any], device: torch.device) -> None:
+    dev = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    for k, v in payload["state"].items():
+        setattr(metric, k, [dev(x) for x in v] if isinstance(v, list) else dev(v))
+    metric._forward_cache = dev(payload["forward_cache"])
+    metric._update_count = payload["update_count"]
+    metric._computed = None
+
+
 @contextlib.contextmanager
 def _sandbox(module: Any, device: torch.device) -> Iterator[list[Tensor]]:
     """For a traced step: no gradients, random state and torchmetrics states restored afterwards, ``self.log``
@@ -426,7 +442,7 @@ def _sandbox(module: Any, device: torch.device) -> Iterator[list[Tensor]]:
     from torchmetrics import Metric
 
     metrics = [m for m in module.modules() if isinstance(m, Metric)]
-    saved = [(copy.deepcopy(m.metric_state), m._update_count, m._forward_cache, m._computed) for m in metrics]
+    saved = [metric_state(m) for m in metrics]
     logged: list[Tensor] = []
     previous = module.__dict__.get("log")
     module.log = lambda name, value, *args, **kwargs: logged.append(value)
@@ -439,7 +455,5 @@ def _sandbox(module: Any, device: torch.device) -> Iterator[list[Tensor]]:
             del module.log
         else:
             module.log = previous
-        for m, (state, count, cache, computed) in zip(metrics, saved):
-            for k, v in state.items():
-                setattr(m, k, v)
-            m._update_count, m._forward_cache, m._computed = count, cache, computed
+        for m, state in zip(metrics, saved):
+            load_metric_state(m, state, device)
