@@ -103,11 +103,10 @@ class PipelineEngine:
         key = (kind, str(spec), tuple((t.dim(), t.dtype) if isinstance(t, Tensor) else type(t).__name__
                                       for t in leaves))
         if key not in self._route_cache:
-            sources = {}
+            sources = {}  # parameters on the first stage, zero buffers of the same name elsewhere
             for fqn in self.ancestor_params:
                 owner_name, _, attr = fqn.rpartition(".")
-                owner = self.module.get_submodule(owner_name) if owner_name else self.module
-                sources[fqn] = getattr(owner, attr)
+                sources[fqn] = getattr(self.module.get_submodule(owner_name), attr)
             try:
                 with _sandbox(self.module, self.runtime.device) as logged:
                     calls, result = trace(self.runtime, lambda: (step(micro), logged), sources)

@@ -128,7 +128,7 @@ def describe(model: nn.Module, blocks: "str | Sequence[str]", *, zip_siblings: b
         kids = [[f"{p}{n}" for n, _ in modules[c].named_children()] for p, c in zip(prefixes, group)]
         members += list(zip(*kids))
         done_after[group[-1]] = len(members)
-    order = list(modules)
+    position = {n: i for i, n in enumerate(modules)}
     pre, post, middle = [], [], []
     chosen: list[str] = []
     for i, (n, m) in enumerate(modules.items()):
@@ -137,7 +137,7 @@ def describe(model: nn.Module, blocks: "str | Sequence[str]", *, zip_siblings: b
         if any(_inside(n, o) for o in chosen) or not any(p is not None for p in m._parameters.values()):
             continue  # inside a module already placed; modules without parameters run on every stage
         chosen.append(n)
-        before = max((k for c, k in done_after.items() if order.index(c) < i and not _inside(n, c)), default=0)
+        before = max((k for c, k in done_after.items() if position[c] < i and not _inside(n, c)), default=0)
         if before == 0:
             pre.append(n)
         elif before == len(members):

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_tpp._tp_apply import VERIFYING
+from lightning_tpp._tp_apply import VERIFYING, _tensors
 from lightning_tpp._tp_layers import swap_class
 
 Key = tuple[int, int]  # (unit, how many times it was called before in this forward)
@@ -97,8 +97,6 @@ def _signature(obj: Any, depth: int = 0) -> Any:
 
 
 def _to_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    from lightning_tpp._tp_apply import _tensors
-
     memo = {id(t): torch.empty_like(t.detach(), device="meta") for t in _tensors((args, kwargs), set())}
     return copy.deepcopy((args, kwargs), memo)
 
@@ -116,8 +114,6 @@ class _Taint(TorchFunctionMode):
         self.tags[id(t)] = (t, tags | old[1] if old is not None and old[0] is t else tags)
 
     def of(self, obj: Any) -> frozenset:
-        from lightning_tpp._tp_apply import _tensors
-
         out: set = set()
         for t in _tensors(obj, set()):
             entry = self.tags.get(id(t))
@@ -126,8 +122,6 @@ class _Taint(TorchFunctionMode):
         return frozenset(out)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        from lightning_tpp._tp_apply import _tensors
-
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not self.paused:
