@@ -226,6 +226,9 @@ def detect(model: nn.Module, tp: int, *, check: bool = True) -> TPPlan:
         return plan
     claimed: set[str] = set()
     modules = dict(model.named_modules())
+    # modules holding a stand-in for another pipeline stage's module (the stand-in and its ancestors)
+    spanning = {".".join(parts[:i]) for n, m in modules.items() if getattr(m, "_tpp_remote", False)
+                for parts in [n.split(".") if n else []] for i in range(len(parts) + 1)}
     for fqn, module in reversed(list(modules.items())):  # children before parents
         if any(fqn.startswith(b + ".") for b, info in plan.blocks.items() if info.kind == "mha"):
             continue
@@ -237,7 +240,7 @@ def detect(model: nn.Module, tp: int, *, check: bool = True) -> TPPlan:
                 plan.styles[f"{fqn}.out_proj"] = "rowwise"
                 claimed.update(info.layers)
             continue
-        if any(getattr(m, "_tpp_remote", False) for m in module.modules()):
+        if fqn in spanning:
             continue  # spans pipeline stages: part of it runs elsewhere, so it cannot be one parallel block here
         lins = _child_linears(module, fqn, claimed)
         blocks = frozenset(id(modules[b]) for b in plan.blocks)
