@@ -11,9 +11,9 @@
    - one process (Trainer, no strategy).
    Every process uses one thread, so pp=2 uses 2 cores and one process 1 core: the ideal speedup at m=8 is
    2 / (1 + 1/8) = 1.78.
-2. The measured bubble (idle fraction per rank) of each schedule, with blocks whose forward and backward sleep for
-   a set time (so the stage costs are exact), against the theory (p-1)/(m*v+p-1), or the schedule simulator for
-   zero-bubble.
+2. The measured bubble (idle fraction per rank) of each schedule, with blocks whose forward and weight gradient are
+   one square matrix product each and whose input gradient sleeps as long (F = I = W), against the theory
+   (p-1)/(m*v+p-1), or the schedule simulator for zero-bubble.
 """
 
 from __future__ import annotations
@@ -193,7 +193,8 @@ def role_torchpp(args: argparse.Namespace) -> None:
 
 
 def role_bubble(args: argparse.Namespace) -> None:
-    """Blocks that sleep a set time: forward f, input-gradient i, weight-gradient w (milliseconds)."""
+    """Blocks whose forward and weight gradient are one square matrix product each (the same size: F = W) and whose
+    input gradient sleeps as long (I = F). The activations sent between stages are tiny."""
     import lightning as L
     import torch
     import torch.nn.functional as F
@@ -201,33 +202,32 @@ def role_bubble(args: argparse.Namespace) -> None:
 
     from lightning_tpp import TensorPipeStrategy
 
-    f_ms, i_ms, w_ms = 10.0, 10.0, 10.0
+    size, i_seconds = args.size, args.product_seconds
 
-    class Sleep(torch.autograd.Function):
+    class InputGrad(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, fwd, bwd):  # type: ignore[override]
-            ctx.bwd = bwd
-            time.sleep(fwd / 1000)
+        def forward(ctx, x):  # type: ignore[override]
             return x.clone()
 
         @staticmethod
         def backward(ctx, g):  # type: ignore[override]
-            time.sleep(ctx.bwd / 1000)
-            return g, None, None
+            time.sleep(i_seconds)
+            return g
 
-    class SleepBlock(nn.Module):
+    class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.w = nn.Parameter(torch.ones(4))
+            self.weight = nn.Parameter(torch.randn(size, size) / size)
+            self.register_buffer("operand", torch.randn(size, size))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = Sleep.apply(x, f_ms, i_ms)  # on the input path: input-gradient work
-            return h + 0.0 * Sleep.apply(self.w, 0.0, w_ms).sum()  # only on the weight path: weight-gradient work
+            # the product is only on the weight's path: its weight gradient is W work, the sleep is the input path's
+            return InputGrad.apply(x) + 0.0 * F.linear(self.operand, self.weight).sum()
 
-    class Sleepy(L.LightningModule):
+    class Blocks(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.blocks = nn.ModuleList([SleepBlock() for _ in range(4)])
+            self.blocks = nn.ModuleList([Block() for _ in range(4)])
             self.scale = nn.Parameter(torch.ones(()))  # so that the first block's input needs a gradient too
 
         def training_step(self, batch, batch_idx):
@@ -244,7 +244,7 @@ def role_bubble(args: argparse.Namespace) -> None:
     strategy = TensorPipeStrategy(pp=2, microbatches=MICRO, schedule=args.schedule, virtual_stages=virtual,
                                   print_plan=False)
     steps = 4
-    data = torch.utils.data.TensorDataset(torch.randn(MICRO * steps, 4, requires_grad=False))
+    data = torch.utils.data.TensorDataset(torch.randn(MICRO * steps, 4))
 
     class Trace(L.Callback):
         def on_train_batch_start(self, trainer, *a) -> None:
@@ -261,8 +261,26 @@ def role_bubble(args: argparse.Namespace) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Trace()])
-    trainer.fit(Sleepy(), torch.utils.data.DataLoader(data, batch_size=MICRO))
+    trainer.fit(Blocks(), torch.utils.data.DataLoader(data, batch_size=MICRO))
     _save(Path(args.out), f"bubble-{args.schedule}", trainer.global_rank, {"idle": idle[1:]})
+
+
+def _product_size(seconds: float) -> tuple[int, float]:
+    """The side of a square matrix product that takes about ``seconds`` on one thread here (the time grows as its
+    cube), and what it takes."""
+    import torch
+
+    torch.set_num_threads(1)
+    side, took = 256, seconds
+    for _ in range(4):
+        a = torch.randn(side, side)
+        a @ a  # noqa: B018 - warm-up
+        start = time.perf_counter()
+        for _ in range(5):
+            a @ a  # noqa: B018
+        took = (time.perf_counter() - start) / 5
+        side = max(32, round(side * (seconds / took) ** (1 / 3)))
+    return side, took
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -276,6 +294,8 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--size", type=int, default=512, help="bubble blocks: side of the square product")
+    parser.add_argument("--product-seconds", type=float, default=0.01, help="bubble blocks: what the product takes")
     args = parser.parse_args()
     if args.role in ("single", "ours"):
         return role_trainer(args)
@@ -336,10 +356,13 @@ def main() -> None:
 
     from lightning_tpp._pp_schedule import simulate, theoretical_bubble
 
-    print(f"\nBubble (idle fraction per rank), pp=2, m={MICRO}, stages of sleeping blocks (F = I = W = 10 ms/block)")
+    size, took = _product_size(0.010)
+    print(f"\nBubble (idle fraction per rank), pp=2, m={MICRO}, stages of 2 blocks: F and W one {size}x{size} matrix "
+          f"product each ({took * 1000:.1f} ms here), I a sleep as long")
     for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
         v = 2 if schedule == "interleaved-1f1b" else 1
-        runs = _launch("bubble", 2, out, ["--schedule", schedule], name=f"bubble-{schedule}")
+        runs = _launch("bubble", 2, out, ["--schedule", schedule, "--size", str(size), "--product-seconds", str(took)],
+                       name=f"bubble-{schedule}")
         measured = [statistics.median(r["idle"]) for r in runs]
         theory = simulate(schedule, 2, MICRO, v, f=1.0, b=2.0).bubble if schedule == "zero-bubble" else \
             [theoretical_bubble(2, MICRO, v)] * 2

@@ -21,12 +21,12 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_tpp._pp_partition import Partition
 from lightning_tpp._pp_schedule import actions
 from lightning_tpp._pp_stage import Route, RunContext, StageOutput, StageRuntime, plan_routes, trace
+from lightning_tpp._pp_wgrad import DeferWeightGrads
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
            torch.uint8, torch.int8, torch.int16]
@@ -45,8 +45,8 @@ class _MicroBatch:
     outputs: dict[int, list[Tensor]] = field(default_factory=dict)  # sent, per receiving stage (graph roots)
     grads: dict[int, list[tuple[Tensor, Any]]] = field(default_factory=dict)  # posted receives of their gradients
     loss: Optional[Tensor] = None
-    param_groups: Any = None
-    deferred: Optional[tuple[list[Tensor], Optional[list[Tensor]]]] = None
+    weight_grads: list[Callable[[], None]] = field(default_factory=list)  # ``W`` work filed by the backward
+    deferred: Optional[tuple[list[Tensor], Optional[list[Tensor]]]] = None  # a whole backward put off to ``W``
 
 
 def split_batch(batch: Any, n: int) -> tuple[list[Any], list[float]]:
@@ -208,8 +208,12 @@ class PipelineEngine:
         ctx = RunContext(g, route, lambda s: self._receive_bundle(mb, s, g, route.inbound[s], state))
         self.runtime.ctx = ctx
         result = None
+        # zero-bubble's I sends the input gradients before the weight gradients are computed: products with a weight
+        # matrix are recorded so that their weight gradients can wait (the first stage has no input gradients to send)
+        split = self.schedule == "zero-bubble" and g > 0 and torch.is_grad_enabled()
         try:
-            result = step(micro)
+            with DeferWeightGrads(state.weight_grads) if split else contextlib.nullcontext():
+                result = step(micro)
         except StageOutput:
             pass
         else:
@@ -258,30 +262,18 @@ class PipelineEngine:
     def _backward(self, kind: str, mb: int, chunk: int, states: dict, scale: float) -> None:
         state: _MicroBatch = states[(mb, chunk)]
         inputs = [t for tensors in state.inputs.values() for t in tensors if t.requires_grad]
-        if kind == "B":
+        if kind in ("B", "I"):
             roots, grads = self._roots(mb, chunk, state, scale)
-            if roots:
-                torch.autograd.backward(roots, grads)
-            self._send_input_grads(mb, chunk, state, {id(t): t.grad for t in inputs})
-        elif kind == "I":
-            roots, grads = self._roots(mb, chunk, state, scale)
-            if not inputs or not roots:
+            if kind == "I" and not (inputs and roots):
                 state.deferred = (roots, grads)  # nothing to send upstream: the whole backward is weight work
-                self._send_input_grads(mb, chunk, state, {})
-            else:
-                dinputs, state.param_groups = stage_backward_input(roots, grads, inputs,
-                                                                   iter(self.chunk_params[chunk]))
-                self._send_input_grads(mb, chunk, state, {id(t): d for t, d in zip(inputs, dinputs)})
-        else:  # "W"
-            if state.deferred is not None:
-                if state.deferred[0]:
-                    torch.autograd.backward(*state.deferred)
-            else:
-                for p in self.chunk_params[chunk]:  # torch accumulates with "+=": an expanded grad cannot take it
-                    if p.grad is not None and not p.grad.is_contiguous():
-                        p.grad = p.grad.contiguous()
-                stage_backward_weight(iter(self.chunk_params[chunk]), state.param_groups)
-        if kind in ("B", "W"):
+            elif roots:
+                torch.autograd.backward(roots, grads)
+            self._send_input_grads(mb, chunk, state, {} if state.deferred else {id(t): t.grad for t in inputs})
+        if kind in ("B", "W"):  # B is I then W at once
+            if state.deferred is not None and state.deferred[0]:
+                torch.autograd.backward(*state.deferred)
+            for weight_grads in state.weight_grads:  # filed by products made under DeferWeightGrads
+                weight_grads()
             states[(mb, chunk)] = _MicroBatch(loss=state.loss.detach() if state.loss is not None else None)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -315,9 +307,11 @@ class PipelineEngine:
         finally:
             self.runtime.ctx = None
         self.position = None
-        for p, grad in self.tied:
-            if grad is not None and p.grad is not None:
-                dist.all_reduce(p.grad, group=grad)
+        for p, group in self.tied:
+            if group is not None:  # every holder joins, with zeros if its copy got no gradient (never a lone rank)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
         self._parked = {p: p.grad for p in params if p.grad is not None}
         for p in params:
             p.grad = previous[p]

@@ -83,6 +83,18 @@ def test_tp2_pp2(tmp_path: Path) -> None:
                                "hf_llama_labels", "hf_neox", "hf_phi3", "hf_qwen2"], tp=2)
 
 
+def test_tp2_pp2_zero_bubble(tmp_path: Path) -> None:
+    """Weight gradients filed by the products and computed in W: tensor-parallel column (F.linear) and row-parallel
+    (F.linear, and GPT-2's Conv1D through matmul) layers, Conv1D's addmm, a tied head."""
+    run_and_compare(tmp_path, ["nanogpt", "llama", "hf_gpt2"], tp=2, extra=("--schedule", "zero-bubble"))
+
+
+def test_pp2_zero_bubble_short_batch(tmp_path: Path) -> None:
+    """A batch with fewer samples than zero-bubble needs runs GPipe, whose B computes the filed weight gradients."""
+    run_and_compare(tmp_path, ["nanogpt"], extra=("--schedule", "zero-bubble", "--microbatches", "4", "--batch-size",
+                                                  "1"), train_kwargs=dict(batch_size=1))
+
+
 def test_pp2_dp2(tmp_path: Path) -> None:
     run_and_compare(tmp_path, ["nanogpt", "llama"], dp=2)
 
