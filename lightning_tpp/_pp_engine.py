@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from lightning_tpp._pp_partition import Partition
 from lightning_tpp._pp_schedule import actions
 from lightning_tpp._pp_stage import Route, RunContext, StageOutput, StageRuntime, plan_routes, trace
-from lightning_tpp._pp_wgrad import DeferWeightGrads
+from lightning_tpp._pp_wgrad import DeferWeightGrads, WeightGrads
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
            torch.uint8, torch.int8, torch.int16]
@@ -45,7 +45,7 @@ class _MicroBatch:
     outputs: dict[int, list[Tensor]] = field(default_factory=dict)  # sent, per receiving stage (graph roots)
     grads: dict[int, list[tuple[Tensor, Any]]] = field(default_factory=dict)  # posted receives of their gradients
     loss: Optional[Tensor] = None
-    weight_grads: list[Callable[[], None]] = field(default_factory=list)  # ``W`` work filed by the backward
+    weight_grads: WeightGrads = field(default_factory=WeightGrads)  # ``W`` work filed by the backward
     deferred: Optional[tuple[list[Tensor], Optional[list[Tensor]]]] = None  # a whole backward put off to ``W``
 
 
@@ -197,8 +197,9 @@ class PipelineEngine:
         return chunk * self.pp + self.rank
 
     def _forward(self, mb: int, chunk: int, step: Callable[[Any], Any], micro: Any, states: dict,
-                 routes: list[Route]) -> Any:
-        """Run stage ``chunk``'s part of the step; returns the step's result on the last stage."""
+                 routes: list[Route], *, split: bool = False) -> Any:
+        """Run stage ``chunk``'s part of the step; returns the step's result on the last stage. ``split``: the
+        backward will be ``I`` then ``W``, so products with a weight matrix file their weight gradients for ``W``."""
         g = self._stage(chunk)
         route = routes[g]
         state = states[(mb, chunk)] = _MicroBatch()
@@ -208,9 +209,6 @@ class PipelineEngine:
         ctx = RunContext(g, route, lambda s: self._receive_bundle(mb, s, g, route.inbound[s], state))
         self.runtime.ctx = ctx
         result = None
-        # zero-bubble's I sends the input gradients before the weight gradients are computed: products with a weight
-        # matrix are recorded so that their weight gradients can wait (the first stage has no input gradients to send)
-        split = self.schedule == "zero-bubble" and g > 0 and torch.is_grad_enabled()
         try:
             with DeferWeightGrads(state.weight_grads) if split else contextlib.nullcontext():
                 result = step(micro)
@@ -272,8 +270,7 @@ class PipelineEngine:
         if kind in ("B", "W"):  # B is I then W at once
             if state.deferred is not None and state.deferred[0]:
                 torch.autograd.backward(*state.deferred)
-            for weight_grads in state.weight_grads:  # filed by products made under DeferWeightGrads
-                weight_grads()
+            state.weight_grads.run()  # filed by the products made under DeferWeightGrads
             states[(mb, chunk)] = _MicroBatch(loss=state.loss.detach() if state.loss is not None else None)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -291,12 +288,14 @@ class PipelineEngine:
             p.grad = None
         states: dict[tuple[int, int], _MicroBatch] = {}
         scale = [loss_scale * share for share in shares]
+        # split backwards, except on the first stage: it has no input gradients to send before the weight gradients
+        splits = {(mb, chunk) for kind, mb, chunk in order if kind == "I" and self._stage(chunk) > 0}
         try:
             for kind, mb, chunk in order:
                 self.position = (kind, mb, chunk)
                 start, self._waited = time.perf_counter(), 0.0
                 if kind == "F":
-                    result = self._forward(mb, chunk, step, micro[mb], states, routes)
+                    result = self._forward(mb, chunk, step, micro[mb], states, routes, split=(mb, chunk) in splits)
                     if self._stage(chunk) == self.partition.stages - 1:
                         states[(mb, chunk)].loss = _loss_of(result, self._stage(chunk))
                 else:

@@ -18,7 +18,8 @@ operands no longer in cache).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import weakref
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,17 @@ def _accumulate(param: Tensor, grad: Tensor) -> None:
         param.grad = param.grad + grad
 
 
+class WeightGrads(list):
+    """The weight-gradient products a backward filed (a list that can be weakly referenced: a product's autograd node
+    must not hold its micro-batch's list, whose entries hold the product's input and through it the whole graph)."""
+
+    @torch.no_grad()  # the operands require grad: products made with grad enabled would chain every step's history
+    def run(self) -> None:
+        """Accumulate every filed gradient into ``.grad``, releasing each one's operands as it goes."""
+        while self:
+            self.pop(0)()
+
+
 class _Product(torch.autograd.Function):
     """``x @ W.T + b`` (``transposed=False``: ``F.linear``) or ``x @ W + b`` (``transposed=True``: ``addmm``,
     ``matmul``), computed as the op would be; its backward returns the input gradient and files the weight and bias
@@ -46,8 +58,8 @@ class _Product(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], transposed: bool,
-                into: list[Callable[[], None]]) -> Tensor:
-        ctx.params, ctx.transposed, ctx.into = (weight, bias), transposed, into
+                into: WeightGrads) -> Tensor:
+        ctx.params, ctx.transposed, ctx.into = (weight, bias), transposed, weakref.ref(into)
         device = x.device.type
         if torch.is_autocast_enabled(device):  # multiply what autocast would, and keep those for the backward
             dtype = torch.get_autocast_dtype(device)
@@ -68,15 +80,21 @@ class _Product(torch.autograd.Function):
         transposed = ctx.transposed
         want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
 
-        def weight_grads() -> None:
+        def weight_grads() -> tuple[Optional[Tensor], Optional[Tensor]]:
             g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-            if want_w:
-                _accumulate(param, x2.t().mm(g2) if transposed else g2.t().mm(x2))
-            if want_b:
-                _accumulate(bias, g2.sum(0))
+            return ((x2.t().mm(g2) if transposed else g2.t().mm(x2)) if want_w else None,
+                    g2.sum(0) if want_b else None)
 
-        ctx.into.append(weight_grads)
+        def accumulate() -> None:
+            for p, g in zip((param, bias), weight_grads()):
+                if g is not None:
+                    _accumulate(p, g)
+
         dx = grad @ (weight.t() if transposed else weight) if ctx.needs_input_grad[0] else None
+        into = ctx.into()
+        if into is None:  # the micro-batch's list is gone (its step was abandoned): nothing will run W
+            return (dx, *weight_grads(), None, None)
+        into.append(accumulate)
         return dx, None, None, None, None
 
 
@@ -92,9 +110,9 @@ _LINEAR_ARGS = ("input", "weight", "bias")
 
 class DeferWeightGrads(TorchFunctionMode):
     """Products with a weight matrix made in this block file their weight gradients in ``into`` when backward runs
-    (see the module docstring); call each filed function to accumulate them into ``.grad``."""
+    (see the module docstring); ``into.run()`` accumulates them into ``.grad``."""
 
-    def __init__(self, into: list[Callable[[], None]]) -> None:
+    def __init__(self, into: WeightGrads) -> None:
         super().__init__()
         self.into = into
 

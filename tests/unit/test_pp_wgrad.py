@@ -4,13 +4,14 @@ autograd's, for every product it takes over, and nothing else changes."""
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_tpp._pp_wgrad import DeferWeightGrads
+from lightning_tpp._pp_wgrad import DeferWeightGrads, WeightGrads
 
 
 class Conv1D(nn.Module):
@@ -55,23 +56,22 @@ def test_filed_weight_gradients_equal_autograd(steps):
     torch.manual_seed(0)
     ref = Mixed()
     model = copy.deepcopy(ref)
-    filed: list = []
     for step in range(steps):
         ids = torch.randint(0, 11, (3, 5))
         ref(ids).pow(2).sum().backward()
-        work: list = []
-        with DeferWeightGrads(work):
+        filed = WeightGrads()
+        with DeferWeightGrads(filed):
             out = model(ids).pow(2).sum()
         out.backward()
-        assert len(work) == 4  # up, conv, rot, tied head (gate's bias needs a gradient of its own: not filed)
-        filed += work
+        assert len(filed) == 4  # up, conv, rot, tied head (gate's bias needs a gradient of its own: not filed)
         if step == 0:  # before W, only what is not a weight matrix has its gradient
             assert set(_grads(model)) == {"emb.weight", "norm.weight", "norm.bias", "scale", "gate.weight"}
-        for run in work:
-            run()
+        filed.run()
+        assert not filed
     got, want = _grads(model), _grads(ref)
     assert set(got) == set(want)
-    for name in want:
+    for name, p in model.named_parameters():  # plain values: no autograd history kept from one step to the next
+        assert p.grad.grad_fn is None and not p.grad.requires_grad, name
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
@@ -82,12 +82,40 @@ def test_input_gradients_are_complete_before_w():
     x = torch.randn(2, 3, 8, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
     copy.deepcopy(lin)(x_ref).sum().backward()
-    work: list = []
-    with DeferWeightGrads(work):
+    filed = WeightGrads()
+    with DeferWeightGrads(filed):
         y = lin(x)
     y.sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad)
-    assert lin.weight.grad is None and len(work) == 1
+    assert lin.weight.grad is None and len(filed) == 1
+
+
+def test_filed_operands_are_released():
+    """Nothing of a micro-batch outlives its W: no reference cycle from the autograd graph to the filed list."""
+    lin = nn.Linear(8, 8)
+    filed = WeightGrads()
+    with DeferWeightGrads(filed):
+        h = lin(torch.randn(2, 8, requires_grad=True))
+        y = lin(h)
+    alive = weakref.ref(h)
+    loss = y.sum()
+    del h, y
+    loss.backward()
+    del loss
+    assert alive() is not None  # W still needs the product's input
+    filed.run()
+    assert alive() is None
+
+
+def test_a_lost_list_computes_weight_gradients_at_once():
+    """If a step is abandoned before W (its list dropped), a later backward of the graph does not lose them."""
+    lin = nn.Linear(4, 4)
+    filed = WeightGrads()
+    with DeferWeightGrads(filed):
+        y = lin(torch.randn(3, 4))
+    del filed
+    y.sum().backward()
+    assert lin.weight.grad is not None and lin.bias.grad is not None
 
 
 def test_autocast_products_match_autograd():
@@ -97,15 +125,14 @@ def test_autocast_products_match_autograd():
     ids = torch.randint(0, 11, (3, 5))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = ref(ids)
-        work: list = []
-        with DeferWeightGrads(work):
+        filed = WeightGrads()
+        with DeferWeightGrads(filed):
             got = model(ids)
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got, want)
     want.float().pow(2).sum().backward()
     got.float().pow(2).sum().backward()
-    for run in work:
-        run()
+    filed.run()
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         assert q.grad.dtype == torch.float32, name
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-2, atol=1e-2, msg=name)
@@ -116,10 +143,10 @@ def test_what_is_not_a_weight_product_runs_unchanged():
     differently: none is filed."""
     w = nn.Parameter(torch.randn(4, 4))
     x = torch.randn(2, 4, requires_grad=True)
-    work: list = []
-    with DeferWeightGrads(work):
+    filed = WeightGrads()
+    with DeferWeightGrads(filed):
         with torch.no_grad():
             F.linear(x, w)
         y = (w @ x.t()).sum() + (x @ w.detach()).sum() + torch.addmm(torch.zeros(2, 4), x, w, beta=0.5).sum()
     y.backward()
-    assert work == [] and w.grad is not None
+    assert not filed and w.grad is not None
