@@ -13,7 +13,7 @@
    2 / (1 + 1/8) = 1.78.
 2. The measured bubble (idle fraction per rank) of each schedule, with blocks whose forward and weight gradient are
    one square matrix product each and whose input gradient sleeps as long (F = I = W), against the theory
-   (p-1)/(m*v+p-1), or the schedule simulator for zero-bubble.
+   (p-1)/(m*v+p-1), or the schedule simulator for zero-bubble and zb-drain.
 """
 
 from __future__ import annotations
@@ -317,6 +317,7 @@ def main() -> None:
         row = {"ours": med(_launch("ours", 2, out, ["--steps", str(steps)])),
                "torch": med(_launch("torchpp", 2, out, ["--steps", str(steps)])),
                "ours-zb": med(_launch("ours", 2, out, ["--steps", str(steps), "--schedule", "zero-bubble"])),
+               "ours-zbd": med(_launch("ours", 2, out, ["--steps", str(steps), "--schedule", "zb-drain"])),
                "single": med(_launch("single", 1, out, ["--steps", str(steps)]))}
         ds = run_deepspeed(out / f"ds{r}", steps, warm)
         if ds is not None:
@@ -334,13 +335,14 @@ def main() -> None:
     print(f"             one process (Trainer)      {t_single * 1000:8.1f} ms")
     print(f"  ours / hand-written pipelining = {vs_torch:.3f}   (goal <= 1.03; per round "
           f"{[round(r['ours'] / r['torch'], 3) for r in rows]})")
-    t_zb = statistics.median(row["ours-zb"] for row in rows)
-    print(f"             ours, zero-bubble schedule {t_zb * 1000:8.1f} ms   (ours 1F1B / zero-bubble = "
-          f"{statistics.median(r['ours'] / r['ours-zb'] for r in rows):.3f})")
+    for name, key in (("zero-bubble", "ours-zb"), ("zb-drain", "ours-zbd")):
+        print(f"             ours, {name:11s} schedule {statistics.median(r[key] for r in rows) * 1000:8.1f} ms   "
+              f"(ours 1F1B / {name} = {statistics.median(r['ours'] / r[key] for r in rows):.3f}; per round "
+              f"{[round(r['ours'] / r[key], 3) for r in rows]})")
     if all("deepspeed" in r for r in rows):
         t_ds = statistics.median(r["deepspeed"] for r in rows)
         print(f"             DeepSpeed PipelineEngine   {t_ds * 1000:8.1f} ms   (1F1B, its only schedule)")
-        for name, key in (("1F1B", "ours"), ("zero-bubble", "ours-zb")):
+        for name, key in (("1F1B", "ours"), ("zero-bubble", "ours-zb"), ("zb-drain", "ours-zbd")):
             print(f"  DeepSpeed / ours ({name:11s}) = {statistics.median(r['deepspeed'] / r[key] for r in rows):.3f}"
                   f"   (goal >= 1.05; per round {[round(r['deepspeed'] / r[key], 3) for r in rows]})")
     else:
@@ -350,7 +352,8 @@ def main() -> None:
     print(f"  speedup over one process       = {speedup:.3f}   (goal >= 1.70, limit 1.78 for 1F1B; per round "
           f"{[round(r['single'] / r['ours'], 3) for r in rows]}); hand-written "
           f"{statistics.median(r['single'] / r['torch'] for r in rows):.3f}, zero-bubble "
-          f"{statistics.median(r['single'] / r['ours-zb'] for r in rows):.3f}")
+          f"{statistics.median(r['single'] / r['ours-zb'] for r in rows):.3f}, zb-drain "
+          f"{statistics.median(r['single'] / r['ours-zbd'] for r in rows):.3f}")
     print(f"  this machine's two-process throughput = {2 * t_single / t_pair:.3f} x one process; pipeline "
           f"efficiency against it = {speedup / (2 * t_single / t_pair):.3f}")
 
@@ -359,13 +362,13 @@ def main() -> None:
     size, took = _product_size(0.010)
     print(f"\nBubble (idle fraction per rank), pp=2, m={MICRO}, stages of 2 blocks: F and W one {size}x{size} matrix "
           f"product each ({took * 1000:.1f} ms here), I a sleep as long")
-    for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-drain"):
         v = 2 if schedule == "interleaved-1f1b" else 1
         runs = _launch("bubble", 2, out, ["--schedule", schedule, "--size", str(size), "--product-seconds", str(took)],
                        name=f"bubble-{schedule}")
         measured = [statistics.median(r["idle"]) for r in runs]
-        theory = simulate(schedule, 2, MICRO, v, f=1.0, b=2.0).bubble if schedule == "zero-bubble" else \
-            [theoretical_bubble(2, MICRO, v)] * 2
+        split = schedule in ("zero-bubble", "zb-drain")  # the simulator (F = I = W); the formula otherwise
+        theory = simulate(schedule, 2, MICRO, v).bubble if split else [theoretical_bubble(2, MICRO, v)] * 2
         print(f"  {schedule:17s} measured {[f'{m:.3f}' for m in measured]}  theory {[f'{t:.3f}' for t in theory]}")
 
 

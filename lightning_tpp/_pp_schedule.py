@@ -1,8 +1,8 @@
 """Pipeline schedules as data: the ordered actions of each rank, checked and timed without processes.
 
-An action is ``(kind, microbatch, chunk)``: ``F`` forward, ``B`` backward (input and weight gradients), ``I`` input
-gradient only, ``W`` weight gradient only (zero-bubble splits ``B`` into ``I`` then ``W``). Rank ``r`` holds the
-virtual stages ``chunk * pp + r``::
+An action is ``(kind, microbatch, chunk)``: ``F`` forward, ``B`` backward (input and weight gradients), ``I``
+input gradient only, ``W`` weight gradient only (zero-bubble and zb-drain split ``B`` into ``I`` then ``W``). Rank
+``r`` holds the virtual stages ``chunk * pp + r``::
 
     1F1B, pp=4, m=8, rank 0:  F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7
                     rank 3:  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7
@@ -26,7 +26,7 @@ class ScheduleConfigError(ValueError):
 def check(schedule: str, pp: int, microbatches: int, virtual: int) -> None:
     if microbatches < 1:
         raise ScheduleConfigError(f"microbatches={microbatches} must be at least 1")
-    if schedule in ("1f1b", "zero-bubble", "interleaved-1f1b") and microbatches < pp:
+    if schedule in ("1f1b", "zero-bubble", "zb-drain", "interleaved-1f1b") and microbatches < pp:
         raise ScheduleConfigError(
             f"schedule={schedule!r} needs microbatches >= pp: got microbatches={microbatches}, pp={pp}. "
             f"Use microbatches={2 * pp} (bubble (p-1)/(m+p-1) = {(pp - 1) / (3 * pp - 1):.0%}) or schedule='gpipe'")
@@ -68,6 +68,26 @@ def _zero_bubble(rank: int, pp: int, m: int) -> list[Action]:
     return order + [("W", mb, 0) for mb in done_i[max(len(done_i) - lag, 0):]]
 
 
+def _zb_drain(rank: int, pp: int, m: int) -> list[Action]:
+    """1F1B in which rank ``r > 0`` splits only the backward of its first ``r`` micro-batches and of its last one,
+    and runs those ``W`` in the drain, where 1F1B idles::
+
+        pp=2, m=8, rank 1:  F0 I0 F1 B1 F2 B2 ... F6 B6 F7 I7 W0 W7
+                   rank 0:  F0 F1 B0 F2 B1 ... F7 B6 B7          (B0 starts a W sooner, B7 while rank 1 runs W0 W7)
+
+    Zero-bubble's gain at small ``pp`` for ``r + 1`` splits per rank instead of ``m``: where splitting a backward
+    costs (on CPU ``I`` + ``W`` take ~10% more than ``B``, the weight products re-reading their operands), this is
+    the faster of the two; where it is free, zero-bubble's every-backward split leaves less bubble at larger ``pp``.
+    Holds the weight-gradient operands of up to ``r`` micro-batches until the drain."""
+    order = _one_f_one_b(rank, pp, m)
+    if rank == 0:  # nothing upstream waits for its input gradients
+        return order
+    early = list(range(min(rank, m - 1)))
+    split = set(early) | {m - 1}
+    order = [("I", mb, chunk) if kind == "B" and mb in split else (kind, mb, chunk) for kind, mb, chunk in order]
+    return order + [("W", mb, 0) for mb in [*early, m - 1]]
+
+
 def _interleaved(rank: int, pp: int, m: int, v: int) -> list[Action]:
     """Megatron's interleaved 1F1B: micro-batches advance in groups of ``pp`` through the ``v`` chunks."""
     total = m * v
@@ -92,6 +112,8 @@ def actions(schedule: str, rank: int, pp: int, microbatches: int, virtual: int =
         return _one_f_one_b(rank, pp, microbatches)
     if schedule == "zero-bubble":
         return _zero_bubble(rank, pp, microbatches)
+    if schedule == "zb-drain":
+        return _zb_drain(rank, pp, microbatches)
     if schedule == "interleaved-1f1b":
         return _interleaved(rank, pp, microbatches, virtual)
     raise ScheduleConfigError(f"unknown schedule {schedule!r}")
@@ -109,12 +131,13 @@ class Simulation:
 
 
 def simulate(schedule: str, pp: int, microbatches: int, virtual: int = 1, *, f: float = 1.0, b: float = 2.0,
-             w_share: float = 0.5) -> Simulation:
+             w_share: float = 0.5, split_cost: float = 0.0) -> Simulation:
     """Run every rank's order with action costs ``f`` (forward) and ``b`` (backward; ``I`` and ``W`` take
-    ``(1 - w_share) * b`` and ``w_share * b``) per stage chunk; raises ``ScheduleConfigError`` on a deadlock."""
+    ``(1 - w_share) * b`` and ``w_share * b``, plus half of ``split_cost`` each: what splitting a backward costs
+    beyond it) per stage chunk; raises ``ScheduleConfigError`` on a deadlock."""
     orders = [actions(schedule, r, pp, microbatches, virtual) for r in range(pp)]
     stages = pp * virtual
-    cost = {"F": f, "B": b, "I": (1 - w_share) * b, "W": w_share * b}
+    cost = {"F": f, "B": b, "I": (1 - w_share) * b + split_cost / 2, "W": w_share * b + split_cost / 2}
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, global stage) -> finish time
     clock = [0.0] * pp
     busy = [0.0] * pp

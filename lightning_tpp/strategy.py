@@ -60,7 +60,7 @@ from lightning_tpp._summary import ShardedModelSummary, format_plan
 from lightning_tpp._tp_apply import apply_plan
 from lightning_tpp._tp_plan import TPPlan, check_divisible, detect, hf_plan, overlay
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-drain")
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,7 +101,8 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         pp: pipeline-parallel size (stages).
         dp: data-parallel size, or ``"auto"`` for ``world_size // (tp * pp)``.
         microbatches: micro-batches per step for the pipeline (default ``2 * pp``).
-        schedule: pipeline schedule, one of ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble"``.
+        schedule: pipeline schedule, one of ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble"``,
+            ``"zb-drain"`` (see ``docs/pipeline.md``: zero-bubble splits every backward, zb-drain a few).
         virtual_stages: model chunks per pipeline rank (``"interleaved-1f1b"`` needs 2 or more).
         balance: ``"params"`` (balance stages by parameter count), ``"time"`` (by measured block time on the
             module's ``example_input_array``), or blocks per stage, e.g. ``[3, 5]``.

@@ -35,7 +35,7 @@ def run_and_compare(tmp: Path, models: list[str], *, tp: int = 1, pp: int = 2, d
                 assert_parity(got, ref, where=f"{name} tp={tp} pp={pp} dp={dp} ranks {ranks}")
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "zb-drain"])
 def test_pp2_every_schedule(tmp_path: Path, schedule: str) -> None:
     """Tied embeddings (nanoGPT, GPT-2), rotary side inputs (Llama), nn.TransformerEncoder, HF ModelOutput and a
     loss computed inside the HF forward, a plain nn.Sequential, and a sequence length that changes between steps."""
@@ -87,6 +87,11 @@ def test_tp2_pp2_zero_bubble(tmp_path: Path) -> None:
     """Weight gradients filed by the products and computed in W: tensor-parallel column (F.linear) and row-parallel
     (F.linear, and GPT-2's Conv1D through matmul) layers, Conv1D's addmm, a tied head."""
     run_and_compare(tmp_path, ["nanogpt", "llama", "hf_gpt2"], tp=2, extra=("--schedule", "zero-bubble"))
+
+
+def test_pp4_zb_drain(tmp_path: Path) -> None:
+    """Four stages: rank r splits its first r backwards and its last, deferring up to r + 1 weight-gradient sets."""
+    run_and_compare(tmp_path, ["nanogpt4", "conditioned4"], pp=4, extra=("--schedule", "zb-drain"))
 
 
 def test_pp2_zero_bubble_short_batch(tmp_path: Path) -> None:

@@ -53,7 +53,8 @@ def test_registered_name() -> None:
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(tp=0), r"tp=0 must be a positive integer"),
     (dict(tp=2, dp=0), r"dp=0 must be a positive integer or 'auto'"),
-    (dict(schedule="fast"), r"schedule='fast' is not one of \('gpipe', '1f1b', 'interleaved-1f1b', 'zero-bubble'\)"),
+    (dict(schedule="fast"),
+     r"schedule='fast' is not one of \('gpipe', '1f1b', 'interleaved-1f1b', 'zero-bubble', 'zb-drain'\)"),
     (dict(microbatches=0), r"microbatches=0 must be a positive integer"),
 ])
 def test_constructor_errors(kwargs: dict, message: str) -> None:

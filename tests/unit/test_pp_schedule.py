@@ -9,7 +9,8 @@ import pytest
 import lightning_tpp._pp_schedule as sched
 from lightning_tpp._pp_schedule import ScheduleConfigError, actions, check, simulate, theoretical_bubble
 
-SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "zb-drain", "interleaved-1f1b")
+SPLITTING = ("zero-bubble", "zb-drain")  # backward split into I and W
 
 
 def _configs(schedule: str):
@@ -36,15 +37,16 @@ def test_actions_cover_every_microbatch_once(schedule, pp, m, v):
         counts = Counter(order)
         assert all(c == 1 for c in counts.values()), f"rank {rank} repeats {[a for a, c in counts.items() if c > 1]}"
         pos = {a: i for i, a in enumerate(order)}
-        kinds = ("F", "I", "W") if schedule == "zero-bubble" else ("F", "B")
-        expected = {(k, mb, c) for k in kinds for mb in range(m) for c in range(v)}
-        assert set(order) == expected
+        assert len(order) == len(pos)
         for mb in range(m):
-            for c in range(v):
-                if schedule == "zero-bubble":
-                    assert pos[("F", mb, c)] < pos[("I", mb, c)] < pos[("W", mb, c)]
-                else:
+            for c in range(v):  # F, then either B or I then W
+                if ("B", mb, c) in pos:
                     assert pos[("F", mb, c)] < pos[("B", mb, c)]
+                    assert ("I", mb, c) not in pos and ("W", mb, c) not in pos
+                else:
+                    assert schedule in SPLITTING
+                    assert pos[("F", mb, c)] < pos[("I", mb, c)] < pos[("W", mb, c)]
+        assert len(order) == sum(3 if ("I", mb, c) in pos else 2 for mb in range(m) for c in range(v))
 
 
 @pytest.mark.parametrize("pp, m", [(2, 2), (2, 4), (3, 3), (3, 8), (4, 4), (4, 8), (4, 16)])
@@ -96,6 +98,24 @@ def test_zero_bubble_defers_w_by_rank(pp, m):
         assert all(k == "W" for k, _, _ in order[len(order) - rank:])
 
 
+@pytest.mark.parametrize("pp, m", [(2, 2), (2, 8), (3, 3), (3, 6), (4, 8), (4, 16)])
+def test_zb_drain_splits_the_first_rank_and_the_last_backward(pp, m):
+    for rank in range(pp):
+        order = actions("zb-drain", rank, pp, m)
+        # dropping W and renaming I -> B gives back 1F1B
+        assert [("B" if k == "I" else k, mb, c) for k, mb, c in order if k != "W"] == actions("1f1b", rank, pp, m)
+        split = [mb for k, mb, _ in order if k == "I"]
+        assert split == ([] if rank == 0 else [*range(rank), m - 1] if rank < m - 1 else list(range(m)))
+        # their W fill the drain: they are the last actions, in micro-batch order
+        assert order[len(order) - len(split):] == [("W", mb, 0) for mb in split]
+
+
+def test_zb_drain_docstring_example():
+    r1 = "F0 I0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 I7 W0 W7".split()
+    assert actions("zb-drain", 1, 2, 8) == [(s[0], int(s[1:]), 0) for s in r1]
+    assert actions("zb-drain", 0, 2, 8) == actions("1f1b", 0, 2, 8)
+
+
 @pytest.mark.parametrize("pp, m, v", [(2, 2, 2), (2, 4, 2), (2, 4, 3), (4, 4, 2), (4, 8, 2), (4, 8, 3), (3, 6, 3)])
 def test_interleaved_covers_pairs_in_chunk_order(pp, m, v):
     for rank in range(pp):
@@ -121,7 +141,7 @@ def test_unknown_schedule_raises():
 def test_simulate_never_deadlocks(schedule, pp, m, v):
     sim = simulate(schedule, pp, m, v)
     assert len(sim.busy) == pp and len(sim.bubble) == pp
-    per_chunk = 1.0 + 2.0  # f + b (I + W for zero-bubble)
+    per_chunk = 1.0 + 2.0  # f + b (I + W when split)
     assert sim.busy == pytest.approx([m * v * per_chunk] * pp)
     assert sim.makespan >= m * v * per_chunk
     assert all(0.0 <= x < 1.0 for x in sim.bubble)
@@ -157,6 +177,28 @@ def test_interleaved_bubble_matches_theory(pp, m, v):
 @pytest.mark.parametrize("pp, m", [(pp, m) for pp, m, _ in _configs("1f1b")])
 def test_zero_bubble_beats_1f1b(pp, m):
     assert max(simulate("zero-bubble", pp, m).bubble) < min(simulate("1f1b", pp, m).bubble) - 1e-9
+
+
+@pytest.mark.parametrize("pp, m", [(pp, m) for pp, m, _ in _configs("1f1b")])
+def test_zb_drain_beats_1f1b(pp, m):
+    assert max(simulate("zb-drain", pp, m).bubble) < min(simulate("1f1b", pp, m).bubble) - 1e-9
+
+
+def test_zb_drain_against_zero_bubble():
+    """Why both exist: with free splits zero-bubble leaves the smaller bubble at pp=4; when a split costs a tenth of
+    a backward (measured on CPU), zb-drain, splitting 1 to pp backwards per rank instead of all, finishes first."""
+    assert simulate("zb-drain", 2, 8).makespan == pytest.approx(simulate("zero-bubble", 2, 8).makespan)
+    assert simulate("zero-bubble", 4, 8).makespan < simulate("zb-drain", 4, 8).makespan
+    for pp, m in [(2, 8), (4, 16), (8, 32)]:
+        assert simulate("zb-drain", pp, m, split_cost=0.2).makespan < \
+            simulate("zero-bubble", pp, m, split_cost=0.2).makespan
+
+
+@pytest.mark.parametrize("schedule", SPLITTING)
+def test_split_cost_is_paid_per_split(schedule):
+    one, split = simulate("1f1b", 4, 8), simulate(schedule, 4, 8, split_cost=0.5)
+    splits = sum(k == "I" for rank in range(4) for k, _, _ in actions(schedule, rank, 4, 8))
+    assert sum(split.busy) == pytest.approx(sum(one.busy) + 0.5 * splits)
 
 
 def test_zero_bubble_pp4_m8():
@@ -200,7 +242,7 @@ def test_simulate_accepts_a_valid_custom_order(monkeypatch):
 
 
 # ---- check ----------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble", "interleaved-1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble", "zb-drain", "interleaved-1f1b"])
 def test_check_too_few_microbatches(schedule):
     v = 2 if schedule == "interleaved-1f1b" else 1
     with pytest.raises(ScheduleConfigError, match=r"needs microbatches >= pp: got microbatches=3, pp=4\. "
