@@ -1,11 +1,11 @@
 """Pipeline benchmark (not a test): ratios measured side by side in one run on this machine.
 
-    python benchmarks/pipeline.py            # about 9 minutes on 2 cores (3 rounds)
+    python benchmarks/pipeline.py            # about 11 minutes on 2 cores (3 rounds)
     python benchmarks/pipeline.py --quick    # one round, fewer steps
     DS_PYTHON=/tmp/dsvenv/bin/python python benchmarks/pipeline.py   # with DeepSpeed (benchmarks/deepspeed_pipeline.py)
 
-1. Step time of one GPT-style model (the one in examples/gpt.py, larger) with pp=2 and 8 micro-batches (1F1B):
-   - TensorPipeStrategy under the Trainer,
+1. Step time of one GPT-style model (the one in examples/gpt.py, larger) with pp=2 and 8 micro-batches:
+   - TensorPipeStrategy under the Trainer, with 1F1B, zero-bubble and zb-drain,
    - hand-written torch.distributed.pipelining (PipelineStage + Schedule1F1B) on the same split, no Trainer,
    - DeepSpeed's PipelineEngine on the same split, when a python with deepspeed is given (DS_PYTHON),
    - one process (Trainer, no strategy).
@@ -329,7 +329,7 @@ def main() -> None:
     t_pair = med(_launch("single", 2, out, ["--steps", str(steps)], independent=True))
     t_ours = statistics.median(row["ours"] for row in rows)
     vs_torch = statistics.median(row["ours"] / row["torch"] for row in rows)
-    print(f"GPT {SHAPE}, batch {BATCH}, pp=2, {MICRO} micro-batches, 1F1B, one thread per process")
+    print(f"GPT {SHAPE}, batch {BATCH}, pp=2, {MICRO} micro-batches, one thread per process")
     print(f"  step time  TensorPipeStrategy+Trainer {t_ours * 1000:8.1f} ms")
     print(f"             torch pipelining by hand   {statistics.median(r['torch'] for r in rows) * 1000:8.1f} ms")
     print(f"             one process (Trainer)      {t_single * 1000:8.1f} ms")

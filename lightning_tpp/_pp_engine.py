@@ -266,7 +266,8 @@ class PipelineEngine:
                 state.deferred = (roots, grads)  # nothing to send upstream: the whole backward is weight work
             elif roots:
                 torch.autograd.backward(roots, grads)
-            self._send_input_grads(mb, chunk, state, {} if state.deferred else {id(t): t.grad for t in inputs})
+            sent = {} if state.deferred is not None else {id(t): t.grad for t in inputs}
+            self._send_input_grads(mb, chunk, state, sent)
         if kind in ("B", "W"):  # B is I then W at once
             if state.deferred is not None and state.deferred[0]:
                 torch.autograd.backward(*state.deferred)

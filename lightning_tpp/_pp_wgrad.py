@@ -41,8 +41,8 @@ def _accumulate(param: Tensor, grad: Tensor) -> None:
 
 
 class WeightGrads(list):
-    """The weight-gradient products a backward filed (a list that can be weakly referenced: a product's autograd node
-    must not hold its micro-batch's list, whose entries hold the product's input and through it the whole graph)."""
+    """The weight-gradient products a backward filed. A product's autograd node refers to it weakly: its entries hold
+    the products' inputs, and through them the graph, which must not keep the list alive in turn."""
 
     @torch.no_grad()  # the operands require grad: products made with grad enabled would chain every step's history
     def run(self) -> None:
