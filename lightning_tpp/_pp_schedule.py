@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 Action = tuple[str, int, int]
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-drain")
 
 
 class ScheduleConfigError(ValueError):
@@ -26,7 +27,7 @@ class ScheduleConfigError(ValueError):
 def check(schedule: str, pp: int, microbatches: int, virtual: int) -> None:
     if microbatches < 1:
         raise ScheduleConfigError(f"microbatches={microbatches} must be at least 1")
-    if schedule in ("1f1b", "zero-bubble", "zb-drain", "interleaved-1f1b") and microbatches < pp:
+    if schedule in SCHEDULES and schedule != "gpipe" and microbatches < pp:  # the others keep pp in flight
         raise ScheduleConfigError(
             f"schedule={schedule!r} needs microbatches >= pp: got microbatches={microbatches}, pp={pp}. "
             f"Use microbatches={2 * pp} (bubble (p-1)/(m+p-1) = {(pp - 1) / (3 * pp - 1):.0%}) or schedule='gpipe'")

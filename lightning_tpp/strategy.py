@@ -55,12 +55,11 @@ from lightning_tpp._grads import average_gradients, broadcast_module, clip_by_gl
 from lightning_tpp._mesh import MeshDims, build_mesh, resolve_dims
 from lightning_tpp._pipeline import PreparedStages, finish_stages, format_partition, prepare_stages, replay_logs
 from lightning_tpp._pp_engine import PipelineEngine, captured_logs
+from lightning_tpp._pp_schedule import SCHEDULES
 from lightning_tpp._pp_schedule import check as check_schedule
 from lightning_tpp._summary import ShardedModelSummary, format_plan
 from lightning_tpp._tp_apply import apply_plan
 from lightning_tpp._tp_plan import TPPlan, check_divisible, detect, hf_plan, overlay
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-drain")
 
 
 @functools.lru_cache(maxsize=None)
