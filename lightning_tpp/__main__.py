@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from lightning_tpp._dcp import consolidate, is_sharded_checkpoint
+from lightning_tpp._safe_load import load_or_explain
 
 
-def export_hf(checkpoint: Path, out: Path, module: str) -> Path:
+def export_hf(checkpoint: Path, out: Path, module: str, *, weights_only: bool = True) -> Path:
     """Write the Hugging Face model inside a LightningModule checkpoint in ``save_pretrained`` format.
 
-    ``module`` is the LightningModule class as ``package.module.Class`` (its ``load_from_checkpoint`` rebuilds it)."""
+    ``module`` is the LightningModule class as ``package.module.Class`` (its ``load_from_checkpoint`` rebuilds it).
+    The checkpoint is loaded with ``weights_only`` unless told otherwise (only for files you trust)."""
     mod_name, _, cls_name = module.rpartition(".")
     if not mod_name:
         raise ValueError(f"--module {module!r} must be a dotted path such as my_project.models.MyModule")
@@ -24,8 +26,9 @@ def export_hf(checkpoint: Path, out: Path, module: str) -> Path:
         path = checkpoint
         if is_sharded_checkpoint(checkpoint):
             path = Path(tmp) / "whole.ckpt"
-            consolidate(checkpoint, path)
-        lit = cls.load_from_checkpoint(path, map_location="cpu")
+            consolidate(checkpoint, path, weights_only=weights_only)
+        lit = load_or_explain(lambda _: cls.load_from_checkpoint(path, map_location="cpu", weights_only=weights_only),
+                              checkpoint)
     models = [m for m in lit.modules() if hasattr(m, "save_pretrained") and hasattr(m, "config")]
     if not models:
         raise ValueError(f"{cls_name} holds no Hugging Face PreTrainedModel to export")
@@ -43,12 +46,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     e.add_argument("checkpoint", type=Path)
     e.add_argument("out", type=Path)
     e.add_argument("--module", required=True, help="the LightningModule class, e.g. my_project.models.MyModule")
+    for p in (c, e):
+        p.add_argument("--no-weights-only", dest="weights_only", action="store_false",
+                       help="load with plain pickle, which runs any code a file holds: only for checkpoints you trust")
     args = parser.parse_args(argv)
     if args.command == "consolidate":
-        consolidate(args.checkpoint, args.out)
+        consolidate(args.checkpoint, args.out, weights_only=args.weights_only)
         print(f"wrote {args.out}")
     else:
-        export_hf(args.checkpoint, args.out, args.module)
+        export_hf(args.checkpoint, args.out, args.module, weights_only=args.weights_only)
         print(f"wrote {args.out} (load with from_pretrained)")
     return 0
 

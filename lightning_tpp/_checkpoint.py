@@ -6,7 +6,11 @@ loads it in one process, and a run at another ``tp`` (or a single-device checkpo
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -17,15 +21,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_tpp._comm import TPGroup
+from lightning_tpp._safe_load import CheckpointMismatchError
 from lightning_tpp._sharding import shard_tensor
 from lightning_tpp._tp_apply import gather_with_spec
-
-
-class CheckpointMismatchError(KeyError):
-    """A checkpoint's names or shapes do not fit the model."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0])
 
 
 def _sharded_params(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -97,12 +95,37 @@ class ParamNames:
         return out
 
 
+class OptimizerStateLayoutError(ValueError):
+    """An optimizer keeps state that is not shaped like its (sharded) parameter, so a shard's state is not a slice of
+    one device's state."""
+
+
+def check_state_layout(optimizer: Optimizer, local: Mapping[int, str], tp: int) -> None:
+    """Refuse optimizer state (``torch.optim.Adafactor``'s factored ``row_var``/``col_var``, say) of a tensor-parallel
+    shard that is neither a scalar nor shaped like the shard: it holds statistics over the shard alone, which neither
+    equal one device's nor can be saved layout-free."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not hasattr(p, "_tpp_spec"):
+                continue
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.shape != p.shape:
+                    name = local.get(id(p), "?")
+                    raise OptimizerStateLayoutError(
+                        f"{type(optimizer).__name__} keeps state {key!r} of shape {tuple(value.shape)} for {name} "
+                        f"(whole {p._tpp_full_shape}, this shard {tuple(p.shape)}): statistics over a tp={tp} shard "  # type: ignore[attr-defined]
+                        f"are not one device's, so neither the update nor a checkpoint would be right. Use an "
+                        f"element-wise optimizer (AdamW, SGD, ...), tp=1, or keep the parameter whole with "
+                        f"tp_plan={{{name.rpartition('.')[0]!r}: 'replicate'}}")
+
+
 def named_optimizer_state(optimizer: Optimizer, module: nn.Module, names: ParamNames,
                           group: TPGroup) -> dict[str, Any]:
     """This rank's optimizer state keyed by canonical parameter name, sharded state tensors gathered whole."""
+    local = names.local(module)
+    check_state_layout(optimizer, local, group.size)
     sd = optimizer.state_dict()
     params = _params_by_index(optimizer)
-    local = names.local(module)
     state = {}
     for idx, per_param in sd["state"].items():
         p = params[idx]
@@ -153,10 +176,7 @@ def load_indexed_optimizer_state(optimizer: Optimizer, module: nn.Module, state:
             if by_index and name not in position:
                 missing.append(name)
             continue
-        spec = getattr(p, "_tpp_spec", None)
-        local_state[i] = {k: shard_tensor(v, spec, group.rank, group.size) if spec is not None
-                          and isinstance(v, Tensor) and tuple(v.shape) == p._tpp_full_shape else v  # type: ignore[attr-defined]
-                          for k, v in saved.items()}
+        local_state[i] = {k: shard_state(v, p, name, k, group) for k, v in saved.items()}
     if missing:
         raise CheckpointMismatchError(f"optimizer state for parameters the checkpoint does not know: {missing}")
     groups, start = [], 0
@@ -165,6 +185,28 @@ def load_indexed_optimizer_state(optimizer: Optimizer, module: nn.Module, state:
         groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": list(range(start, start + n))})
         start += n
     optimizer.load_state_dict({"state": local_state, "param_groups": groups})
+
+
+def shard_state(value: Any, p: Tensor, name: str, key: str, group: TPGroup) -> Any:
+    """One device's optimizer state ``value`` of parameter ``p`` cut like ``p``; scalars and state of whole parameters
+    as they are."""
+    spec = getattr(p, "_tpp_spec", None)
+    if spec is None or not isinstance(value, Tensor) or not cut_like_param(p, name, key, tuple(value.shape), group.size):
+        return value
+    return shard_tensor(value, spec, group.rank, group.size)
+
+
+def cut_like_param(p: Tensor, name: str, key: str, shape: tuple[int, ...], tp: int) -> bool:
+    """Whether saved optimizer state of this shape is cut like the sharded parameter ``p`` (False for scalars); state
+    of another shape cannot be split (see :func:`check_state_layout`)."""
+    if not shape:
+        return False
+    if shape != p._tpp_full_shape:  # type: ignore[attr-defined]
+        raise OptimizerStateLayoutError(
+            f"the checkpoint's optimizer state {key!r} of {name} has shape {shape}, not the parameter's "
+            f"{p._tpp_full_shape}: it cannot be split over tp={tp} (an optimizer such as Adafactor); resume "  # type: ignore[attr-defined]
+            f"with tp=1 or keep the parameter whole with tp_plan={{{name.rpartition('.')[0]!r}: 'replicate'}}")
+    return True
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -177,24 +219,69 @@ def atomic_save(obj: Any, path: Path) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        publish(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
 
 
-def load_or_explain(load: Any, path: Any) -> Any:
-    """``load(path)``; a truncated or corrupt file becomes an error that says so and names the file."""
+def publish(tmp: Path, path: Path) -> None:
+    """Put the written file or folder ``tmp`` at ``path`` in one step: whoever looks at ``path`` (a reader, a
+    resume after a crash) finds the previous checkpoint or the new one, never neither and never a mix.
+
+    A file replaces a file atomically (``rename``). Folders are swapped with ``renameat2(RENAME_EXCHANGE)`` (Linux)
+    and the previous one, now at ``tmp``, is removed afterwards; where the exchange is not available the previous
+    folder is moved aside first, which leaves a window in which ``path`` is missing (its copy then sits at
+    ``.NAME.old``)."""
+    if not (tmp.is_dir() or path.is_dir()) or not os.path.lexists(path):
+        os.replace(tmp, path)
+    elif _exchange(tmp, path):
+        _remove(tmp)  # the previous checkpoint
+    else:
+        old = path.with_name(f".{path.name}.old")
+        _remove(old)
+        os.rename(path, old)
+        os.rename(tmp, path)
+        _remove(old)
+    _fsync_dir(path.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically; False where the OS or file system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot publish {a} as {b}: {os.strerror(err)}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename durable (a power loss after it must not bring the old name back)."""
     try:
-        return load(path)
-    except FileNotFoundError:
-        raise
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        text = str(err)
-        if "Weights only load failed" in text:
-            raise
-        raise CheckpointMismatchError(f"checkpoint {path} is incomplete or corrupt and cannot be loaded ({text[:300]}); "
-                                      f"use the previous checkpoint") from err
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # not possible on this platform (Windows)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def rng_state() -> dict[str, Any]:

@@ -22,12 +22,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_tpp._checkpoint import CheckpointMismatchError, ParamNames, _params_by_index, atomic_save, \
-    indexed_optimizer_state
+from lightning_tpp._checkpoint import ParamNames, _params_by_index, atomic_save, check_state_layout, \
+    cut_like_param, indexed_optimizer_state, publish
 from lightning_tpp._comm import TPGroup
+from lightning_tpp._safe_load import CheckpointMismatchError, SafeFileSystemReader, classify, torch_load
 from lightning_tpp._sharding import ShardSpec, shard_tensor
 from lightning_tpp._tp_apply import gather_with_spec
 
@@ -36,6 +38,22 @@ META = "meta.pt"
 
 def is_sharded_checkpoint(path: Any) -> bool:
     return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
+
+
+def _require_complete(path: Path) -> None:
+    """``meta.pt`` is written last, after every shard and DCP's ``.metadata``: without it the save did not finish."""
+    if not (path / META).is_file():
+        raise CheckpointMismatchError(f"checkpoint {path} is incomplete (no {META}: its save did not finish) and "
+                                      f"cannot be loaded; use the previous checkpoint")
+
+
+def _dcp_load(state: dict[str, Any], path: Path, weights_only: Optional[bool], **kwargs: Any) -> None:
+    """``dcp.load`` through the restricted reader; a failure on any rank is reported as what it is, on every rank."""
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(path, weights_only=weights_only), **kwargs)
+    except CheckpointException as err:  # DCP gathers every rank's failure and raises it on every rank
+        first = next(iter(err.failures.values()))
+        raise classify(first[0] if isinstance(first, tuple) else first, f"{path} (a shard or its .metadata)") from err
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -78,11 +96,12 @@ def _model_entries(module: nn.Module) -> dict[str, tuple[Tensor, Optional[ShardS
     return out
 
 
-def _optimizer_entries(optimizers: list[Any], module: nn.Module, names: ParamNames
+def _optimizer_entries(optimizers: list[Any], module: nn.Module, names: ParamNames, layout: _Layout
                        ) -> dict[str, tuple[Tensor, Optional[ShardSpec], tuple[int, ...]]]:
     local = names.local(module)
     out = {}
     for i, opt in enumerate(optimizers):
+        check_state_layout(opt, local, layout.group.size)
         params = _params_by_index(opt)
         for idx, per_param in opt.state_dict()["state"].items():
             p = params[idx]
@@ -100,7 +119,7 @@ def save_sharded(path: Path, checkpoint: dict[str, Any], module: nn.Module, opti
                  names: ParamNames, layout: _Layout, *, is_global_zero: bool, param_groups: list[Any]) -> None:
     """Every rank calls this (DCP's save is collective)."""
     state = {f"model.{k}": layout.wrap(*v) for k, v in _model_entries(module).items()}
-    state.update({k: layout.wrap(*v) for k, v in _optimizer_entries(optimizers, module, names).items()})
+    state.update({k: layout.wrap(*v) for k, v in _optimizer_entries(optimizers, module, names, layout).items()})
     tmp = path.with_name(f".{path.name}.partial")
     if is_global_zero and tmp.exists():
         shutil.rmtree(tmp)
@@ -109,13 +128,8 @@ def save_sharded(path: Path, checkpoint: dict[str, Any], module: nn.Module, opti
     if is_global_zero:
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         meta["tpp"] = {"param_order": list(names.order), "param_groups": param_groups}
-        atomic_save(meta, tmp / META)
-        old = path.with_name(f".{path.name}.old")
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        if old.exists():
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        atomic_save(meta, tmp / META)  # written last: a folder without it is an unfinished save
+        publish(tmp, path)
     dist.barrier()
 
 
@@ -141,18 +155,19 @@ def named_param_groups(optimizers: list[Any], module: nn.Module, names: ParamNam
 
 
 def load_sharded(path: Path, module: nn.Module, optimizers: list[Any], names: ParamNames, layout: _Layout,
-                 load_meta: Any, *, strict: bool) -> dict[str, Any]:
+                 load_meta: Any, *, strict: bool, weights_only: Optional[bool] = True) -> dict[str, Any]:
     """Load model (and optimizer state, where optimizers exist) in this rank's layout; returns the rest."""
+    _require_complete(path)
     meta = load_meta(path / META)
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    stored = SafeFileSystemReader(path, weights_only=weights_only).read_metadata().state_dict_metadata
     entries = {f"model.{k}": v for k, v in _model_entries(module).items()}
     missing = sorted(k[6:] for k in entries if k not in stored)
     if missing and strict:
         raise CheckpointMismatchError(f"checkpoint {path} lacks model entries {missing}")
     targets = {k: layout.wrap(*v) for k, v in entries.items() if k in stored}
-    opt_entries = _expected_optimizer_entries(optimizers, module, names, stored)
+    opt_entries = _expected_optimizer_entries(optimizers, module, names, stored, layout.group.size)
     targets.update({k: layout.wrap(*v) for k, v in opt_entries.items()})
-    dcp.load(targets, checkpoint_id=path)
+    _dcp_load(targets, path, weights_only)
     with torch.no_grad():
         for key, (value, spec, _) in entries.items():
             if key in targets:
@@ -162,7 +177,7 @@ def load_sharded(path: Path, module: nn.Module, optimizers: list[Any], names: Pa
     return meta
 
 
-def _expected_optimizer_entries(optimizers: list[Any], module: nn.Module, names: ParamNames, stored: Any
+def _expected_optimizer_entries(optimizers: list[Any], module: nn.Module, names: ParamNames, stored: Any, tp: int
                                 ) -> dict[str, tuple[Tensor, Optional[ShardSpec], tuple[int, ...]]]:
     """Buffers for the optimizer state the checkpoint holds for this rank's parameters (state is created lazily)."""
     local = names.local(module)
@@ -175,7 +190,8 @@ def _expected_optimizer_entries(optimizers: list[Any], module: nn.Module, names:
             for key, md in stored.items():
                 if key.startswith(prefix) and "." not in key[len(prefix):]:
                     shape = tuple(md.size) if hasattr(md, "size") else ()
-                    sharded = shape == tuple(full)
+                    sharded = cut_like_param(p, local[id(p)], key[len(prefix):], shape, tp) if spec is not None \
+                        else shape == tuple(full)
                     local_shape = tuple(p.shape) if sharded else shape
                     dtype = md.properties.dtype if hasattr(md, "properties") else torch.float32
                     buf = torch.empty(local_shape, dtype=dtype, device=p.device if sharded else "cpu")
@@ -204,19 +220,18 @@ def _restore_optimizers(optimizers: list[Any], module: nn.Module, names: ParamNa
         opt.load_state_dict({"state": state, "param_groups": new_groups})
 
 
-def consolidate(path: Path, out: Path) -> None:
-    """One ordinary Lightning checkpoint from a sharded one, in one process without ``torch.distributed``."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def consolidate(path: Path, out: Path, *, weights_only: Optional[bool] = True) -> None:
+    """One ordinary Lightning checkpoint from a sharded one, in one process without ``torch.distributed``.
 
+    Every file is read as ``weights_only`` loading would (see :mod:`lightning_tpp._safe_load`); pass
+    ``weights_only=False`` only for a checkpoint you trust."""
     if not is_sharded_checkpoint(path):
         raise CheckpointMismatchError(f"{path} is not a sharded lightning_tpp checkpoint (no .metadata inside)")
-    flat_file = out.with_name(f".{out.name}.flat")
-    dcp_to_torch_save(path, flat_file)
-    try:
-        flat = torch.load(flat_file, map_location="cpu", weights_only=True)
-    finally:
-        flat_file.unlink()
-    meta = torch.load(path / META, map_location="cpu", weights_only=False)
+    _require_complete(path)
+    meta = torch_load(path / META, weights_only=weights_only)
+    stored = SafeFileSystemReader(path, weights_only=weights_only).read_metadata().state_dict_metadata
+    flat = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in stored.items() if hasattr(md, "size")}
+    _dcp_load(flat, path, weights_only, no_dist=True)
     tpp = meta.pop("tpp")
     order = ParamNames(tuple(tpp["param_order"]), {})
     checkpoint = dict(meta)

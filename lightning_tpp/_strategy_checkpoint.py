@@ -20,7 +20,6 @@ from lightning_tpp._checkpoint import (
     indexed_optimizer_state,
     load_full_state_dict,
     load_indexed_optimizer_state,
-    load_or_explain,
     merge_named,
     named_optimizer_state,
     rng_state,
@@ -34,6 +33,8 @@ from lightning_tpp._dcp import (
     named_param_groups,
     save_sharded,
 )
+from lightning_tpp._compat import requested_weights_only
+from lightning_tpp._safe_load import load_or_explain
 
 
 class CheckpointMixin:
@@ -142,6 +143,8 @@ class CheckpointMixin:
 
     @override  # type: ignore[misc]
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if weights_only is None:
+            weights_only = requested_weights_only()
         checkpoint = self._load_checkpoint(checkpoint_path, weights_only)
         rng = checkpoint.get("tpp_rng_states")
         if isinstance(rng, list) and len(rng) == self.world_size:  # same number of ranks: each resumes its streams
@@ -155,7 +158,11 @@ class CheckpointMixin:
             assert self.lightning_module is not None
             return load_sharded(Path(path), self.lightning_module,
                                 [getattr(o, "_optimizer", o) for o in self.optimizers], self._param_names,
-                                self._layout(), lambda p: self.checkpoint_io.load_checkpoint(p, weights_only=False),
-                                strict=self.lightning_module.strict_loading)
-        return load_or_explain(lambda p: self.checkpoint_io.load_checkpoint(p, weights_only=weights_only),
-                               checkpoint_path)
+                                self._layout(), lambda p: self._load_file(p, weights_only),
+                                strict=self.lightning_module.strict_loading, weights_only=weights_only)
+        return self._load_file(checkpoint_path, weights_only)
+
+    def _load_file(self, path: Any, weights_only: Optional[bool]) -> dict[str, Any]:
+        """A torch-saved file through the Trainer's ``CheckpointIO``, as safely as plain Lightning loads it (the
+        user's ``weights_only``; torch's default, True, when unset)."""
+        return load_or_explain(lambda p: self.checkpoint_io.load_checkpoint(p, weights_only=weights_only), path)

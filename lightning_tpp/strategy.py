@@ -45,9 +45,7 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_tpp._checkpoint import (
-    ParamNames,
-)
+from lightning_tpp._checkpoint import ParamNames, check_state_layout
 from lightning_tpp._comm import TPGroup
 from lightning_tpp._strategy_checkpoint import CheckpointMixin
 from lightning_tpp._watchdog import FailureWatch, NonFiniteLossError, check_agreement, model_structure
@@ -182,6 +180,7 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         self._watch: Optional[FailureWatch] = None
         self._skip_backward = False
         self._restored_sharded = False
+        self._checked_optimizers: set[int] = set()
         self._print_plan = print_plan
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -496,7 +495,12 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
                 self._average_dp_gradients()
             return out
 
-        return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+        out = super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if self.dims.tp > 1 and id(inner) not in self._checked_optimizers and self.lightning_module is not None:
+            check_state_layout(inner, self._param_names.local(self.lightning_module), self.dims.tp)  # once: state exists now
+            self._checked_optimizers.add(id(inner))
+        return out
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:

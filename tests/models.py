@@ -448,6 +448,8 @@ class LitLM(L.LightningModule):
             return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         if self.hparams.optimizer == "sgdm":  # momentum: optimizer state, linear in the gradients
             return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        if self.hparams.optimizer == "adafactor":  # factored state: row/column statistics, not shaped like weights
+            return torch.optim.Adafactor(self.parameters(), lr=self.hparams.lr)
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
 

@@ -10,20 +10,44 @@ import torch
 
 from launch import ROOT, run_ranks
 from lightning_tpp import CheckpointMismatchError
-from lightning_tpp._checkpoint import load_full_state_dict, load_or_explain
+from lightning_tpp._checkpoint import load_full_state_dict
+from lightning_tpp._safe_load import load_or_explain
 from lightning_tpp._comm import TPGroup
 from models import LitLM
 
 
+def _batches_stepped(state: dict) -> int:
+    return state["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"]
+
+
 def test_killed_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "last.ckpt"
-    result = run_ranks(ROOT / "tests" / "distributed" / "worker_save_kill.py", 2, [str(path)], timeout=120)
+    result = run_ranks(ROOT / "tests" / "distributed" / "worker_save_kill.py", 2, [str(path), "file"], timeout=120)
     assert result.returncodes[0] != 0  # rank 0 died while writing
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    assert state["global_step"] == 2
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    assert state["global_step"] == 2 and _batches_stepped(state) == 2
     model = LitLM.load_from_checkpoint(path, map_location="cpu")  # whole model, one process
     assert model.model.transformer.wte.weight.shape == (64, 32)
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == ["last.ckpt"]
+
+
+@pytest.mark.parametrize(("point", "survivor"), [("shards", "previous"), ("shards-rank1", "previous"),
+                                                 ("written", "previous"), ("meta", "previous"), ("publish", "new")])
+def test_killed_sharded_save_leaves_a_whole_checkpoint(tmp_path: Path, point: str, survivor: str) -> None:
+    """A rank killed at each point of a sharded save: the path holds a complete checkpoint at every moment (the
+    previous one until the new one is published in one step), and nothing half-written is visible."""
+    from lightning_tpp import consolidate
+
+    path = tmp_path / "last.ckpt"
+    result = run_ranks(ROOT / "tests" / "distributed" / "worker_save_kill.py", 2, [str(path), point], timeout=120)
+    assert not result.timed_out and any(result.returncodes), "a rank had to die"
+    one = tmp_path / "one" / "whole.ckpt"
+    consolidate(path, one)  # every shard and entry present, the files safe to load
+    state = torch.load(one, map_location="cpu", weights_only=True)
+    assert _batches_stepped(state) == (2 if survivor == "previous" else 99)
+    model = LitLM.load_from_checkpoint(one, map_location="cpu")
+    assert model.model.transformer.wte.weight.shape == (64, 32)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["last.ckpt", "one"]
 
 
 def test_truncated_checkpoint_is_reported(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ nanoGPT with 4 blocks: its tied embedding/head sits on the first and last pipeli
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -17,24 +18,25 @@ from parity import Record, assert_parity, load_record, merge_stages
 SCRIPT = ROOT / "tests" / "distributed" / "worker_resume.py"
 
 
-def _phase(out: Path, phase: str, tp: int, pp: int, ckpt: Path, sharded: bool = False) -> Record:
+def _phase(out: Path, phase: str, tp: int, pp: int, ckpt: Path, sharded: bool = False,
+           optimizer: str = "sgdm") -> Record:
     if tp * pp == 0:  # one process, no strategy
         from worker_resume import run
 
-        run(out, phase, 0, 0, ckpt)
+        run(out, phase, 0, 0, ckpt, optimizer=optimizer)
         return load_record(out / f"{phase}.rank0.pt")
-    run_ranks(SCRIPT, tp * pp, [str(out), phase, str(tp), str(pp), str(ckpt), "sharded" if sharded else "whole"],
-              timeout=300).check()
+    run_ranks(SCRIPT, tp * pp, [str(out), phase, str(tp), str(pp), str(ckpt), "sharded" if sharded else "whole",
+                                optimizer], timeout=300).check()
     # tp rank 0 of every stage
     return merge_stages([load_record(out / f"{phase}.rank{s * tp}.pt") for s in range(pp)])
 
 
 @functools.lru_cache(maxsize=None)
-def _uninterrupted(tmp: str) -> Record:
+def _uninterrupted(tmp: str, optimizer: str = "sgdm") -> Record:
     """6 steps in one process, recorded as 3 + 3."""
     out = Path(tmp)
-    first = _phase(out, "first", 0, 0, out / "plain.ckpt")
-    second = _phase(out, "second", 0, 0, out / "plain.ckpt")
+    first = _phase(out, "first", 0, 0, out / "plain.ckpt", optimizer=optimizer)
+    second = _phase(out, "second", 0, 0, out / "plain.ckpt", optimizer=optimizer)
     return first, second
 
 
@@ -82,3 +84,47 @@ def test_sharded_checkpoint_resumes_in_any_layout(tmp_path: Path, reference, loa
     second = _phase(tmp_path, "second", *load, ckpt, sharded=True)
     assert_parity(second, ref_second, rtol=1e-5, atol=1e-5, where=f"sharded tp2pp2 -> {load}")
     torch.testing.assert_close(second.logged["val_loss"], ref_second.logged["val_loss"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def adafactor_reference(tmp_path_factory: pytest.TempPathFactory):
+    return _uninterrupted(str(tmp_path_factory.mktemp("adafactor")), "adafactor")
+
+
+@pytest.mark.parametrize(("save", "load", "sharded"), [((1, 2), (1, 2), True), ((1, 2), (0, 0), False),
+                                                       ((0, 0), (1, 2), False)],
+                         ids=["pp2-sharded-same", "pp2-to-one-process", "one-process-to-pp2"])
+def test_adafactor_resumes_across_layouts(tmp_path: Path, adafactor_reference, save: tuple[int, int],
+                                          load: tuple[int, int], sharded: bool) -> None:
+    """Adafactor's factored state (row/column statistics, not shaped like the weights) travels whole under pp.
+
+    atol 5e-5: Adafactor divides each update by the root mean square of the gradients, so it turns the rounding
+    noise of a gradient that is zero in exact arithmetic (the key bias of attention: ~1e-10, from summing two
+    micro-batches) into updates of ~2e-5; every other parameter agrees within 3e-7. A state loaded wrong moves
+    updates by the learning rate (5e-2)."""
+    ref_first, ref_second = adafactor_reference
+    ckpt = tmp_path / "run.ckpt"
+    first = _phase(tmp_path, "first", *save, ckpt, sharded, "adafactor")
+    assert_parity(first, ref_first, rtol=1e-5, atol=5e-5, where=f"adafactor first phase {save}")
+    second = _phase(tmp_path, "second", *load, ckpt, sharded, "adafactor")
+    assert_parity(second, ref_second, rtol=1e-5, atol=5e-5, where=f"adafactor resumed {save} -> {load}")
+
+
+def test_adafactor_under_tp_is_refused(tmp_path: Path, adafactor_reference) -> None:
+    """Its statistics over a tp shard are not one device's: refused at the first step (training) and at load (a
+    checkpoint's factored state cannot be cut), on every rank, never saved or loaded wrong."""
+    result = run_ranks(SCRIPT, 2, [str(tmp_path), "first", "2", "1", str(tmp_path / "x.ckpt"), "whole", "adafactor"],
+                       timeout=180)
+    assert not result.timed_out and all(result.returncodes)
+    for out in result.outputs:
+        assert "OptimizerStateLayoutError: Adafactor keeps state 'row_var' of shape" in out, out[-2000:]
+        assert "statistics over a tp=2 shard are not one device's" in out
+    reference_ckpt = Path(tmp_path) / "plain.ckpt"
+    _phase(tmp_path, "first", 0, 0, reference_ckpt, optimizer="adafactor")
+    result = run_ranks(SCRIPT, 2, [str(tmp_path), "second", "2", "1", str(reference_ckpt), "whole", "adafactor"],
+                       timeout=180)
+    assert not result.timed_out and all(result.returncodes)
+    for out in result.outputs:
+        assert re.search(r"optimizer state '(row|col)_var' of model\.\S+ has shape \(\d+, 1\)|"
+                         r"optimizer state '(row|col)_var' of model\.\S+ has shape \(1, \d+\)", out), out[-2000:]
+        assert "cannot be split over tp=2" in out

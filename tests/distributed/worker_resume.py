@@ -2,7 +2,7 @@
 
     python worker_resume.py OUT first  TP PP CKPT   # 1 epoch (3 steps), then save CKPT
     python worker_resume.py OUT second TP PP CKPT   # resume from CKPT for a second epoch (steps 4-6)
-    ... [sharded]                                   # save as a torch.distributed.checkpoint folder
+    ... [sharded|whole] [OPTIMIZER]                 # save as a torch.distributed.checkpoint folder; sgdm or adafactor
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from models import LitLM, token_dataset
 from parity import Recorder
 
 
-def run(out: Path, phase: str, tp: int, pp: int, ckpt: Path, model: str = "nanogpt4", sharded: bool = False) -> None:
+def run(out: Path, phase: str, tp: int, pp: int, ckpt: Path, model: str = "nanogpt4", sharded: bool = False,
+        optimizer: str = "sgdm") -> None:
     from lightning_tpp import TensorPipeStrategy
 
     L.seed_everything(0, verbose=False)
-    module = LitLM(model, lr=0.05, optimizer="sgdm")
+    module = LitLM(model, lr=0.05, optimizer=optimizer)
     strategy = TensorPipeStrategy(tp=tp, pp=pp, microbatches=2, print_plan=False,
                                   save_distributed_checkpoint=sharded) if tp * pp else "auto"
     recorder = Recorder()
@@ -41,4 +42,5 @@ def run(out: Path, phase: str, tp: int, pp: int, ckpt: Path, model: str = "nanog
 
 if __name__ == "__main__":
     out, phase, tp, pp, ckpt = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
-    run(out, phase, tp, pp, ckpt, sharded=len(sys.argv) > 6 and sys.argv[6] == "sharded")
+    run(out, phase, tp, pp, ckpt, sharded=len(sys.argv) > 6 and sys.argv[6] == "sharded",
+        optimizer=sys.argv[7] if len(sys.argv) > 7 else "sgdm")
