@@ -357,7 +357,7 @@ def main() -> None:
     print(f"  this machine's two-process throughput = {2 * t_single / t_pair:.3f} x one process; pipeline "
           f"efficiency against it = {speedup / (2 * t_single / t_pair):.3f}")
 
-    from lightning_tpp._pp_schedule import simulate, theoretical_bubble
+    from lightning_tpp.pipeline.schedule import simulate, theoretical_bubble
 
     size, took = _product_size(0.010)
     print(f"\nBubble (idle fraction per rank), pp=2, m={MICRO}, stages of 2 blocks: F and W one {size}x{size} matrix "

@@ -5,12 +5,15 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_tpp._checkpoint import OptimizerStateLayoutError
-from lightning_tpp._dcp import consolidate
-from lightning_tpp._mesh import MeshDims
-from lightning_tpp._safe_load import CheckpointMismatchError, UnsafeCheckpointError
-from lightning_tpp._tp_apply import TensorParallelMismatchError
-from lightning_tpp._tp_plan import TensorParallelConfigError, TPPlan
+from lightning_tpp.checkpoint import (
+    CheckpointMismatchError,
+    OptimizerStateLayoutError,
+    UnsafeCheckpointError,
+    consolidate,
+)
+from lightning_tpp.core.mesh import MeshDims
+from lightning_tpp.tensor_parallel.apply import TensorParallelMismatchError
+from lightning_tpp.tensor_parallel.plan import TensorParallelConfigError, TPPlan
 from lightning_tpp.strategy import TensorPipeStrategy
 
 if TensorPipeStrategy.strategy_name not in StrategyRegistry:

@@ -9,8 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-from lightning_tpp._dcp import consolidate, is_sharded_checkpoint
-from lightning_tpp._safe_load import load_or_explain
+from lightning_tpp.checkpoint.dcp import consolidate, is_sharded_checkpoint
+from lightning_tpp.checkpoint.safe_load import load_or_explain
 
 
 def export_hf(checkpoint: Path, out: Path, module: str, *, weights_only: bool = True) -> Path:

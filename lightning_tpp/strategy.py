@@ -45,19 +45,22 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_tpp._checkpoint import ParamNames, check_state_layout
-from lightning_tpp._comm import TPGroup
-from lightning_tpp._strategy_checkpoint import CheckpointMixin
-from lightning_tpp._watchdog import FailureWatch, NonFiniteLossError, check_agreement, model_structure
-from lightning_tpp._grads import average_gradients, broadcast_module, clip_by_global_norm
-from lightning_tpp._mesh import MeshDims, build_mesh, resolve_dims
-from lightning_tpp._pipeline import PreparedStages, finish_stages, format_partition, prepare_stages, replay_logs
-from lightning_tpp._pp_engine import PipelineEngine, captured_logs
-from lightning_tpp._pp_schedule import SCHEDULES
-from lightning_tpp._pp_schedule import check as check_schedule
-from lightning_tpp._summary import ShardedModelSummary, format_plan
-from lightning_tpp._tp_apply import apply_plan
-from lightning_tpp._tp_plan import TPPlan, check_divisible, detect, hf_plan, overlay
+from lightning_tpp.checkpoint.state import check_state_layout
+from lightning_tpp.core.params import ParamNames
+from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.integration.checkpointing import CheckpointMixin
+from lightning_tpp.reliability.preflight import check_agreement, model_structure
+from lightning_tpp.reliability.watch import FailureWatch, NonFiniteLossError
+from lightning_tpp.core.grads import average_gradients, broadcast_module, clip_by_global_norm
+from lightning_tpp.core.mesh import MeshDims, build_mesh, resolve_dims
+from lightning_tpp.pipeline.build import PreparedStages, finish_stages, format_partition, prepare_stages, replay_logs
+from lightning_tpp.pipeline.engine import PipelineEngine, captured_logs
+from lightning_tpp.pipeline.schedule import SCHEDULES
+from lightning_tpp.pipeline.schedule import check as check_schedule
+from lightning_tpp.integration.summary import ShardedModelSummary
+from lightning_tpp.tensor_parallel.report import format_plan
+from lightning_tpp.tensor_parallel.apply import apply_plan
+from lightning_tpp.tensor_parallel.plan import TPPlan, check_divisible, detect, hf_plan, overlay
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,7 +28,7 @@ class Record:
 
 
 def _full(t: Tensor, p: Tensor, trainer: L.Trainer) -> Tensor:
-    from lightning_tpp._tp_apply import gather_with_spec
+    from lightning_tpp.core.comm import gather_with_spec
 
     spec = getattr(p, "_tpp_spec", None)
     if spec is None:

@@ -10,9 +10,9 @@ import torch
 
 from launch import ROOT, run_ranks
 from lightning_tpp import CheckpointMismatchError
-from lightning_tpp._checkpoint import load_full_state_dict
-from lightning_tpp._safe_load import load_or_explain
-from lightning_tpp._comm import TPGroup
+from lightning_tpp.checkpoint.state import load_full_state_dict
+from lightning_tpp.checkpoint.safe_load import load_or_explain
+from lightning_tpp.core.comm import TPGroup
 from models import LitLM
 
 

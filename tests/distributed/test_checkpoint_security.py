@@ -47,7 +47,7 @@ def _plant_meta(src: Path, dst: Path, marker: Path) -> Path:
 
 def _plant_metadata(src: Path, dst: Path, marker: Path) -> Path:
     """The checkpoint with a payload inside DCP's .metadata, which torch's own reader would run."""
-    from lightning_tpp._safe_load import SafeFileSystemReader
+    from lightning_tpp.checkpoint.safe_load import SafeFileSystemReader
 
     shutil.copytree(src, dst)
     md = SafeFileSystemReader(dst).read_metadata()

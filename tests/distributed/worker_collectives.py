@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_tpp._comm import TPGroup
-from lightning_tpp._tp_apply import apply_plan
-from lightning_tpp._tp_plan import detect
+from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.tensor_parallel.apply import apply_plan
+from lightning_tpp.tensor_parallel.plan import detect
 from models import Block, LlamaBlock
 
 BLOCKS = {

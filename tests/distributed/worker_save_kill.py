@@ -23,8 +23,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
-import lightning_tpp._checkpoint as ckpt_module
-import lightning_tpp._dcp as dcp_module
+import lightning_tpp.checkpoint.dcp as dcp_module
+import lightning_tpp.checkpoint.files as files_module
 from lightning_tpp import TensorPipeStrategy
 from models import LitLM, token_dataset
 
@@ -45,7 +45,7 @@ def inject(point: str) -> None:
             f.flush()
             die()  # ... and the writer is gone
 
-        ckpt_module.torch.save = dying_save  # type: ignore[attr-defined]
+        files_module.torch.save = dying_save  # type: ignore[attr-defined]
     elif point in ("shards", "shards-rank1") and RANK == (1 if point == "shards-rank1" else 0):
         real_write = dcp_filesystem._write_item
 
@@ -66,14 +66,14 @@ def inject(point: str) -> None:
     elif point == "meta" and RANK == 0:
         dcp_module.publish = lambda *args: die()
     elif point == "publish" and RANK == 0:
-        real_remove = ckpt_module._remove
+        real_remove = files_module._remove
 
         def remove_then_die(path: Path) -> None:
             for child in list(path.iterdir())[:2]:  # half removed ...
                 real_remove(child)
             die()
 
-        ckpt_module._remove = remove_then_die
+        files_module._remove = remove_then_die
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Single-process tests of the pure mesh arithmetic in ``lightning_tpp._mesh``."""
+"""Single-process tests of the pure mesh arithmetic in ``lightning_tpp.core.mesh``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from lightning_tpp._mesh import AXES, MeshDims, resolve_dims
+from lightning_tpp.core.mesh import AXES, MeshDims, resolve_dims
 
 
 # ---- resolve_dims ----------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Unit tests of ``lightning_tpp._pp_partition``: finding, describing and cutting the block sequence."""
+"""Unit tests of ``lightning_tpp.pipeline.partition``: finding, describing and cutting the block sequence."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_tpp._pp_partition import (
+from lightning_tpp.pipeline.partition import (
     Partition,
     PipelinePartitionError,
     balance,
@@ -377,7 +377,7 @@ def test_plan_partition_root_owned_parameter():
     part = plan_partition(M(), 2)
     assert "" not in part.pre
     assert part.bounds == ((0, 2), (2, 4))
-    from lightning_tpp._pp_partition import ancestor_parameters
+    from lightning_tpp.pipeline.partition import ancestor_parameters
 
     assert ancestor_parameters(M(), "layers") == ("pos",)
 
@@ -390,8 +390,8 @@ def test_plan_partition_block_costs_wrong_length(costs):
 
 def test_measured_block_costs_follow_the_work() -> None:
     """balance='time': a block doing 4x the work measures as the most expensive, and the cut isolates it."""
-    from lightning_tpp._pp_partition import balance
-    from lightning_tpp._pipeline import measure_block_costs
+    from lightning_tpp.pipeline.partition import balance
+    from lightning_tpp.pipeline.build import measure_block_costs
 
     class Net(nn.Module):
         def __init__(self) -> None:

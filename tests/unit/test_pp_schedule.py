@@ -1,4 +1,4 @@
-"""Unit tests of ``lightning_tpp._pp_schedule``: each rank's action order, the timing simulation, the config checks."""
+"""Unit tests of ``lightning_tpp.pipeline.schedule``: each rank's action order, the timing simulation, the config checks."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-import lightning_tpp._pp_schedule as sched
-from lightning_tpp._pp_schedule import ScheduleConfigError, actions, check, simulate, theoretical_bubble
+import lightning_tpp.pipeline.schedule as sched
+from lightning_tpp.pipeline.schedule import ScheduleConfigError, actions, check, simulate, theoretical_bubble
 
 SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "zb-drain", "interleaved-1f1b")
 SPLITTING = ("zero-bubble", "zb-drain")  # backward split into I and W

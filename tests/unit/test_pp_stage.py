@@ -1,4 +1,4 @@
-"""Unit tests of ``lightning_tpp._pp_stage``: tracing which values cross pipeline stages (one process, no groups)."""
+"""Unit tests of ``lightning_tpp.pipeline.stage``: tracing which values cross pipeline stages (one process, no groups)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_tpp._pipeline import _units
-from lightning_tpp._pp_partition import plan_partition
-from lightning_tpp._pp_stage import PipelineTraceError, StageRuntime, mark_dispatch, meta_twin, plan_routes, trace
+from lightning_tpp.pipeline.build import _units
+from lightning_tpp.pipeline.partition import plan_partition
+from lightning_tpp.pipeline.stage import PipelineTraceError, StageRuntime, mark_dispatch, meta_twin, plan_routes, trace
 from models import VOCAB, ConditionedLM, FusedGQAModel, NanoGPT, Seq2Seq
 
 

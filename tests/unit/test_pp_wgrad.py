@@ -1,4 +1,4 @@
-"""Unit tests of ``lightning_tpp._pp_wgrad``: weight gradients filed by the backward and computed later equal
+"""Unit tests of ``lightning_tpp.pipeline.wgrad``: weight gradients filed by the backward and computed later equal
 autograd's, for every product it takes over, and nothing else changes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_tpp._pp_wgrad import DeferWeightGrads, WeightGrads
+from lightning_tpp.pipeline.wgrad import DeferWeightGrads, WeightGrads
 
 
 class Conv1D(nn.Module):

@@ -12,8 +12,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from lightning_tpp import CheckpointMismatchError, UnsafeCheckpointError, consolidate
-from lightning_tpp._checkpoint import publish
-from lightning_tpp._safe_load import SafeFileSystemReader, load_or_explain, torch_load
+from lightning_tpp.checkpoint.files import publish
+from lightning_tpp.checkpoint.safe_load import SafeFileSystemReader, load_or_explain, torch_load
 
 
 class Payload:
@@ -44,7 +44,7 @@ def test_planted_global_in_a_torch_file_is_refused_and_not_run(tmp_path: Path) -
 
 def test_a_users_own_class_gets_the_allowlist_advice(tmp_path: Path) -> None:
     torch.save({"hyper_parameters": {"config": CheckpointMismatchError("x")}}, tmp_path / "h.pt")
-    with pytest.raises(UnsafeCheckpointError, match=r"h\.pt holds the global lightning_tpp\._safe_load\."
+    with pytest.raises(UnsafeCheckpointError, match=r"h\.pt holds the global lightning_tpp\.checkpoint\.safe_load\."
                                                     r"CheckpointMismatchError.*torch\.serialization\.add_safe_globals"):
         torch_load(tmp_path / "h.pt")
     assert torch_load(tmp_path / "h.pt", weights_only=False)["hyper_parameters"]["config"].args == ("x",)

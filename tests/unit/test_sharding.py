@@ -1,4 +1,4 @@
-"""Single-process tests of ``lightning_tpp._sharding`` (shard / unshard of plain and fused parameters)."""
+"""Single-process tests of ``lightning_tpp.core.sharding`` (shard / unshard of plain and fused parameters)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from lightning_tpp._sharding import ShardSpec, shard_tensor, unshard_tensor
+from lightning_tpp.core.sharding import ShardSpec, shard_tensor, unshard_tensor
 
 
 def _arange(*shape: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Single-process tests of the class-swap helpers and layer geometry in ``lightning_tpp._tp_layers``."""
+"""Single-process tests of the class-swap helpers and layer geometry in ``lightning_tpp.tensor_parallel.layers``."""
 
 from __future__ import annotations
 
@@ -9,15 +9,14 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from lightning_tpp._tp_layers import (
+from lightning_tpp.core.swap import parallel_class, swap_class
+from lightning_tpp.tensor_parallel.layers import (
     _ColumnParallel,
     _ParallelMultiheadAttention,
     _RowParallel,
     _VocabParallelEmbedding,
     is_transposed_linear,
     linear_dims,
-    parallel_class,
-    swap_class,
 )
 
 

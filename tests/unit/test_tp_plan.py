@@ -1,4 +1,4 @@
-"""Single-process tests of plan detection and overlays in ``lightning_tpp._tp_plan`` (no process groups)."""
+"""Single-process tests of plan detection and overlays in ``lightning_tpp.tensor_parallel.plan`` (no process groups)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from models import EncoderLM, FusedGQAModel, HFCausalLM, NanoGPT, TinyLlama
 from torch import nn
 
-from lightning_tpp._sharding import ShardSpec
-from lightning_tpp._tp_plan import STYLES, TensorParallelConfigError, TPPlan, detect, hf_plan, overlay
+from lightning_tpp.core.sharding import ShardSpec
+from lightning_tpp.tensor_parallel.plan import STYLES, TensorParallelConfigError, TPPlan, detect, hf_plan, overlay
 
 
 @pytest.fixture(scope="module")
@@ -415,7 +415,7 @@ def test_untied_head_found() -> None:
 
 
 def test_replicating_the_offending_blocks_lifts_the_divisibility_error() -> None:
-    from lightning_tpp._tp_plan import check_divisible
+    from lightning_tpp.tensor_parallel.plan import check_divisible
 
     model = NanoGPT()
     plan = detect(model, 8, check=False)

@@ -2,7 +2,7 @@
 
 The swap keeps the original module object, its attribute names and its ``state_dict`` keys (so checkpoints keep the
 single-device names) and ``isinstance`` checks in user code keep passing: ``ColumnParallelLinear`` *is* an
-``nn.Linear``. Parameters are replaced by this rank's shard (see :mod:`lightning_tpp._sharding`)::
+``nn.Linear``. Parameters are replaced by this rank's shard (see :mod:`lightning_tpp.core.sharding`)::
 
     column parallel   y_r = x W_r^T + b_r        W split along the output dim; y stays split (or is all-gathered)
     row parallel      y = sum_r x_r W_r^T + b    W split along the input dim; partial sums all-reduced, then + b
@@ -11,7 +11,6 @@ single-device names) and ``isinstance`` checks in user code keep passing: ``Colu
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Optional
 
@@ -19,20 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_tpp._comm import TPGroup, TPScope, copy_to_tp, gather_from_tp, reduce_from_tp
-
-
-@functools.lru_cache(maxsize=None)
-def parallel_class(mixin: type, base: type) -> type:
-    """A subclass of ``base`` whose methods come from ``mixin`` first (cached so each pair is made once)."""
-    return type(f"{mixin.__name__.strip('_')}[{base.__name__}]", (mixin, base), {"__module__": base.__module__})
-
-
-def swap_class(module: nn.Module, mixin: type) -> None:
-    original = type(module)
-    if "_tpp_orig_class" not in module.__dict__:
-        module._tpp_orig_class = original
-    module.__class__ = parallel_class(mixin, original)
+from lightning_tpp.core.comm import TPGroup, TPScope, copy_to_tp, gather_from_tp, reduce_from_tp
 
 
 def is_transposed_linear(module: nn.Module) -> bool:

@@ -1,7 +1,7 @@
 """Checkpoint glue of :class:`~lightning_tpp.TensorPipeStrategy` (a mixin): layout-free saves and loads.
 
 Whole-file checkpoints hold the single-device ``state_dict`` and optimizer state (gathered over tp and pp); sharded
-ones are a ``torch.distributed.checkpoint`` folder (:mod:`lightning_tpp._dcp`). Both load into any layout.
+ones are a ``torch.distributed.checkpoint`` folder (:mod:`lightning_tpp.checkpoint.dcp`). Both load into any layout.
 """
 
 from __future__ import annotations
@@ -14,27 +14,26 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_tpp._checkpoint import (
-    atomic_save,
-    full_state_dict,
-    indexed_optimizer_state,
-    load_full_state_dict,
-    load_indexed_optimizer_state,
-    merge_named,
-    named_optimizer_state,
-    rng_state,
-    set_rng_state,
-)
-from lightning_tpp._dcp import (
-    _Layout,
+from lightning_tpp._compat import requested_weights_only
+from lightning_tpp.checkpoint.dcp import (
+    Layout,
     is_sharded_checkpoint,
     load_sharded,
     merge_param_groups,
     named_param_groups,
     save_sharded,
 )
-from lightning_tpp._compat import requested_weights_only
-from lightning_tpp._safe_load import load_or_explain
+from lightning_tpp.checkpoint.files import atomic_save
+from lightning_tpp.checkpoint.rng import rng_state, set_rng_state
+from lightning_tpp.checkpoint.safe_load import load_or_explain
+from lightning_tpp.checkpoint.state import (
+    full_state_dict,
+    indexed_optimizer_state,
+    load_full_state_dict,
+    load_indexed_optimizer_state,
+    merge_named,
+    named_optimizer_state,
+)
 
 
 class CheckpointMixin:
@@ -127,8 +126,8 @@ class CheckpointMixin:
             return self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         atomic_save(checkpoint, Path(filepath))
 
-    def _layout(self) -> _Layout:
-        return _Layout(self._mesh["tp"], self._tp_group)
+    def _layout(self) -> Layout:
+        return Layout(self._mesh["tp"], self._tp_group)
 
     def _save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
         assert self.lightning_module is not None

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_tpp.core.sharding import ShardSpec, unshard_tensor
+
 
 @dataclass
 class TPGroup:
@@ -128,3 +130,23 @@ def all_reduce_flag(ok: bool, group: Optional[Any]) -> bool:
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return bool(t.item())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# shards -> whole tensors
+
+
+def gather_full(t: Tensor, group: TPGroup) -> Tensor:
+    """The full tensor of a sharded parameter (or its gradient: pass ``spec`` via the parameter)."""
+    spec: Optional[ShardSpec] = getattr(t, "_tpp_spec", None)
+    if spec is None or group.size == 1:
+        return t.detach().clone()
+    return gather_with_spec(t.detach(), spec, group)
+
+
+def gather_with_spec(t: Tensor, spec: ShardSpec, group: TPGroup) -> Tensor:
+    t = t.contiguous()
+    comm = t.float() if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) else t
+    shards = [torch.empty_like(comm) for _ in range(group.size)]
+    torch.distributed.all_gather(shards, comm, group=group.group)
+    return unshard_tensor(shards, spec).to(t.dtype)

@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_tpp._tp_apply import VERIFYING, _tensors
-from lightning_tpp._tp_layers import swap_class
+from lightning_tpp.core.swap import swap_class
+from lightning_tpp.core.walk import VERIFYING, tensors_in
 
 Key = tuple[int, int]  # (unit, how many times it was called before in this forward)
 
@@ -97,7 +97,7 @@ def _signature(obj: Any, depth: int = 0) -> Any:
 
 
 def _to_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    memo = {id(t): torch.empty_like(t.detach(), device="meta") for t in _tensors((args, kwargs), set())}
+    memo = {id(t): torch.empty_like(t.detach(), device="meta") for t in tensors_in((args, kwargs), set())}
     return copy.deepcopy((args, kwargs), memo)
 
 
@@ -115,7 +115,7 @@ class _Taint(TorchFunctionMode):
 
     def of(self, obj: Any) -> frozenset:
         out: set = set()
-        for t in _tensors(obj, set()):
+        for t in tensors_in(obj, set()):
             entry = self.tags.get(id(t))
             if entry is not None and entry[0] is t:
                 out |= entry[1]
@@ -127,7 +127,7 @@ class _Taint(TorchFunctionMode):
         if not self.paused:
             tags = self.of((args, kwargs))
             if tags:
-                for t in _tensors(out, set()):
+                for t in tensors_in(out, set()):
                     self.tag(t, tags)
                 if args and isinstance(args[0], Tensor) and (out is None or getattr(func, "__name__", "")[-1:] == "_"):
                     self.tag(args[0], tags)  # in place (x[i] = y, x.add_(y))

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_tpp._mesh import MeshDims
-from lightning_tpp._pp_engine import PipelineEngine, PipelineError, load_metric_state, metric_state
-from lightning_tpp._pp_partition import (
+from lightning_tpp.core.mesh import MeshDims
+from lightning_tpp.pipeline.engine import PipelineEngine, PipelineError, load_metric_state, metric_state
+from lightning_tpp.pipeline.partition import (
     Partition,
     PipelinePartitionError,
     ancestor_parameters,
@@ -28,7 +28,7 @@ from lightning_tpp._pp_partition import (
     find_block_sequences,
     plan_partition,
 )
-from lightning_tpp._pp_stage import StageRuntime, Unit, _RemoteModule, _set_module, mark_dispatch, meta_twin
+from lightning_tpp.pipeline.stage import StageRuntime, Unit, _RemoteModule, _set_module, mark_dispatch, meta_twin
 
 
 @dataclass

@@ -6,24 +6,15 @@ loads it in one process, and a run at another ``tp`` (or a single-device checkpo
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import os
-import shutil
-import sys
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
-
-import torch
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_tpp._comm import TPGroup
-from lightning_tpp._safe_load import CheckpointMismatchError
-from lightning_tpp._sharding import shard_tensor
-from lightning_tpp._tp_apply import gather_with_spec
+from lightning_tpp.checkpoint.safe_load import CheckpointMismatchError
+from lightning_tpp.core.comm import TPGroup, gather_with_spec
+from lightning_tpp.core.params import ParamNames, params_by_index
+from lightning_tpp.core.sharding import shard_tensor
 
 
 def _sharded_params(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -67,34 +58,6 @@ def load_full_state_dict(module: nn.Module, state: Mapping[str, Any], group: TPG
     module.load_state_dict(local, strict=False)
 
 
-def _params_by_index(optimizer: Optimizer) -> list[nn.Parameter]:
-    return [p for g in optimizer.param_groups for p in g["params"]]
-
-
-@dataclass(frozen=True)
-class ParamNames:
-    """The single-device model's parameter names: ``order`` as ``parameters()`` yields them (what an optimizer's
-    state indices refer to in an ordinary checkpoint), and ``canonical`` for every alias of a shared weight."""
-
-    order: tuple[str, ...]
-    canonical: dict[str, str]
-
-    @classmethod
-    def of(cls, module: nn.Module) -> "ParamNames":
-        first: dict[int, str] = {}
-        canonical = {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            canonical[name] = first.setdefault(id(p), name)
-        return cls(tuple(first.values()), canonical)
-
-    def local(self, module: nn.Module) -> dict[int, str]:
-        """id(parameter) -> canonical name, for this rank's (possibly partial) module."""
-        out: dict[int, str] = {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            out.setdefault(id(p), self.canonical.get(name, name))
-        return out
-
-
 class OptimizerStateLayoutError(ValueError):
     """An optimizer keeps state that is not shaped like its (sharded) parameter, so a shard's state is not a slice of
     one device's state."""
@@ -125,7 +88,7 @@ def named_optimizer_state(optimizer: Optimizer, module: nn.Module, names: ParamN
     local = names.local(module)
     check_state_layout(optimizer, local, group.size)
     sd = optimizer.state_dict()
-    params = _params_by_index(optimizer)
+    params = params_by_index(optimizer)
     state = {}
     for idx, per_param in sd["state"].items():
         p = params[idx]
@@ -160,7 +123,7 @@ def indexed_optimizer_state(named: dict[str, Any], names: ParamNames) -> dict[st
 def load_indexed_optimizer_state(optimizer: Optimizer, module: nn.Module, state: Mapping[str, Any],
                                  names: ParamNames, group: TPGroup) -> None:
     """Load an ordinary (single-device, index-keyed) optimizer state into this rank's shards and stage."""
-    params = _params_by_index(optimizer)
+    params = params_by_index(optimizer)
     local = names.local(module)
     saved_groups = state["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
@@ -209,106 +172,3 @@ def cut_like_param(p: Tensor, name: str, key: str, shape: tuple[int, ...], tp: i
     return True
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """Write aside, then publish: a save killed midway leaves the previous file at ``path`` untouched and only a
-    hidden ``.NAME.partial-PID`` file behind, which nothing loads."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        publish(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def publish(tmp: Path, path: Path) -> None:
-    """Put the written file or folder ``tmp`` at ``path`` in one step: whoever looks at ``path`` (a reader, a
-    resume after a crash) finds the previous checkpoint or the new one, never neither and never a mix.
-
-    A file replaces a file atomically (``rename``). Folders are swapped with ``renameat2(RENAME_EXCHANGE)`` (Linux)
-    and the previous one, now at ``tmp``, is removed afterwards; where the exchange is not available the previous
-    folder is moved aside first, which leaves a window in which ``path`` is missing (its copy then sits at
-    ``.NAME.old``)."""
-    if not (tmp.is_dir() or path.is_dir()) or not os.path.lexists(path):
-        os.replace(tmp, path)
-    elif _exchange(tmp, path):
-        _remove(tmp)  # the previous checkpoint
-    else:
-        old = path.with_name(f".{path.name}.old")
-        _remove(old)
-        os.rename(path, old)
-        os.rename(tmp, path)
-        _remove(old)
-    _fsync_dir(path.parent)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically; False where the OS or file system cannot."""
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    renameat2 = getattr(libc, "renameat2", None)
-    if renameat2 is None:
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, f"cannot publish {a} as {b}: {os.strerror(err)}")
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        path.unlink()
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename durable (a power loss after it must not bring the old name back)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return  # not possible on this platform (Windows)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states as plain Python values (bytes, ints): picklable for ``all_gather_object`` and
-    accepted by ``weights_only`` loading."""
-    from lightning.fabric.utilities.seed import _collect_rng_states
-
-    state = _collect_rng_states()
-    out: dict[str, Any] = {"torch": bytes(state["torch"].numpy()), "python": state["python"]}
-    if "numpy" in state:
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        out["numpy"] = (name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached))
-    if state.get("torch.cuda"):
-        out["torch.cuda"] = [bytes(t.cpu().numpy()) for t in state["torch.cuda"]]
-    return out
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    from lightning.fabric.utilities.seed import _set_rng_states
-
-    restored: dict[str, Any] = {"torch": torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8),
-                                "python": state["python"]}
-    if "numpy" in state:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        restored["numpy"] = (name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
-    if state.get("torch.cuda") and torch.cuda.is_available():
-        restored["torch.cuda"] = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in state["torch.cuda"]]
-    _set_rng_states(restored)

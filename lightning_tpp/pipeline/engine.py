@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_tpp._pp_partition import Partition
-from lightning_tpp._pp_schedule import actions
-from lightning_tpp._pp_stage import Route, RunContext, StageOutput, StageRuntime, plan_routes, trace
-from lightning_tpp._pp_wgrad import DeferWeightGrads, WeightGrads
+from lightning_tpp.pipeline.partition import Partition
+from lightning_tpp.pipeline.schedule import actions
+from lightning_tpp.pipeline.stage import Route, RunContext, StageOutput, StageRuntime, plan_routes, trace
+from lightning_tpp.pipeline.wgrad import DeferWeightGrads, WeightGrads
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
            torch.uint8, torch.int8, torch.int16]

@@ -1,5 +1,6 @@
 """How one parameter is split across the tensor-parallel ranks (pure functions, no process groups).
 
+
 A :class:`ShardSpec` says along which dimension a parameter is split and, for fused projections, which segments
 the dimension is made of. Each segment is split evenly, so that every rank holds its own slice of *each* segment::
 

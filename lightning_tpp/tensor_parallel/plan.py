@@ -22,8 +22,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
 
-from lightning_tpp._sharding import ShardSpec
-from lightning_tpp._tp_layers import is_transposed_linear, linear_dims
+from lightning_tpp.core.sharding import ShardSpec
+from lightning_tpp.tensor_parallel.layers import is_transposed_linear, linear_dims
 
 STYLES = ("colwise", "rowwise", "colwise_gather", "vocab", "mha", "replicate")
 

@@ -26,12 +26,12 @@ from torch.distributed.checkpoint import CheckpointException
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_tpp._checkpoint import ParamNames, _params_by_index, atomic_save, check_state_layout, \
-    cut_like_param, indexed_optimizer_state, publish
-from lightning_tpp._comm import TPGroup
-from lightning_tpp._safe_load import CheckpointMismatchError, SafeFileSystemReader, classify, torch_load
-from lightning_tpp._sharding import ShardSpec, shard_tensor
-from lightning_tpp._tp_apply import gather_with_spec
+from lightning_tpp.checkpoint.files import atomic_save, publish
+from lightning_tpp.checkpoint.safe_load import CheckpointMismatchError, SafeFileSystemReader, classify, torch_load
+from lightning_tpp.checkpoint.state import check_state_layout, cut_like_param, indexed_optimizer_state
+from lightning_tpp.core.comm import TPGroup, gather_with_spec
+from lightning_tpp.core.params import ParamNames, params_by_index
+from lightning_tpp.core.sharding import ShardSpec, shard_tensor
 
 META = "meta.pt"
 
@@ -64,7 +64,7 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-class _Layout:
+class Layout:
     """How this rank's tensors map to whole tensors: wrap for DCP, and unwrap what DCP loaded."""
 
     def __init__(self, tp_mesh: Any, group: TPGroup) -> None:
@@ -96,13 +96,13 @@ def _model_entries(module: nn.Module) -> dict[str, tuple[Tensor, Optional[ShardS
     return out
 
 
-def _optimizer_entries(optimizers: list[Any], module: nn.Module, names: ParamNames, layout: _Layout
+def _optimizer_entries(optimizers: list[Any], module: nn.Module, names: ParamNames, layout: Layout
                        ) -> dict[str, tuple[Tensor, Optional[ShardSpec], tuple[int, ...]]]:
     local = names.local(module)
     out = {}
     for i, opt in enumerate(optimizers):
         check_state_layout(opt, local, layout.group.size)
-        params = _params_by_index(opt)
+        params = params_by_index(opt)
         for idx, per_param in opt.state_dict()["state"].items():
             p = params[idx]
             spec = getattr(p, "_tpp_spec", None)
@@ -116,7 +116,7 @@ def _optimizer_entries(optimizers: list[Any], module: nn.Module, names: ParamNam
 
 
 def save_sharded(path: Path, checkpoint: dict[str, Any], module: nn.Module, optimizers: list[Any],
-                 names: ParamNames, layout: _Layout, *, is_global_zero: bool, param_groups: list[Any]) -> None:
+                 names: ParamNames, layout: Layout, *, is_global_zero: bool, param_groups: list[Any]) -> None:
     """Every rank calls this (DCP's save is collective)."""
     state = {f"model.{k}": layout.wrap(*v) for k, v in _model_entries(module).items()}
     state.update({k: layout.wrap(*v) for k, v in _optimizer_entries(optimizers, module, names, layout).items()})
@@ -147,14 +147,14 @@ def named_param_groups(optimizers: list[Any], module: nn.Module, names: ParamNam
     local = names.local(module)
     out = []
     for opt in optimizers:
-        params = _params_by_index(opt)
+        params = params_by_index(opt)
         sd = opt.state_dict()
         out.append([{**{k: v for k, v in g.items() if k != "params"},
                      "params": [local[id(params[i])] for i in g["params"]]} for g in sd["param_groups"]])
     return out
 
 
-def load_sharded(path: Path, module: nn.Module, optimizers: list[Any], names: ParamNames, layout: _Layout,
+def load_sharded(path: Path, module: nn.Module, optimizers: list[Any], names: ParamNames, layout: Layout,
                  load_meta: Any, *, strict: bool, weights_only: Optional[bool] = True) -> dict[str, Any]:
     """Load model (and optimizer state, where optimizers exist) in this rank's layout; returns the rest."""
     _require_complete(path)
@@ -183,7 +183,7 @@ def _expected_optimizer_entries(optimizers: list[Any], module: nn.Module, names:
     local = names.local(module)
     out = {}
     for i, opt in enumerate(optimizers):
-        for p in _params_by_index(opt):
+        for p in params_by_index(opt):
             prefix = f"optim{i}.{local[id(p)]}."
             full = getattr(p, "_tpp_full_shape", tuple(p.shape))
             spec = getattr(p, "_tpp_spec", None)
@@ -203,7 +203,7 @@ def _restore_optimizers(optimizers: list[Any], module: nn.Module, names: ParamNa
                         loaded: dict[str, Tensor]) -> None:
     local = names.local(module)
     for i, opt in enumerate(optimizers):
-        params = _params_by_index(opt)
+        params = params_by_index(opt)
         state: dict[int, dict[str, Any]] = {}
         for idx, p in enumerate(params):
             prefix = f"optim{i}.{local[id(p)]}."
@@ -223,7 +223,7 @@ def _restore_optimizers(optimizers: list[Any], module: nn.Module, names: ParamNa
 def consolidate(path: Path, out: Path, *, weights_only: Optional[bool] = True) -> None:
     """One ordinary Lightning checkpoint from a sharded one, in one process without ``torch.distributed``.
 
-    Every file is read as ``weights_only`` loading would (see :mod:`lightning_tpp._safe_load`); pass
+    Every file is read as ``weights_only`` loading would (see :mod:`lightning_tpp.checkpoint.safe_load`); pass
     ``weights_only=False`` only for a checkpoint you trust."""
     if not is_sharded_checkpoint(path):
         raise CheckpointMismatchError(f"{path} is not a sharded lightning_tpp checkpoint (no .metadata inside)")

@@ -1,4 +1,4 @@
-"""Apply a :class:`~lightning_tpp._tp_plan.TPPlan` to a model in place, and rebuild full tensors from shards.
+"""Apply a :class:`~lightning_tpp.tensor_parallel.plan.TPPlan` to a model in place, and rebuild full tensors from shards.
 
 Order inside a block's forward (the block is the attention / MLP module that owns the parallel layers)::
 
@@ -14,7 +14,6 @@ equal to a global width or head count is divided by ``tp``.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import copy
 import math
 from dataclasses import dataclass
@@ -24,17 +23,18 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_tpp._comm import TPGroup, TPScope, all_reduce_flag
-from lightning_tpp._sharding import ShardSpec, shard_tensor, unshard_tensor
-from lightning_tpp._tp_layers import (
+from lightning_tpp.core.comm import TPGroup, TPScope, all_reduce_flag, gather_full
+from lightning_tpp.core.sharding import ShardSpec, shard_tensor
+from lightning_tpp.core.swap import swap_class
+from lightning_tpp.core.walk import VERIFYING, tensors_in
+from lightning_tpp.tensor_parallel.layers import (
     _ColumnParallel,
     _ParallelMultiheadAttention,
     _RowParallel,
     _VocabParallelEmbedding,
     is_transposed_linear,
-    swap_class,
 )
-from lightning_tpp._tp_plan import HEAD_DIM_NAMES, HEAD_NAMES, KV_NAMES, WIDTH_HINTS, BlockInfo, TPPlan
+from lightning_tpp.tensor_parallel.plan import HEAD_DIM_NAMES, HEAD_NAMES, KV_NAMES, WIDTH_HINTS, BlockInfo, TPPlan
 
 
 class TensorParallelMismatchError(RuntimeError):
@@ -43,22 +43,6 @@ class TensorParallelMismatchError(RuntimeError):
 
 # ----------------------------------------------------------------------------------------------------------------
 # shards <-> full tensors
-
-
-def gather_full(t: Tensor, group: TPGroup) -> Tensor:
-    """The full tensor of a sharded parameter (or its gradient: pass ``spec`` via the parameter)."""
-    spec: Optional[ShardSpec] = getattr(t, "_tpp_spec", None)
-    if spec is None or group.size == 1:
-        return t.detach().clone()
-    return gather_with_spec(t.detach(), spec, group)
-
-
-def gather_with_spec(t: Tensor, spec: ShardSpec, group: TPGroup) -> Tensor:
-    t = t.contiguous()
-    comm = t.float() if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) else t
-    shards = [torch.empty_like(comm) for _ in range(group.size)]
-    torch.distributed.all_gather(shards, comm, group=group.group)
-    return unshard_tensor(shards, spec).to(t.dtype)
 
 
 def _set_shard(module: nn.Module, attr: str, spec: ShardSpec, group: TPGroup, done: dict[int, nn.Parameter]) -> None:
@@ -263,26 +247,9 @@ def reference_copy(block: nn.Module, group: TPGroup) -> nn.Module:
     return ref
 
 
-def _tensors(obj: Any, seen: set[int], depth: int = 0) -> Iterator[Tensor]:
-    if id(obj) in seen or depth > 6:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v, seen, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v, seen, depth + 1)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)):
-        for v in vars(obj).values():
-            yield from _tensors(v, seen, depth + 1)
-
-
 def _isolated(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Copies of the call's containers and stateful objects (e.g. a KV cache), sharing its tensors."""
-    memo = {id(t): t for t in _tensors((args, kwargs), set())}
+    memo = {id(t): t for t in tensors_in((args, kwargs), set())}
     return copy.deepcopy((args, kwargs), memo)
 
 
@@ -335,11 +302,6 @@ def _reshard(layer: nn.Module, spec: ShardSpec, group: TPGroup) -> None:
         full = gather_full(p, group)
         p.data.copy_(shard_tensor(full, s, group.rank, group.size))
         p._tpp_spec = s
-
-
-# True while a block is being verified: its extra forwards are not part of the model's run (a pipeline's dispatchers
-# pass them straight to the real modules instead of counting them as the step's calls)
-VERIFYING: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_tpp_verifying", default=False)
 
 
 def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -1,0 +1,7 @@
+"""Failing fast: a watchdog per rank that ends every process when one fails (``watch``), and the checks that
+ranks agree before the first step (``preflight``)."""
+
+from lightning_tpp.reliability.preflight import RankDisagreementError, check_agreement, model_structure
+from lightning_tpp.reliability.watch import FailureWatch, NonFiniteLossError
+
+__all__ = ["FailureWatch", "NonFiniteLossError", "RankDisagreementError", "check_agreement", "model_structure"]
