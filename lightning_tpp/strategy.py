@@ -53,7 +53,7 @@ from lightning_tpp.reliability.preflight import check_agreement, model_structure
 from lightning_tpp.reliability.watch import FailureWatch, NonFiniteLossError
 from lightning_tpp.core.grads import average_gradients, broadcast_module, clip_by_global_norm
 from lightning_tpp.core.mesh import MeshDims, build_mesh, resolve_dims
-from lightning_tpp.pipeline.build import PreparedStages, finish_stages, format_partition, prepare_stages, replay_logs
+from lightning_tpp.pipeline.build import finish_stages, format_partition, prepare_stages, replay_logs
 from lightning_tpp.pipeline.engine import PipelineEngine, captured_logs
 from lightning_tpp.pipeline.schedule import SCHEDULES
 from lightning_tpp.pipeline.schedule import check as check_schedule
@@ -61,6 +61,7 @@ from lightning_tpp.integration.summary import ShardedModelSummary
 from lightning_tpp.tensor_parallel.report import format_plan
 from lightning_tpp.tensor_parallel.apply import apply_plan
 from lightning_tpp.tensor_parallel.plan import TPPlan, check_divisible, detect, hf_plan, overlay
+from lightning_tpp.parallel_state import ParallelState, ProcessGroups
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,8 +173,7 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         if isinstance(balance, str) and balance not in ("params", "time"):
             raise ValueError(f"balance={balance!r} must be 'params', 'time' or a list of blocks per stage")
         self._balance, self._split_points, self._blocks = balance, split_points, blocks
-        self._prepared: Optional[PreparedStages] = None
-        self._engine: Optional[PipelineEngine] = None
+        self._state: Optional[ParallelState] = None
         self._tp_plan_arg = tp_plan
         self._verify = verify
         self._save_sharded = save_distributed_checkpoint
@@ -194,7 +194,6 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         self._tp_group = TPGroup(None, 0, 1)
         self._dp_group: Any = None
         self._pp_group: Any = None
-        self.plan: TPPlan = TPPlan()
 
     # ------------------------------------------------------------------------------------------------------------
     # topology
@@ -232,6 +231,26 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         """The ``("dp", "pp", "tp")`` DeviceMesh."""
         self.dims  # noqa: B018 - raises before setup
         return self._mesh
+
+    @property
+    def parallel_state(self) -> ParallelState:
+        """What this strategy decided for the model: groups, names, plan, shards, stages (after setup)."""
+        if self._state is None:
+            raise RuntimeError("the parallel state exists once the Trainer has set the model up (Strategy.setup)")
+        return self._state
+
+    @property
+    def plan(self) -> TPPlan:
+        """The tensor-parallel plan as data (module name -> style, blocks)."""
+        return self._state.plan if self._state is not None else TPPlan()
+
+    @property
+    def _engine(self) -> Optional[PipelineEngine]:
+        return self._state.engine if self._state is not None else None
+
+    @property
+    def _param_names(self) -> ParamNames:
+        return self.parallel_state.names
 
     @property
     def tp_group(self) -> TPGroup:
@@ -303,9 +322,15 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         self.model_to_device()
         module = self.lightning_module
         assert module is not None
-        if not getattr(module, "_tpp_parallel", False):
-            self._parallelize(module)
-            module._tpp_parallel = True
+        state = ParallelState.of(module)
+        if state is None:
+            state = self._parallelize(module)
+            state.attach(module)
+        else:  # a second run, or a second Trainer: the model is already cut; keep the groups its layers use
+            state.check_same(self._config(), self.dims)
+            self._mesh, self._tp_group = state.groups.mesh, state.groups.tp
+            self._pp_group, self._dp_group = state.groups.pp, state.groups.dp
+        self._state = state
         self.model = self.precision_plugin.convert_module(self.model)
         self._use_dp_groups_for_metrics(module)
         self._patch_trainer(trainer)
@@ -316,10 +341,11 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _parallelize(self, module: nn.Module) -> None:
+    def _parallelize(self, module: nn.Module) -> ParallelState:
         check_agreement(self._fingerprint(module))
         broadcast_module(module, src=0)
-        self._param_names = ParamNames.of(module)  # the single-device names, before stages drop modules
+        state = ParallelState(self.dims, ProcessGroups(self._mesh, self._tp_group, self._pp_group, self._dp_group),
+                              ParamNames.of(module), config=self._config())  # names before stages drop modules
         whole_model = [n for n, _ in module.named_modules()]
         if self._pp > 1:
             if not module.automatic_optimization:
@@ -330,33 +356,40 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
                                  "(precision='16-mixed'): every stage would have to agree on each step's scale and "
                                  "skip decision. Use precision='bf16-mixed' (no scaler needed) or '32-true'")
             coords = self.dims.coords(self.global_rank)
-            self._prepared = prepare_stages(module, dims=self.dims, pp_rank=coords["pp"],
+            state.stages = prepare_stages(module, dims=self.dims, pp_rank=coords["pp"],
                                             virtual=self.virtual_stages, device=self.root_device,
                                             blocks=self._blocks, balance=self._balance,
                                             split_points=self._split_points)
-        plan = detect(module, self._tp, check=False)
+        remote = state.stages.remote_names() if state.stages is not None else frozenset()
+        plan = detect(module, self._tp, check=False, remote=remote)
         if self._tp > 1:
-            overlay(module, plan, hf_plan(module), source="Hugging Face tp plan", strict=False)
+            overlay(module, plan, hf_plan(module), source="Hugging Face tp plan", strict=False, remote=remote)
             if isinstance(self._tp_plan_arg, Mapping):
-                overlay(module, plan, self._tp_plan_arg, source="tp_plan", strict=True, whole_model=whole_model)
+                overlay(module, plan, self._tp_plan_arg, source="tp_plan", strict=True, whole_model=whole_model,
+                        remote=remote)
             check_divisible(plan, self._tp)
-            apply_plan(module, plan, self._tp_group, verify=self._verify)
-        self.plan = plan
-        if self._prepared is not None:
+            state.shards = apply_plan(module, plan, self._tp_group, verify=self._verify)
+        state.plan = plan
+        if state.stages is not None:
             coords = self.dims.coords(self.global_rank)
-            self._engine = finish_stages(module, self._prepared, dims=self.dims, coords=coords,
+            state.engine = finish_stages(module, state.stages, dims=self.dims, coords=coords,
                                          virtual=self.virtual_stages, schedule=self.schedule,
                                          microbatches=self.microbatches, pp_group=self._pp_group)
         if self._print_plan and self._tp > 1:
-            rank_zero_info(format_plan(module, plan, self._tp))
-        if self._print_plan and self._prepared is not None:
-            rank_zero_info(format_partition(self._prepared.partition, self.dims.pp))
+            rank_zero_info(format_plan(module, plan, self._tp, state.shards))
+        if self._print_plan and state.stages is not None:
+            rank_zero_info(format_partition(state.stages.partition, self.dims.pp))
+        return state
+
+    def _config(self) -> dict[str, str]:
+        """The arguments that decide how the model is cut and run, as compared across ranks and runs."""
+        return {k: repr(getattr(self, k)) for k in ("_tp", "_pp", "_dp_arg", "microbatches", "schedule",
+                                                     "virtual_stages", "_tp_plan_arg", "_balance", "_split_points",
+                                                     "_blocks", "_save_sharded", "_on_nonfinite")}
 
     def _fingerprint(self, module: nn.Module) -> dict[str, Any]:
-        config = {k: repr(getattr(self, k)) for k in ("_tp", "_pp", "_dp_arg", "microbatches", "schedule",
-                                                       "virtual_stages", "_tp_plan_arg", "_balance", "_split_points",
-                                                       "_blocks", "_save_sharded", "_on_nonfinite")}
-        return {"configuration": config, "model": model_structure(module), "seed": os.environ.get("PL_GLOBAL_SEED")}
+        return {"configuration": self._config(), "model": model_structure(module),
+                "seed": os.environ.get("PL_GLOBAL_SEED")}
 
     def _use_dp_groups_for_metrics(self, module: nn.Module) -> None:
         """torchmetrics sync over the world by default; tp (and pp) replicas are not extra samples."""
@@ -370,17 +403,21 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
 
     def _patch_trainer(self, trainer: "pl.Trainer") -> None:
         """Whole-model parameter counts in ModelSummary; global-norm gradient clipping."""
-        totals = (self._prepared.total_params, self._prepared.trainable_params) if self._prepared else None
+        stages, shards = self.parallel_state.stages, self.parallel_state.shards
+        totals = (stages.total_params, stages.trainable_params) if stages else None
         for cb in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(cb, ModelSummary):
                 cb._summary = lambda trainer, pl_module, cb=cb: ShardedModelSummary(
-                    pl_module, max_depth=cb._max_depth, totals=totals)
+                    pl_module, max_depth=cb._max_depth, totals=totals, shards=shards)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        assert self.lightning_module is not None
         params = [p for p in self.precision_plugin.main_params(optimizer)]
-        clip_by_global_norm([p for p in params if not getattr(p, "_tpp_tied_secondary", False)], float(clip_val),
-                            tp_rank=self._tp_group.rank, groups=[self._tp_group.group, self._pp_group], apply_to=params)
+        elsewhere = {id(p) for p in self.parallel_state.counted_elsewhere(self.lightning_module)}
+        clip_by_global_norm([p for p in params if id(p) not in elsewhere], float(clip_val),
+                            sharded=self.parallel_state.shards, tp_rank=self._tp_group.rank,
+                            groups=[self._tp_group.group, self._pp_group], apply_to=params)
 
     @override
     def model_to_device(self) -> None:
@@ -501,7 +538,8 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         out = super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
         inner = getattr(optimizer, "_optimizer", optimizer)
         if self.dims.tp > 1 and id(inner) not in self._checked_optimizers and self.lightning_module is not None:
-            check_state_layout(inner, self._param_names.local(self.lightning_module), self.dims.tp)  # once: state exists now
+            check_state_layout(inner, self._param_names.local(self.lightning_module), self.parallel_state.shards,
+                               self.dims.tp)  # once: state exists now
             self._checked_optimizers.add(id(inner))
         return out
 

@@ -30,7 +30,8 @@ class Record:
 def _full(t: Tensor, p: Tensor, trainer: L.Trainer) -> Tensor:
     from lightning_tpp.core.comm import gather_with_spec
 
-    spec = getattr(p, "_tpp_spec", None)
+    state = getattr(trainer.strategy, "_state", None)  # None in the one-process reference run
+    spec = state.shards.spec(p) if state is not None else None
     if spec is None:
         return t.detach().float().clone()
     return gather_with_spec(t.detach(), spec, trainer.strategy.tp_group).float()

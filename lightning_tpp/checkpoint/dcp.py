@@ -30,7 +30,7 @@ from lightning_tpp.checkpoint.files import atomic_save, publish
 from lightning_tpp.checkpoint.safe_load import CheckpointMismatchError, SafeFileSystemReader, classify, torch_load
 from lightning_tpp.checkpoint.state import check_state_layout, cut_like_param, indexed_optimizer_state
 from lightning_tpp.core.comm import TPGroup, gather_with_spec
-from lightning_tpp.core.params import ParamNames, params_by_index
+from lightning_tpp.core.params import ParamNames, ShardIndex, params_by_index
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
 
 META = "meta.pt"
@@ -65,10 +65,11 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class Layout:
-    """How this rank's tensors map to whole tensors: wrap for DCP, and unwrap what DCP loaded."""
+    """How this rank's tensors map to whole tensors (the tp mesh and group, and which parameters are cut how): wrap
+    for DCP, and unwrap what DCP loaded."""
 
-    def __init__(self, tp_mesh: Any, group: TPGroup) -> None:
-        self.mesh, self.group = tp_mesh, group
+    def __init__(self, tp_mesh: Any, group: TPGroup, shards: ShardIndex) -> None:
+        self.mesh, self.group, self.shards = tp_mesh, group, shards
 
     def wrap(self, t: Tensor, spec: Optional[ShardSpec], full_shape: tuple[int, ...]) -> Any:
         if spec is None or self.group.size == 1:
@@ -86,13 +87,11 @@ class Layout:
         return loaded
 
 
-def _model_entries(module: nn.Module) -> dict[str, tuple[Tensor, Optional[ShardSpec], tuple[int, ...]]]:
-    params = dict(module.named_parameters(remove_duplicate=False))
+def _model_entries(module: nn.Module, shards: ShardIndex) -> dict[str, tuple[Tensor, Optional[ShardSpec],
+                                                                             tuple[int, ...]]]:
     out = {}
     for name, value in module.state_dict(keep_vars=True).items():
-        p = params.get(name)
-        spec = getattr(p, "_tpp_spec", None)
-        out[name] = (value, spec, getattr(p, "_tpp_full_shape", tuple(value.shape)))
+        out[name] = (value, shards.spec(value), shards.full_shape(value))
     return out
 
 
@@ -101,12 +100,11 @@ def _optimizer_entries(optimizers: list[Any], module: nn.Module, names: ParamNam
     local = names.local(module)
     out = {}
     for i, opt in enumerate(optimizers):
-        check_state_layout(opt, local, layout.group.size)
+        check_state_layout(opt, local, layout.shards, layout.group.size)
         params = params_by_index(opt)
         for idx, per_param in opt.state_dict()["state"].items():
             p = params[idx]
-            spec = getattr(p, "_tpp_spec", None)
-            full = getattr(p, "_tpp_full_shape", tuple(p.shape))
+            spec, full = layout.shards.spec(p), layout.shards.full_shape(p)
             for key, value in per_param.items():
                 if isinstance(value, Tensor):
                     sharded = value.shape == p.shape
@@ -118,7 +116,7 @@ def _optimizer_entries(optimizers: list[Any], module: nn.Module, names: ParamNam
 def save_sharded(path: Path, checkpoint: dict[str, Any], module: nn.Module, optimizers: list[Any],
                  names: ParamNames, layout: Layout, *, is_global_zero: bool, param_groups: list[Any]) -> None:
     """Every rank calls this (DCP's save is collective)."""
-    state = {f"model.{k}": layout.wrap(*v) for k, v in _model_entries(module).items()}
+    state = {f"model.{k}": layout.wrap(*v) for k, v in _model_entries(module, layout.shards).items()}
     state.update({k: layout.wrap(*v) for k, v in _optimizer_entries(optimizers, module, names, layout).items()})
     tmp = path.with_name(f".{path.name}.partial")
     if is_global_zero and tmp.exists():
@@ -160,12 +158,12 @@ def load_sharded(path: Path, module: nn.Module, optimizers: list[Any], names: Pa
     _require_complete(path)
     meta = load_meta(path / META)
     stored = SafeFileSystemReader(path, weights_only=weights_only).read_metadata().state_dict_metadata
-    entries = {f"model.{k}": v for k, v in _model_entries(module).items()}
+    entries = {f"model.{k}": v for k, v in _model_entries(module, layout.shards).items()}
     missing = sorted(k[6:] for k in entries if k not in stored)
     if missing and strict:
         raise CheckpointMismatchError(f"checkpoint {path} lacks model entries {missing}")
     targets = {k: layout.wrap(*v) for k, v in entries.items() if k in stored}
-    opt_entries = _expected_optimizer_entries(optimizers, module, names, stored, layout.group.size)
+    opt_entries = _expected_optimizer_entries(optimizers, module, names, stored, layout)
     targets.update({k: layout.wrap(*v) for k, v in opt_entries.items()})
     _dcp_load(targets, path, weights_only)
     with torch.no_grad():
@@ -177,21 +175,21 @@ def load_sharded(path: Path, module: nn.Module, optimizers: list[Any], names: Pa
     return meta
 
 
-def _expected_optimizer_entries(optimizers: list[Any], module: nn.Module, names: ParamNames, stored: Any, tp: int
-                                ) -> dict[str, tuple[Tensor, Optional[ShardSpec], tuple[int, ...]]]:
+def _expected_optimizer_entries(optimizers: list[Any], module: nn.Module, names: ParamNames, stored: Any,
+                                layout: Layout) -> dict[str, tuple[Tensor, Optional[ShardSpec], tuple[int, ...]]]:
     """Buffers for the optimizer state the checkpoint holds for this rank's parameters (state is created lazily)."""
     local = names.local(module)
     out = {}
     for i, opt in enumerate(optimizers):
         for p in params_by_index(opt):
             prefix = f"optim{i}.{local[id(p)]}."
-            full = getattr(p, "_tpp_full_shape", tuple(p.shape))
-            spec = getattr(p, "_tpp_spec", None)
+            info = layout.shards.get(p)
+            full, spec = layout.shards.full_shape(p), layout.shards.spec(p)
             for key, md in stored.items():
                 if key.startswith(prefix) and "." not in key[len(prefix):]:
                     shape = tuple(md.size) if hasattr(md, "size") else ()
-                    sharded = cut_like_param(p, local[id(p)], key[len(prefix):], shape, tp) if spec is not None \
-                        else shape == tuple(full)
+                    sharded = cut_like_param(info, local[id(p)], key[len(prefix):], shape, layout.group.size) \
+                        if info is not None else shape == tuple(full)
                     local_shape = tuple(p.shape) if sharded else shape
                     dtype = md.properties.dtype if hasattr(md, "properties") else torch.float32
                     buf = torch.empty(local_shape, dtype=dtype, device=p.device if sharded else "cpu")

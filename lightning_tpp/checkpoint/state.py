@@ -6,43 +6,44 @@ loads it in one process, and a run at another ``tp`` (or a single-device checkpo
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_tpp.checkpoint.safe_load import CheckpointMismatchError
 from lightning_tpp.core.comm import TPGroup, gather_with_spec
-from lightning_tpp.core.params import ParamNames, params_by_index
+from lightning_tpp.core.params import ParamNames, ShardIndex, ShardInfo, params_by_index
 from lightning_tpp.core.sharding import shard_tensor
 
 
-def _sharded_params(module: nn.Module) -> dict[str, nn.Parameter]:
-    return {n: p for n, p in module.named_parameters(remove_duplicate=False) if hasattr(p, "_tpp_spec")}
+def _sharded_params(module: nn.Module, shards: ShardIndex) -> dict[str, ShardInfo]:
+    return {n: info for n, p in module.named_parameters(remove_duplicate=False) if (info := shards.get(p)) is not None}
 
 
-def full_state_dict(module: nn.Module, group: TPGroup) -> dict[str, Tensor]:
+def full_state_dict(module: nn.Module, group: TPGroup, shards: ShardIndex) -> dict[str, Tensor]:
     """``module.state_dict()`` with every shard replaced by the whole tensor (collective over the tp group)."""
     state = module.state_dict()
-    for name, p in _sharded_params(module).items():
+    for name, info in _sharded_params(module, shards).items():
         if name in state:
-            state[name] = gather_with_spec(p.detach(), p._tpp_spec, group)  # type: ignore[attr-defined]
+            state[name] = gather_with_spec(state[name], info.spec, group)
     return state
 
 
-def load_full_state_dict(module: nn.Module, state: Mapping[str, Any], group: TPGroup, strict: bool = True) -> None:
+def load_full_state_dict(module: nn.Module, state: Mapping[str, Any], group: TPGroup, shards: ShardIndex,
+                         strict: bool = True) -> None:
     """Load single-device tensors into a (possibly sharded) module; mismatches name every offending key."""
-    sharded = _sharded_params(module)
+    sharded = _sharded_params(module, shards)
     own = module.state_dict()
     local: dict[str, Any] = {}
     wrong_shape = []
     for name, value in state.items():
-        p = sharded.get(name)
-        if p is not None and isinstance(value, Tensor):
-            if tuple(value.shape) != p._tpp_full_shape:  # type: ignore[attr-defined]
-                wrong_shape.append(f"{name}: checkpoint {tuple(value.shape)} vs model {p._tpp_full_shape}")  # type: ignore[attr-defined]
+        info = sharded.get(name)
+        if info is not None and isinstance(value, Tensor):
+            if tuple(value.shape) != info.full_shape:
+                wrong_shape.append(f"{name}: checkpoint {tuple(value.shape)} vs model {info.full_shape}")
                 continue
-            value = shard_tensor(value, p._tpp_spec, group.rank, group.size)  # type: ignore[attr-defined]
+            value = shard_tensor(value, info.spec, group.rank, group.size)
         elif name in own and isinstance(value, Tensor) and value.shape != own[name].shape:
             wrong_shape.append(f"{name}: checkpoint {tuple(value.shape)} vs model {tuple(own[name].shape)}")
             continue
@@ -63,36 +64,37 @@ class OptimizerStateLayoutError(ValueError):
     one device's state."""
 
 
-def check_state_layout(optimizer: Optimizer, local: Mapping[int, str], tp: int) -> None:
+def check_state_layout(optimizer: Optimizer, local: Mapping[int, str], shards: ShardIndex, tp: int) -> None:
     """Refuse optimizer state (``torch.optim.Adafactor``'s factored ``row_var``/``col_var``, say) of a tensor-parallel
     shard that is neither a scalar nor shaped like the shard: it holds statistics over the shard alone, which neither
     equal one device's nor can be saved layout-free."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if not hasattr(p, "_tpp_spec"):
+            info = shards.get(p)
+            if info is None:
                 continue
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, Tensor) and value.dim() > 0 and value.shape != p.shape:
                     name = local.get(id(p), "?")
                     raise OptimizerStateLayoutError(
                         f"{type(optimizer).__name__} keeps state {key!r} of shape {tuple(value.shape)} for {name} "
-                        f"(whole {p._tpp_full_shape}, this shard {tuple(p.shape)}): statistics over a tp={tp} shard "  # type: ignore[attr-defined]
+                        f"(whole {info.full_shape}, this shard {tuple(p.shape)}): statistics over a tp={tp} shard "
                         f"are not one device's, so neither the update nor a checkpoint would be right. Use an "
                         f"element-wise optimizer (AdamW, SGD, ...), tp=1, or keep the parameter whole with "
                         f"tp_plan={{{name.rpartition('.')[0]!r}: 'replicate'}}")
 
 
-def named_optimizer_state(optimizer: Optimizer, module: nn.Module, names: ParamNames,
-                          group: TPGroup) -> dict[str, Any]:
+def named_optimizer_state(optimizer: Optimizer, module: nn.Module, names: ParamNames, group: TPGroup,
+                          shards: ShardIndex) -> dict[str, Any]:
     """This rank's optimizer state keyed by canonical parameter name, sharded state tensors gathered whole."""
     local = names.local(module)
-    check_state_layout(optimizer, local, group.size)
+    check_state_layout(optimizer, local, shards, group.size)
     sd = optimizer.state_dict()
     params = params_by_index(optimizer)
     state = {}
     for idx, per_param in sd["state"].items():
         p = params[idx]
-        spec = getattr(p, "_tpp_spec", None)
+        spec = shards.spec(p)
         state[local[id(p)]] = {k: gather_with_spec(v, spec, group) if spec is not None and isinstance(v, Tensor)
                                and v.shape == p.shape else v for k, v in per_param.items()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [local[id(params[i])] for i in g["params"]]}
@@ -121,7 +123,7 @@ def indexed_optimizer_state(named: dict[str, Any], names: ParamNames) -> dict[st
 
 
 def load_indexed_optimizer_state(optimizer: Optimizer, module: nn.Module, state: Mapping[str, Any],
-                                 names: ParamNames, group: TPGroup) -> None:
+                                 names: ParamNames, group: TPGroup, shards: ShardIndex) -> None:
     """Load an ordinary (single-device, index-keyed) optimizer state into this rank's shards and stage."""
     params = params_by_index(optimizer)
     local = names.local(module)
@@ -139,7 +141,7 @@ def load_indexed_optimizer_state(optimizer: Optimizer, module: nn.Module, state:
             if by_index and name not in position:
                 missing.append(name)
             continue
-        local_state[i] = {k: shard_state(v, p, name, k, group) for k, v in saved.items()}
+        local_state[i] = {k: shard_state(v, shards.get(p), name, k, group) for k, v in saved.items()}
     if missing:
         raise CheckpointMismatchError(f"optimizer state for parameters the checkpoint does not know: {missing}")
     groups, start = [], 0
@@ -150,24 +152,24 @@ def load_indexed_optimizer_state(optimizer: Optimizer, module: nn.Module, state:
     optimizer.load_state_dict({"state": local_state, "param_groups": groups})
 
 
-def shard_state(value: Any, p: Tensor, name: str, key: str, group: TPGroup) -> Any:
-    """One device's optimizer state ``value`` of parameter ``p`` cut like ``p``; scalars and state of whole parameters
-    as they are."""
-    spec = getattr(p, "_tpp_spec", None)
-    if spec is None or not isinstance(value, Tensor) or not cut_like_param(p, name, key, tuple(value.shape), group.size):
+def shard_state(value: Any, info: Optional[ShardInfo], name: str, key: str, group: TPGroup) -> Any:
+    """One device's optimizer state ``value`` of a parameter cut as ``info`` says, cut like it; scalars and state of
+    whole parameters as they are."""
+    if info is None or not isinstance(value, Tensor) or not cut_like_param(info, name, key, tuple(value.shape),
+                                                                           group.size):
         return value
-    return shard_tensor(value, spec, group.rank, group.size)
+    return shard_tensor(value, info.spec, group.rank, group.size)
 
 
-def cut_like_param(p: Tensor, name: str, key: str, shape: tuple[int, ...], tp: int) -> bool:
-    """Whether saved optimizer state of this shape is cut like the sharded parameter ``p`` (False for scalars); state
-    of another shape cannot be split (see :func:`check_state_layout`)."""
+def cut_like_param(info: ShardInfo, name: str, key: str, shape: tuple[int, ...], tp: int) -> bool:
+    """Whether saved optimizer state of this shape is cut like the sharded parameter (False for scalars); state of
+    another shape cannot be split (see :func:`check_state_layout`)."""
     if not shape:
         return False
-    if shape != p._tpp_full_shape:  # type: ignore[attr-defined]
+    if shape != info.full_shape:
         raise OptimizerStateLayoutError(
             f"the checkpoint's optimizer state {key!r} of {name} has shape {shape}, not the parameter's "
-            f"{p._tpp_full_shape}: it cannot be split over tp={tp} (an optimizer such as Adafactor); resume "  # type: ignore[attr-defined]
+            f"{info.full_shape}: it cannot be split over tp={tp} (an optimizer such as Adafactor); resume "
             f"with tp=1 or keep the parameter whole with tp_plan={{{name.rpartition('.')[0]!r}: 'replicate'}}")
     return True
 

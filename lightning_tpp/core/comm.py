@@ -136,14 +136,6 @@ def all_reduce_flag(ok: bool, group: Optional[Any]) -> bool:
 # shards -> whole tensors
 
 
-def gather_full(t: Tensor, group: TPGroup) -> Tensor:
-    """The full tensor of a sharded parameter (or its gradient: pass ``spec`` via the parameter)."""
-    spec: Optional[ShardSpec] = getattr(t, "_tpp_spec", None)
-    if spec is None or group.size == 1:
-        return t.detach().clone()
-    return gather_with_spec(t.detach(), spec, group)
-
-
 def gather_with_spec(t: Tensor, spec: ShardSpec, group: TPGroup) -> Tensor:
     t = t.contiguous()
     comm = t.float() if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) else t

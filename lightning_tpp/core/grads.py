@@ -12,7 +12,7 @@ counted once (tp rank 0), so the norm equals ``clip_grad_norm_`` on the single-d
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Container, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,12 +68,13 @@ def average_gradients(params: list[nn.Parameter], group: Any) -> None:
     all_reduce_coalesced(grads, group, average=True)
 
 
-def global_grad_norm(params: Iterable[nn.Parameter], *, tp_rank: int, groups: list[Any],
+def global_grad_norm(params: Iterable[nn.Parameter], *, sharded: Container[Tensor], tp_rank: int, groups: list[Any],
                      norm_type: float = 2.0) -> Tensor:
-    """Norm of all gradients of the whole (unsharded) model; every rank gets the same value."""
+    """Norm of all gradients of the whole (unsharded) model; every rank gets the same value. A shard's gradient counts
+    on every tp rank, a replicated one on tp rank 0 only."""
     params = [p for p in params if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
-    mine = [p.grad for p in params if hasattr(p, "_tpp_spec") or tp_rank == 0]
+    mine = [p.grad for p in params if p in sharded or tp_rank == 0]
     inf = norm_type == float("inf")
     if not mine:
         total = torch.zeros((), device=device)
@@ -87,11 +88,12 @@ def global_grad_norm(params: Iterable[nn.Parameter], *, tp_rank: int, groups: li
     return total if inf else total ** (1.0 / norm_type)
 
 
-def clip_by_global_norm(params: list[nn.Parameter], max_norm: float, *, tp_rank: int, groups: list[Any],
-                        norm_type: float = 2.0, apply_to: Optional[list[nn.Parameter]] = None) -> Tensor:
+def clip_by_global_norm(params: list[nn.Parameter], max_norm: float, *, sharded: Container[Tensor], tp_rank: int,
+                        groups: list[Any], norm_type: float = 2.0,
+                        apply_to: Optional[list[nn.Parameter]] = None) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` with the norm taken over every shard of every stage (``params``: each
     weight once; ``apply_to``: every local copy, e.g. both ends of a tied embedding)."""
-    total = global_grad_norm(params, tp_rank=tp_rank, groups=groups, norm_type=norm_type)
+    total = global_grad_norm(params, sharded=sharded, tp_rank=tp_rank, groups=groups, norm_type=norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in apply_to if apply_to is not None else params:
         if p.grad is not None:

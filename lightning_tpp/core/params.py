@@ -1,11 +1,16 @@
-"""The single-device model's parameter names, which every layout-free piece (checkpoints, optimizer state) keys by."""
+"""The single-device model's parameter names, which every layout-free piece (checkpoints, optimizer state) keys by,
+and the index of which parameters tensor parallelism cut."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Optional
 
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
+
+from lightning_tpp.core.sharding import ShardSpec
 
 def params_by_index(optimizer: Optimizer) -> list[nn.Parameter]:
     return [p for g in optimizer.param_groups for p in g["params"]]
@@ -33,3 +38,48 @@ class ParamNames:
         for name, p in module.named_parameters(remove_duplicate=False):
             out.setdefault(id(p), self.canonical.get(name, name))
         return out
+
+
+@dataclass
+class ShardInfo:
+    """How tensor parallelism cut one parameter: its layout and the single-device shape. Mutable: the first-call
+    check may pick another layout for a fused projection (``tensor_parallel.apply._reshard``)."""
+
+    spec: ShardSpec
+    full_shape: tuple[int, ...]
+
+
+class ShardIndex:
+    """Which parameters tensor parallelism cut, and how — the one interface between tensor parallelism and what needs
+    whole tensors (checkpoints, the global gradient norm, summaries, parity checks).
+
+    Filled by ``tensor_parallel.apply_plan``; keyed by the parameter object (held here, so an ``id`` is never reused),
+    so every alias of a tied weight finds the same entry."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[Tensor, ShardInfo]] = {}
+
+    def add(self, p: Tensor, info: ShardInfo) -> None:
+        self._by_id[id(p)] = (p, info)
+
+    def get(self, p: Tensor) -> Optional[ShardInfo]:
+        entry = self._by_id.get(id(p))
+        return entry[1] if entry is not None and entry[0] is p else None
+
+    def __contains__(self, p: object) -> bool:
+        return isinstance(p, Tensor) and self.get(p) is not None
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def spec(self, p: Tensor) -> Optional[ShardSpec]:
+        info = self.get(p)
+        return info.spec if info is not None else None
+
+    def full_shape(self, p: Tensor) -> tuple[int, ...]:
+        """The single-device shape (the parameter's own for one not cut)."""
+        info = self.get(p)
+        return info.full_shape if info is not None else tuple(p.shape)
+
+    def full_numel(self, p: Tensor) -> int:
+        return math.prod(self.full_shape(p))

@@ -37,7 +37,8 @@ from lightning_tpp.checkpoint.state import (
 
 
 class CheckpointMixin:
-    """Expects the strategy's ``_tp_group``, ``_pp``, ``_mesh``, ``dims``, ``_param_names``, ``_save_sharded``."""
+    """Expects the strategy's ``parallel_state``, ``_tp_group``, ``_pp``, ``_mesh``, ``dims``, ``_param_names``,
+    ``_save_sharded``."""
 
     _restored_sharded: bool
     _save_sharded: bool
@@ -69,7 +70,7 @@ class CheckpointMixin:
     def whole_model_state(self) -> dict[str, Any]:
         """The single-device ``state_dict`` (on the first stage's ranks; collective over tp and pp)."""
         assert self.lightning_module is not None
-        state = full_state_dict(self.lightning_module, self._tp_group)
+        state = full_state_dict(self.lightning_module, self._tp_group, self.parallel_state.shards)
         if self._pp == 1:
             return state
         stages = self._gather_stages({k: v.cpu() for k, v in state.items()})
@@ -84,7 +85,7 @@ class CheckpointMixin:
         if self._pp > 1:  # this stage's entries; the other stages' keys are not "unexpected" here
             own = self.lightning_module.state_dict().keys()
             state = {k: v for k, v in state.items() if k in own}
-        load_full_state_dict(self.lightning_module, state, self._tp_group, strict=strict)
+        load_full_state_dict(self.lightning_module, state, self._tp_group, self.parallel_state.shards, strict=strict)
 
     @override  # type: ignore[misc]
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -94,7 +95,8 @@ class CheckpointMixin:
         if self._save_sharded:
             return {}
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        named = named_optimizer_state(optimizer, self.lightning_module, self._param_names, self._tp_group)
+        named = named_optimizer_state(optimizer, self.lightning_module, self._param_names, self._tp_group,
+                                      self.parallel_state.shards)
         if self._pp > 1:
             stages = self._gather_stages(named)
             if stages is None:
@@ -107,7 +109,8 @@ class CheckpointMixin:
         assert self.lightning_module is not None
         for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
             optimizer = getattr(optimizer, "_optimizer", optimizer)
-            load_indexed_optimizer_state(optimizer, self.lightning_module, state, self._param_names, self._tp_group)
+            load_indexed_optimizer_state(optimizer, self.lightning_module, state, self._param_names, self._tp_group,
+                                         self.parallel_state.shards)
             _optimizer_to_device(optimizer, self.root_device)
 
     @override  # type: ignore[misc]
@@ -127,7 +130,7 @@ class CheckpointMixin:
         atomic_save(checkpoint, Path(filepath))
 
     def _layout(self) -> Layout:
-        return Layout(self._mesh["tp"], self._tp_group)
+        return Layout(self._mesh["tp"], self._tp_group, self.parallel_state.shards)
 
     def _save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
         assert self.lightning_module is not None

@@ -8,14 +8,18 @@ from typing import Any, Optional
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary, ModelSummary
 from typing_extensions import override
 
-from lightning_tpp.tensor_parallel.report import full_numel
+from lightning_tpp.core.params import ShardIndex
 
 
 class _ShardedLayerSummary(LayerSummary):
+    def __init__(self, module: Any, shards: ShardIndex) -> None:
+        self._shards = shards
+        super().__init__(module)
+
     @property
     @override
     def num_parameters(self) -> int:
-        return sum(full_numel(p) for p in self._module.parameters())
+        return sum(self._shards.full_numel(p) for p in self._module.parameters())
 
 
 class ShardedModelSummary(ModelSummary):
@@ -23,13 +27,15 @@ class ShardedModelSummary(ModelSummary):
 
     ``totals`` (all, trainable), counted before pipeline stages dropped other stages' modules, replace the sums."""
 
-    def __init__(self, model: Any, max_depth: int = 1, totals: Optional[tuple[int, int]] = None) -> None:
+    def __init__(self, model: Any, max_depth: int = 1, totals: Optional[tuple[int, int]] = None,
+                 shards: Optional[ShardIndex] = None) -> None:
         self._totals = totals
+        self._shards = shards if shards is not None else ShardIndex()
         super().__init__(model, max_depth=max_depth)
 
     @override
     def summarize(self) -> dict[str, LayerSummary]:
-        summary: dict[str, Any] = OrderedDict((name, _ShardedLayerSummary(m)) for name, m in self.named_modules)
+        summary: dict[str, Any] = OrderedDict((name, _ShardedLayerSummary(m, self._shards)) for name, m in self.named_modules)
         for layer in summary.values():
             layer.detach_hook()
         if self._max_depth >= 1:
@@ -42,11 +48,11 @@ class ShardedModelSummary(ModelSummary):
     def total_parameters(self) -> int:
         if self._totals is not None:
             return self._totals[0]
-        return sum(full_numel(p) for p in self._model.parameters())
+        return sum(self._shards.full_numel(p) for p in self._model.parameters())
 
     @property
     @override
     def trainable_parameters(self) -> int:
         if self._totals is not None:
             return self._totals[1]
-        return sum(full_numel(p) for p in self._model.parameters() if p.requires_grad)
+        return sum(self._shards.full_numel(p) for p in self._model.parameters() if p.requires_grad)

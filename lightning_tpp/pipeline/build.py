@@ -11,7 +11,7 @@ Two steps, with tensor parallelism applied in between (so the dispatchers sit ou
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -41,6 +41,30 @@ class PreparedStages:
     ancestor_params: tuple[str, ...]  # parameters owned by ancestors of the blocks (first stage)
     total_params: int
     trainable_params: int
+    # weights that several stages hold, in the whole model's order: the same on every rank, so that their gradient
+    # all-reduces pair up. By name, not by object: tensor parallelism replaces the parameters after this is computed
+    tied: list[TiedWeight] = field(default_factory=list)
+
+    def remote_names(self) -> frozenset[str]:
+        """The units other pipeline ranks hold (stand-ins here)."""
+        return frozenset(u.name for u in self.runtime.units if u.stage not in self.local_stages)
+
+    def tied_params(self, module: nn.Module, *, stages: Optional[tuple[int, ...]] = None,
+                    secondary: Optional[bool] = None) -> list[nn.Parameter]:
+        """This rank's copies of the tied weights (of one stage set, or only those counted on another rank)."""
+        params = dict(module.named_parameters(remove_duplicate=False))
+        local = set(self.local_stages)
+        out = []
+        for w in self.tied:
+            if (stages is None or w.stages == stages) and (secondary is None or (min(w.stages) not in local) == secondary):
+                out += [params[n] for n in w.names if n in params][:1]
+        return out
+
+
+@dataclass(frozen=True)
+class TiedWeight:
+    names: tuple[str, ...]  # every alias in the whole model
+    stages: tuple[int, ...]  # the stages whose modules use it
 
 
 def _expand(module: nn.Module, name: str) -> list[str]:
@@ -133,11 +157,11 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
             owner.register_buffer(attr, zeros, persistent=False)
     for unit in runtime.units:
         prepared.twins[unit.name] = meta_twin(modules[unit.name])
-    for p, stages_of in holders.values():
-        if len(stages_of) > 1:
-            p._tpp_tied_stages = tuple(sorted(stages_of))
-            if min(stages_of) not in local:
-                p._tpp_tied_secondary = True  # counted once in the global gradient norm
+    aliases: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        if len(holders.get(id(p), (None, ()))[1]) > 1:
+            aliases.setdefault(id(p), []).append(n)
+    prepared.tied = [TiedWeight(tuple(names), tuple(sorted(holders[i][1]))) for i, names in aliases.items()]
     for i, unit in enumerate(runtime.units):
         if unit.stage not in local:
             _set_module(module, unit.name, _RemoteModule(prepared.twins[unit.name], runtime, unit=i))
@@ -183,8 +207,8 @@ def _tied_groups(module: nn.Module, prepared: PreparedStages, dims: MeshDims, co
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
                 if (dp, tp) == (coords["dp"], coords["tp"]):
                     groups[stages] = group
-    return [(p, groups[p._tpp_tied_stages]) for p in module.parameters()
-            if hasattr(p, "_tpp_tied_stages") and groups.get(p._tpp_tied_stages) is not None]
+    return [(p, group) for stages, group in groups.items() if group is not None
+            for p in prepared.tied_params(module, stages=stages)]
 
 
 def format_partition(partition: Partition, pp: int) -> str:

@@ -156,7 +156,7 @@ class StageRuntime:
                         if isinstance(t, Tensor) else t, meta)
 
     def dispatch(self, module: nn.Module, args: tuple, kwargs: dict, real: Optional[Callable[[], Any]]) -> Any:
-        unit = module.__dict__["_tpp_unit"]
+        unit = module.__dict__[BINDING].index
         ctx = self.ctx
         if ctx is None or VERIFYING.get():  # outside a step, or a tensor-parallel block checking itself
             if real is None:
@@ -177,7 +177,7 @@ class StageRuntime:
             if key == ctx.route.stop_after:
                 raise StageOutput()
             return out
-        out = self.zeros(self.meta_output(module.__dict__["_tpp_twin"], args, kwargs))
+        out = self.zeros(self.meta_output(module.__dict__[BINDING].twin, args, kwargs))
         wanted = ctx.route.incoming.get(key)
         if wanted:
             leaves, spec = tree_flatten(out)
@@ -192,7 +192,7 @@ class StageRuntime:
         ctx.trace.append((key, ctx.tracer.of((args, kwargs))))
         ctx.tracer.paused = True
         try:
-            out = self.zeros(self.meta_output(module.__dict__["_tpp_twin"], args, kwargs))
+            out = self.zeros(self.meta_output(module.__dict__[BINDING].twin, args, kwargs))
         finally:
             ctx.tracer.paused = False
         for i, leaf in enumerate(tree_flatten(out)[0]):
@@ -276,30 +276,40 @@ class _PipelineDispatch:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         real = lambda: super(_PipelineDispatch, self).forward(*args, **kwargs)  # noqa: E731
-        return self.__dict__["_tpp_runtime"].dispatch(self, args, kwargs, real)
+        return self.__dict__[BINDING].runtime.dispatch(self, args, kwargs, real)
 
 
 class _RemoteModule(nn.Module):
     """Stands in for a module held by another stage: no parameters; attributes read through to a meta twin."""
 
-    _tpp_remote = True  # tensor parallelism leaves modules containing one replicated
-
     def __init__(self, twin: nn.Module, runtime: StageRuntime, *, unit: int) -> None:
         super().__init__()
-        self.__dict__.update(_tpp_twin=twin, _tpp_runtime=runtime, _tpp_unit=unit)
+        self.__dict__[BINDING] = UnitBinding(runtime, twin, unit)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.__dict__["_tpp_runtime"].dispatch(self, args, kwargs, None)
+        return self.__dict__[BINDING].runtime.dispatch(self, args, kwargs, None)
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self.__dict__["_tpp_twin"], name)
+            return getattr(self.__dict__[BINDING].twin, name)
 
     def extra_repr(self) -> str:
-        unit = self.__dict__["_tpp_runtime"].units[self.__dict__["_tpp_unit"]]
+        binding = self.__dict__[BINDING]
+        unit = binding.runtime.units[binding.index]
         return f"remote {unit.name} (stage {unit.stage})"
+
+
+# the one attribute a pipeline unit carries: which runtime dispatches its calls, its meta twin, its index
+BINDING = "_tpp_unit"
+
+
+@dataclass(frozen=True)
+class UnitBinding:
+    runtime: StageRuntime
+    twin: nn.Module  # on the meta device: output shapes of calls another stage runs
+    index: int  # in ``runtime.units``
 
 
 def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -309,5 +319,5 @@ def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def mark_dispatch(module: nn.Module, runtime: StageRuntime, *, unit: int, twin: nn.Module) -> None:
-    module.__dict__.update(_tpp_twin=twin, _tpp_runtime=runtime, _tpp_unit=unit)
+    module.__dict__[BINDING] = UnitBinding(runtime, twin, unit)
     swap_class(module, _PipelineDispatch)

@@ -17,20 +17,22 @@ import contextlib
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_tpp.core.comm import TPGroup, TPScope, all_reduce_flag, gather_full
+from lightning_tpp.core.comm import TPGroup, TPScope, all_reduce_flag, gather_with_spec
+from lightning_tpp.core.params import ShardIndex, ShardInfo
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
-from lightning_tpp.core.swap import swap_class
+from lightning_tpp.core.swap import set_local_attr, slots, swap_class, unswap
 from lightning_tpp.core.walk import VERIFYING, tensors_in
 from lightning_tpp.tensor_parallel.layers import (
     _ColumnParallel,
     _ParallelMultiheadAttention,
     _RowParallel,
+    LayerTP,
     _VocabParallelEmbedding,
     is_transposed_linear,
 )
@@ -45,29 +47,22 @@ class TensorParallelMismatchError(RuntimeError):
 # shards <-> full tensors
 
 
-def _set_shard(module: nn.Module, attr: str, spec: ShardSpec, group: TPGroup, done: dict[int, nn.Parameter]) -> None:
+def _set_shard(module: nn.Module, attr: str, spec: ShardSpec, group: TPGroup, done: dict[int, nn.Parameter],
+               shards: ShardIndex) -> None:
     old = getattr(module, attr)
     if old is None:
         return
     if id(old) in done:
         new = done[id(old)]
-        if new._tpp_spec != spec:  # type: ignore[attr-defined]
+        if shards.spec(new) != spec:
             raise ValueError(f"parameter {attr} of {type(module).__name__} is shared with another layer that is split "
-                             f"differently ({new._tpp_spec} vs {spec}); replicate one of them in tp_plan")
+                             f"differently ({shards.spec(new)} vs {spec}); replicate one of them in tp_plan")
     else:
         spec.check(old.shape[spec.dim], group.size, f"{type(module).__name__}.{attr}")
         new = nn.Parameter(shard_tensor(old.data, spec, group.rank, group.size), requires_grad=old.requires_grad)
-        new.__dict__.update({k: v for k, v in old.__dict__.items() if k.startswith("_tpp_")})  # e.g. pipeline ties
-        new._tpp_spec = spec  # type: ignore[attr-defined]
-        new._tpp_full_shape = tuple(old.shape)  # type: ignore[attr-defined]
+        shards.add(new, ShardInfo(spec, tuple(old.shape)))
         done[id(old)] = new
     setattr(module, attr, new)
-
-
-def _save_attr(module: nn.Module, name: str, value: Any) -> None:
-    saved = module.__dict__.setdefault("_tpp_saved_attrs", {})
-    saved.setdefault(name, getattr(module, name))
-    setattr(module, name, value)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -110,6 +105,7 @@ class BlockState:
     scope: TPScope
     layers: dict[str, nn.Module]
     verify_pending: bool
+    shards: ShardIndex
     shapes: Optional[frozenset[int]] = None
 
     def shape_mode(self) -> contextlib.AbstractContextManager:
@@ -156,7 +152,7 @@ def _localize_attrs(owner: nn.Module, info: BlockInfo, tp: int) -> None:
         for name, value in list(vars(module).items()):
             new = local_value(name, value)
             if new is not None:
-                _save_attr(module, name, new)
+                set_local_attr(module, name, new)
         config = module.__dict__.get("config")
         if config is not None and hasattr(config, "__dict__"):
             changes = {n: v for n, v in vars(config).items() if local_value(n, v) is not None}
@@ -164,17 +160,19 @@ def _localize_attrs(owner: nn.Module, info: BlockInfo, tp: int) -> None:
                 local_config = copy.copy(config)
                 for n, v in changes.items():
                     object.__setattr__(local_config, n, local_value(n, v))
-                _save_attr(module, "config", local_config)
+                set_local_attr(module, "config", local_config)
 
 
-def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool = True) -> None:
-    """Shard the parameters named by ``plan`` and swap in the parallel classes (in place, idempotent per model)."""
+def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool = True) -> ShardIndex:
+    """Shard the parameters named by ``plan`` and swap in the parallel classes (in place); returns which parameters
+    were cut and how."""
     modules = dict(model.named_modules())
     done: dict[int, nn.Parameter] = {}
+    shards = ShardIndex()
     scopes: dict[str, TPScope] = {}
     for bname, info in plan.blocks.items():
         block = modules[bname]
-        state = BlockState(bname, info, TPScope(group), {n: modules[n] for n in info.layers}, verify)
+        state = BlockState(bname, info, TPScope(group), {n: modules[n] for n in info.layers}, verify, shards)
         scopes.update({n: state.scope for n in info.layers})
         if info.kind in ("attention", "mha"):
             _localize_attrs(block, info, group.size)
@@ -182,12 +180,11 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
             qw, kvw = info.heads * info.head_dim, info.kv_heads * info.head_dim
             state.shapes = frozenset({qw, kvw, info.heads, info.kv_heads, info.head_dim * group.size})
         block._tpp_block = state
-        block._tpp_group = group
         if info.kind == "mha":
-            block._tpp_scope, block._tpp_heads = state.scope, info.heads
-            _save_attr(block, "_qkv_same_embed_dim", False)
+            block._tpp_layer = LayerTP(group, scope=state.scope, heads=info.heads)
+            set_local_attr(block, "_qkv_same_embed_dim", False)
             for attr in ("in_proj_weight", "in_proj_bias"):
-                _set_shard(block, attr, info.fused[bname][0], group, done)
+                _set_shard(block, attr, info.fused[bname][0], group, done, shards)
             swap_class(block, _TPMultiheadAttentionBlock)
         else:
             swap_class(block, _TPBlock)
@@ -195,55 +192,47 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
         if style in ("mha", "replicate"):
             continue
         m = modules[name]
-        m._tpp_group = group
         fused = next((blk.fused[name] for blk in plan.blocks.values() if name in blk.fused), None)
         if style in ("colwise", "colwise_gather"):
             spec = fused[0] if fused else ShardSpec(1 if is_transposed_linear(m) else 0)
-            _set_shard(m, "weight", spec, group, done)
-            _set_shard(m, "bias", ShardSpec(0, spec.parts), group, done)
-            m._tpp_scope, m._tpp_gather = scopes.get(name), style == "colwise_gather"
-            _save_attr(m, "nf" if is_transposed_linear(m) else "out_features", m.weight.shape[spec.dim])
+            _set_shard(m, "weight", spec, group, done, shards)
+            _set_shard(m, "bias", ShardSpec(0, spec.parts), group, done, shards)
+            m._tpp_layer = LayerTP(group, scope=scopes.get(name), gather=style == "colwise_gather")
+            set_local_attr(m, "nf" if is_transposed_linear(m) else "out_features", m.weight.shape[spec.dim])
             swap_class(m, _ColumnParallel)
         elif style == "rowwise":
             spec = ShardSpec(0 if is_transposed_linear(m) else 1)
-            _set_shard(m, "weight", spec, group, done)
+            _set_shard(m, "weight", spec, group, done, shards)
+            m._tpp_layer = LayerTP(group)
             if not is_transposed_linear(m):
-                _save_attr(m, "in_features", m.weight.shape[1])
+                set_local_attr(m, "in_features", m.weight.shape[1])
             swap_class(m, _RowParallel)
         elif style == "vocab":
             vocab = m.weight.shape[0]
-            _set_shard(m, "weight", ShardSpec(0), group, done)
+            _set_shard(m, "weight", ShardSpec(0), group, done, shards)
             local = vocab // group.size
-            m._tpp_vocab_start = group.rank * local
-            pad = m.padding_idx
-            m._tpp_padding_idx = pad - m._tpp_vocab_start if pad is not None and 0 <= pad - m._tpp_vocab_start < local \
-                else None
-            _save_attr(m, "num_embeddings", local)
+            start, pad = group.rank * local, m.padding_idx
+            m._tpp_layer = LayerTP(group, vocab_start=start,
+                                   padding_idx=pad - start if pad is not None and 0 <= pad - start < local else None)
+            set_local_attr(m, "num_embeddings", local)
             swap_class(m, _VocabParallelEmbedding)
+    return shards
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # numerical check of a block against its original
 
 
-def _tp_objects(module: nn.Module) -> Iterator[Any]:
-    for m in module.modules():
-        for key in ("_tpp_group", "_tpp_scope", "_tpp_block", "_tpp_runtime", "_tpp_twin"):  # shared, not copied
-            if key in m.__dict__:
-                yield m.__dict__[key]
-
-
-def reference_copy(block: nn.Module, group: TPGroup) -> nn.Module:
+def reference_copy(block: nn.Module, group: TPGroup, shards: ShardIndex) -> nn.Module:
     """A copy of ``block`` with the original classes, attributes and full (gathered) weights."""
-    memo: dict[int, Any] = {id(o): o for o in _tp_objects(block)}
+    memo: dict[int, Any] = {id(o): o for o in slots(block)}
     for p in block.parameters():
-        memo[id(p)] = nn.Parameter(gather_full(p, group), requires_grad=False) if hasattr(p, "_tpp_spec") else p
+        spec = shards.spec(p)
+        memo[id(p)] = p if spec is None else nn.Parameter(gather_with_spec(p.detach(), spec, group),
+                                                          requires_grad=False)
     ref = copy.deepcopy(block, memo)
     for m in ref.modules():
-        if "_tpp_orig_class" in m.__dict__:
-            m.__class__ = m.__dict__.pop("_tpp_orig_class")
-            for name, value in m.__dict__.pop("_tpp_saved_attrs", {}).items():
-                setattr(m, name, value)
+        unswap(m)
     return ref
 
 
@@ -294,21 +283,22 @@ def _close(got: Any, want: Any, group: TPGroup, path: str = "output") -> Optiona
     return None
 
 
-def _reshard(layer: nn.Module, spec: ShardSpec, group: TPGroup) -> None:
+def _reshard(layer: nn.Module, spec: ShardSpec, group: TPGroup, shards: ShardIndex) -> None:
     for attr, s in (("weight", spec), ("bias", ShardSpec(0, spec.parts))):
         p = getattr(layer, attr, None)
-        if p is None or not hasattr(p, "_tpp_spec"):
+        info = shards.get(p) if p is not None else None
+        if info is None:
             continue
-        full = gather_full(p, group)
+        full = gather_with_spec(p.detach(), info.spec, group)
         p.data.copy_(shard_tensor(full, s, group.rank, group.size))
-        p._tpp_spec = s
+        info.spec = s
 
 
 def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:
     """Compare the parallel block with its original on this call's inputs; pick the fused layout that matches."""
     st: BlockState = block._tpp_block  # type: ignore[assignment]
     group = st.scope.group
-    ref = reference_copy(block, group)
+    ref = reference_copy(block, group, st.shards)
     modes = {m: m.training for m in block.modules()}
     block.eval()
     ref.eval()
@@ -324,7 +314,7 @@ def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:
                 if i:
                     for name, specs in fused.items():
                         layer = st.layers.get(name, block)
-                        _reshard(layer, specs[min(i, len(specs) - 1)], group)
+                        _reshard(layer, specs[min(i, len(specs) - 1)], group, st.shards)
                 a, k = _isolated(args, kwargs)
                 try:
                     problem = _close(block.forward(*a, **k), want, group)

@@ -12,6 +12,7 @@ single-device names) and ``isinstance`` checks in user code keep passing: ``Colu
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -19,12 +20,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_tpp.core.comm import TPGroup, TPScope, copy_to_tp, gather_from_tp, reduce_from_tp
+from lightning_tpp.core.swap import original_class
+
+
+@dataclass
+class LayerTP:
+    """What a parallel layer needs at run time: the one slot (``_tpp_layer``) a swapped layer carries."""
+
+    group: TPGroup
+    scope: Optional[TPScope] = None  # shared with sibling layers that read the same input (one f for q, k, v)
+    gather: bool = False  # column parallel: all-gather the output (an LM head whose logits are used whole)
+    heads: int = 0  # nn.MultiheadAttention: the global number of heads
+    vocab_start: int = 0  # vocab-parallel embedding: the first id of this rank's range
+    padding_idx: Optional[int] = None  # ... and the padding id within it, if it falls there
 
 
 def is_transposed_linear(module: nn.Module) -> bool:
     """Hugging Face ``Conv1D`` (GPT-2): ``y = x @ W + b`` with ``W`` of shape ``(in, out)``."""
-    cls = module.__dict__.get("_tpp_orig_class", type(module))
-    return cls.__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
+    return original_class(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
 
 
 def linear_dims(module: nn.Module) -> tuple[int, int]:
@@ -36,20 +49,19 @@ def linear_dims(module: nn.Module) -> tuple[int, int]:
 class _ColumnParallel:
     """Output dim split; input passes through ``copy_to_tp`` (shared with sibling layers via the block's scope)."""
 
-    _tpp_group: TPGroup
-    _tpp_scope: Optional[TPScope]
-    _tpp_gather: bool
+    _tpp_layer: LayerTP
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        x = self._tpp_scope.copy(x) if self._tpp_scope is not None else copy_to_tp(x, self._tpp_group)
+        tp = self._tpp_layer
+        x = tp.scope.copy(x) if tp.scope is not None else copy_to_tp(x, tp.group)
         y = super().forward(x, *args, **kwargs)  # type: ignore[misc]
-        return gather_from_tp(y, self._tpp_group) if self._tpp_gather else y
+        return gather_from_tp(y, tp.group) if tp.gather else y
 
 
 class _RowParallel:
     """Input dim split; partial products all-reduced; the bias (replicated) is added once, after the reduction."""
 
-    _tpp_group: TPGroup
+    _tpp_layer: LayerTP
     weight: Tensor
     bias: Optional[Tensor]
 
@@ -58,28 +70,26 @@ class _RowParallel:
             y = torch.matmul(x, self.weight)
         else:
             y = F.linear(x, self.weight)
-        y = reduce_from_tp(y, self._tpp_group)
+        y = reduce_from_tp(y, self._tpp_layer.group)
         return y + self.bias if self.bias is not None else y
 
 
 class _VocabParallelEmbedding:
     """Rows of the table split by vocabulary range; out-of-range ids contribute zeros before the all-reduce."""
 
-    _tpp_group: TPGroup
-    _tpp_vocab_start: int
-    _tpp_padding_idx: Optional[int]
+    _tpp_layer: LayerTP
     weight: Tensor
     max_norm: Optional[float]
     norm_type: float
 
     def forward(self, ids: Tensor) -> Tensor:
         local_vocab = self.weight.shape[0]
-        shifted = ids - self._tpp_vocab_start
+        shifted = ids - self._tpp_layer.vocab_start
         outside = (shifted < 0) | (shifted >= local_vocab)
-        out = F.embedding(shifted.masked_fill(outside, 0), self.weight, self._tpp_padding_idx, self.max_norm,
+        out = F.embedding(shifted.masked_fill(outside, 0), self.weight, self._tpp_layer.padding_idx, self.max_norm,
                           self.norm_type)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self._tpp_group)
+        return reduce_from_tp(out, self._tpp_layer.group)
 
 
 def _float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -96,9 +106,7 @@ class _ParallelMultiheadAttention:
     the local shards as if they were whole) are never taken.
     """
 
-    _tpp_group: TPGroup
-    _tpp_scope: TPScope
-    _tpp_heads: int  # global number of heads
+    _tpp_layer: LayerTP  # group, scope and the global number of heads
 
     def forward(  # noqa: PLR0913 - torch's signature
         self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
@@ -114,10 +122,11 @@ class _ParallelMultiheadAttention:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
         b, t, _ = query.shape
         s = key.shape[1]
-        h, hd, group = mha.num_heads, mha.head_dim, self._tpp_group
+        h, hd, group = mha.num_heads, mha.head_dim, self._tpp_layer.group
         wq, wk, wv = mha.in_proj_weight.chunk(3)
         bq, bk, bv = mha.in_proj_bias.chunk(3) if mha.in_proj_bias is not None else (None, None, None)
-        scope = self._tpp_scope
+        scope = self._tpp_layer.scope
+        assert scope is not None
         q = F.linear(scope.copy(query), wq, bq).view(b, t, h, hd).transpose(1, 2)
         k = F.linear(scope.copy(key), wk, bk).view(b, s, h, hd).transpose(1, 2)
         v = F.linear(scope.copy(value), wv, bv).view(b, s, h, hd).transpose(1, 2)
@@ -125,7 +134,7 @@ class _ParallelMultiheadAttention:
         mask = None
         if attn_mask is not None:
             am = _float_mask(attn_mask, q.dtype)
-            mask = am.view(b, self._tpp_heads, t, s)[:, group.rank * h:(group.rank + 1) * h] if am.dim() == 3 \
+            mask = am.view(b, self._tpp_layer.heads, t, s)[:, group.rank * h:(group.rank + 1) * h] if am.dim() == 3 \
                 else am.view(1, 1, t, s)
         if key_padding_mask is not None:
             kp = _float_mask(key_padding_mask, q.dtype).view(b, 1, 1, s)
@@ -137,7 +146,7 @@ class _ParallelMultiheadAttention:
             attn = torch.softmax(scores + mask if mask is not None else scores, dim=-1)
             out = torch.matmul(F.dropout(attn, dropout, mha.training), v)
             if average_attn_weights:
-                weights = reduce_from_tp(attn.sum(dim=1), group) / self._tpp_heads
+                weights = reduce_from_tp(attn.sum(dim=1), group) / self._tpp_layer.heads
             else:
                 weights = gather_from_tp(attn.transpose(1, -1), group).transpose(1, -1)
         else:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import fnmatch
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence
 
 from torch import nn
 
@@ -216,9 +216,10 @@ def _vocab(model: nn.Module, claimed: set[str], tp: int, plan: TPPlan) -> None:
         claimed.update({e_name, h_name})
 
 
-def detect(model: nn.Module, tp: int, *, check: bool = True) -> TPPlan:
+def detect(model: nn.Module, tp: int, *, check: bool = True, remote: Collection[str] = ()) -> TPPlan:
     """The automatic plan for ``model`` at tensor-parallel size ``tp`` (empty when ``tp == 1``).
 
+    ``remote``: modules another pipeline stage holds (this rank has stand-ins); no block contains one.
     ``check=False`` leaves the divisibility check (:func:`check_divisible`) to the caller, who may first lay a
     ``tp_plan`` over the result (e.g. replicate the block that does not divide)."""
     plan = TPPlan()
@@ -226,9 +227,9 @@ def detect(model: nn.Module, tp: int, *, check: bool = True) -> TPPlan:
         return plan
     claimed: set[str] = set()
     modules = dict(model.named_modules())
-    # modules holding a stand-in for another pipeline stage's module (the stand-in and its ancestors)
-    spanning = {".".join(parts[:i]) for n, m in modules.items() if getattr(m, "_tpp_remote", False)
-                for parts in [n.split(".") if n else []] for i in range(len(parts) + 1)}
+    # modules another pipeline stage holds (``remote``), and their ancestors: no block may span stages
+    spanning = {".".join(parts[:i]) for n in remote for parts in [n.split(".") if n else []]
+                for i in range(len(parts) + 1)}
     for fqn, module in reversed(list(modules.items())):  # children before parents
         if any(fqn.startswith(b + ".") for b, info in plan.blocks.items() if info.kind == "mha"):
             continue
@@ -284,7 +285,7 @@ def hf_plan(model: nn.Module) -> dict[str, str]:
 
 
 def overlay(model: nn.Module, plan: TPPlan, overrides: Mapping[str, str], *, source: str, strict: bool,
-            whole_model: Optional[Sequence[str]] = None) -> None:
+            whole_model: Optional[Sequence[str]] = None, remote: Collection[str] = ()) -> None:
     """Lay ``overrides`` (module-name glob -> style) over ``plan`` in place.
 
     ``strict`` (user plans): unknown styles and globs that match nothing raise. Hugging Face plans use styles we do not
@@ -299,7 +300,7 @@ def overlay(model: nn.Module, plan: TPPlan, overrides: Mapping[str, str], *, sou
             raise TensorParallelConfigError(f"{source} entry {pattern!r} matches no module; module names look like "
                                             f"{[n for n in names if n][:5]}")
         for name in modules:
-            if fnmatch.fnmatchcase(name, pattern) and not getattr(modules[name], "_tpp_remote", False):
+            if fnmatch.fnmatchcase(name, pattern) and name not in remote:
                 style = raw if strict else _HF_STYLES.get(raw)  # (a module held by another stage is skipped)
                 if style == "rowwise" and isinstance(modules[name], nn.Embedding):
                     style = "vocab"

@@ -2,33 +2,27 @@
 
 from __future__ import annotations
 
-import math
-
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 from torch import nn
 
+from lightning_tpp.core.params import ShardIndex
+from lightning_tpp.core.swap import original_class
 from lightning_tpp.tensor_parallel.plan import TPPlan
 
 
-def full_numel(p: nn.Parameter) -> int:
-    """Elements of the parameter in the single-device model (a shard counts for the whole tensor)."""
-    shape = getattr(p, "_tpp_full_shape", None)
-    return math.prod(shape) if shape is not None else p.numel()
-
-
-def format_plan(model: nn.Module, plan: TPPlan, tp: int) -> str:
+def format_plan(model: nn.Module, plan: TPPlan, tp: int, shards: ShardIndex) -> str:
     """A table: every parallelised module, its style and parameters per rank vs in total; then the totals."""
     modules = dict(model.named_modules())
     rows = [("module", "type", "style", "params/rank", "params total")]
     for name, style in plan.styles.items():
         m = modules[name]
         own = list(m.parameters(recurse=style == "mha"))
-        rows.append((name, getattr(m, "_tpp_orig_class", type(m)).__name__,
+        rows.append((name, original_class(m).__name__,
                      style, get_human_readable_count(sum(p.numel() for p in own)),
-                     get_human_readable_count(sum(full_numel(p) for p in own))))
+                     get_human_readable_count(sum(shards.full_numel(p) for p in own))))
     params = list(model.parameters())
-    local, total = sum(p.numel() for p in params), sum(full_numel(p) for p in params)
-    sharded = sum(1 for p in params if hasattr(p, "_tpp_spec"))
+    local, total = sum(p.numel() for p in params), sum(shards.full_numel(p) for p in params)
+    sharded = sum(1 for p in params if p in shards)
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = [f"Tensor-parallel plan (tp={tp}): {len(plan.blocks)} blocks, {sharded} of {len(params)} parameter "
              f"tensors sharded, the rest replicated"]

@@ -13,6 +13,7 @@ from lightning_tpp import CheckpointMismatchError
 from lightning_tpp.checkpoint.state import load_full_state_dict
 from lightning_tpp.checkpoint.safe_load import load_or_explain
 from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.core.params import ShardIndex
 from models import LitLM
 
 
@@ -62,9 +63,9 @@ def test_checkpoint_of_another_model_lists_the_names() -> None:
     llama, gpt = LitLM("llama"), LitLM("nanogpt")
     with pytest.raises(CheckpointMismatchError, match=r"checkpoint does not match the model: missing: \['model\.lm_head"
                                                       r"\.weight', .*unexpected: \['model\.layers\.0\.attention"):
-        load_full_state_dict(gpt, llama.state_dict(), TPGroup(None, 0, 1))
+        load_full_state_dict(gpt, llama.state_dict(), TPGroup(None, 0, 1), ShardIndex())
     state = gpt.state_dict()
     state["model.lm_head.weight"] = torch.zeros(3, 3)
     with pytest.raises(CheckpointMismatchError, match=r"shape mismatch: \['model\.lm_head\.weight: checkpoint \(3, 3\)"
                                                       r" vs model \(64, 32\)'\]"):
-        load_full_state_dict(gpt, state, TPGroup(None, 0, 1))
+        load_full_state_dict(gpt, state, TPGroup(None, 0, 1), ShardIndex())

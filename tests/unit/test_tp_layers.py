@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from lightning_tpp.core.swap import parallel_class, swap_class
+from lightning_tpp.core.swap import original_class, parallel_class, swap_class
 from lightning_tpp.tensor_parallel.layers import (
     _ColumnParallel,
     _ParallelMultiheadAttention,
@@ -43,7 +43,7 @@ def test_swap_keeps_isinstance_and_object() -> None:
     assert type(lin).__name__ == "ColumnParallel[Linear]"
     assert lin.weight is weight
     assert (lin.in_features, lin.out_features) == (4, 6)
-    assert lin._tpp_orig_class is nn.Linear
+    assert original_class(lin) is nn.Linear
 
 
 @pytest.mark.parametrize(("make", "mixin"), [(lambda: nn.Linear(4, 6), _ColumnParallel),
@@ -58,7 +58,7 @@ def test_swap_keeps_state_dict(make, mixin: type) -> None:
     after = module.state_dict()
     assert list(after) == list(before)
     assert all(torch.equal(after[k], before[k]) for k in before)
-    assert "_tpp_orig_class" not in after
+    assert not any(k.startswith("_tpp_") for k in after)
     # parameters keep their names too (optimizers and checkpoints see the same model)
     assert [n for n, _ in module.named_parameters()] == list(dict(make().named_parameters()))
 
@@ -77,7 +77,7 @@ def test_swap_twice_remembers_original() -> None:
     lin = nn.Linear(4, 4)
     swap_class(lin, _ColumnParallel)
     swap_class(lin, _RowParallel)
-    assert lin._tpp_orig_class is nn.Linear
+    assert original_class(lin) is nn.Linear
     assert type(lin) is parallel_class(_RowParallel, parallel_class(_ColumnParallel, nn.Linear))
     assert isinstance(lin, nn.Linear)
 
@@ -89,7 +89,7 @@ def test_swap_subclass_of_linear() -> None:
     lin = MyLinear(3, 5)
     swap_class(lin, _ColumnParallel)
     assert isinstance(lin, MyLinear) and isinstance(lin, nn.Linear)
-    assert lin._tpp_orig_class is MyLinear
+    assert original_class(lin) is MyLinear
 
 
 def test_linear_dims_linear() -> None:

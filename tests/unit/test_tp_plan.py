@@ -446,9 +446,7 @@ def test_gated_mlp_beside_an_attention_child_is_an_mlp() -> None:
 
 
 class _Elsewhere(nn.Module):
-    """What a pipeline stage holds in place of another stage's module."""
-
-    _tpp_remote = True
+    """What a pipeline stage holds in place of another stage's module (named in ``remote=``)."""
 
 
 def test_plans_skip_modules_held_by_other_pipeline_stages() -> None:
@@ -457,10 +455,12 @@ def test_plans_skip_modules_held_by_other_pipeline_stages() -> None:
     model = TinyLlama()
     whole = [n for n, _ in model.named_modules()]
     model.layers[1], model.output = _Elsewhere(), _Elsewhere()
-    plan = detect(model, 2)
+    remote = {"layers.1", "output"}
+    plan = detect(model, 2, remote=remote)
     assert plan.blocks and all(not b.startswith("layers.1") for b in plan.blocks)
-    overlay(model, plan, {"layers.1.attention": "replicate"}, source="tp_plan", strict=True, whole_model=whole)
-    overlay(model, plan, {"output": "colwise_gather"}, source="Hugging Face tp plan", strict=False)
+    overlay(model, plan, {"layers.1.attention": "replicate"}, source="tp_plan", strict=True, whole_model=whole,
+            remote=remote)
+    overlay(model, plan, {"output": "colwise_gather"}, source="Hugging Face tp plan", strict=False, remote=remote)
     assert "output" not in plan.styles
     with pytest.raises(TensorParallelConfigError, match="'layers.9.attention' matches no module"):
         overlay(model, plan, {"layers.9.attention": "replicate"}, source="tp_plan", strict=True, whole_model=whole)
@@ -470,7 +470,7 @@ def test_a_block_containing_another_stages_module_stays_replicated() -> None:
     mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
     assert detect(nn.Sequential(nn.Linear(8, 8), mlp), 2).blocks
     mlp[0] = _Elsewhere()
-    assert not detect(nn.Sequential(nn.Linear(8, 8), mlp), 2).blocks
+    assert not detect(nn.Sequential(nn.Linear(8, 8), mlp), 2, remote={"1.0"}).blocks
 
 
 def test_an_output_projection_registered_first_is_not_read_as_an_mlp() -> None:
