@@ -44,7 +44,7 @@ collect_rng_states = _collect_rng_states
 set_rng_states = _set_rng_states
 StrategyRegistryType = _StrategyRegistry  # the type of ``lightning.pytorch.strategies.StrategyRegistry`` (a hint)
 
-# --- lightning.pytorch launchers (a Strategy's ``_configure_launcher`` sets ``self._launcher`` to one of them) ---------
+# --- lightning.pytorch launchers (a Strategy's ``_configure_launcher`` sets ``self._launcher`` to one of them) -------
 SubprocessScriptLauncher = _SubprocessScriptLauncher
 
 # --- torch ----------------------------------------------------------------------------------------------------------

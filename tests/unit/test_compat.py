@@ -3,8 +3,11 @@ moves one fails here, by name, instead of silently changing behaviour."""
 
 from __future__ import annotations
 
+import ast
 import inspect
+from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch import Trainer
 
@@ -189,4 +192,44 @@ def test_precision_plugin_is_assigned_through_the_strategy_property() -> None:
     assert "self.strategy.precision_plugin = self.precision_plugin" in inspect.getsource(_AcceleratorConnector)
     assert _params(Precision.clip_grad_by_norm) == ["self", "optimizer", "clip_val"]
     assert "self.clip_grad_by_norm(optimizer, clip_val)" in inspect.getsource(Precision.clip_gradients)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# nothing else imports a private name
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_tpp"
+LIBRARIES = ("torch", "lightning", "torchmetrics")
+
+
+def _private_imports(path: Path) -> list[str]:
+    """Imports of a ``_``-prefixed name, or from a ``._``-prefixed module, of torch, lightning or torchmetrics."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] not in LIBRARIES:
+                continue
+            names = [a.name for a in node.names if a.name.startswith("_")]
+            if any(part.startswith("_") for part in node.module.split(".")) or names:
+                out.append(f"line {node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                if parts[0] in LIBRARIES and any(p.startswith("_") for p in parts):
+                    out.append(f"line {node.lineno}: import {a.name}")
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(p for p in PACKAGE.rglob("*.py") if p.name != "_compat.py"),
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_private_names_come_through_compat(path: Path) -> None:
+    found = _private_imports(path)
+    assert not found, f"{path.relative_to(PACKAGE)} imports private names; wrap them in lightning_tpp/_compat.py: " \
+                      f"{found}"
+
+
+def test_the_private_import_checker_sees_them(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("from torch.utils._pytree import tree_map\nfrom lightning.fabric.utilities import _x\n"
+                   "def f():\n    import torch._utils\n    from torchmetrics.metric import Metric\n")
+    assert [line.split(":")[0] for line in _private_imports(bad)] == ["line 1", "line 2", "line 4"]
 

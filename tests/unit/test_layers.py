@@ -3,7 +3,7 @@ the peer subpackages never import each other. Documented in docs/architecture.md
 
     5  lightning_tpp/__init__.py, __main__.py        the public names, the command line
     4  strategy.py                                   Lightning glue: orders the steps
-    3  integration/                                  Lightning extension points (checkpoint hooks, summary)
+    3  integration/                                  Lightning extension points (checkpoint hooks, precision, summary, launcher)
     2  tensor_parallel/  pipeline/  checkpoint/  reliability/     peers: none imports another
     1  core/                                         mesh, shards, collectives, parameter names, class swaps
     0  _compat.py                                    private Lightning/torch names, wrapped once
