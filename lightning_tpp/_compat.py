@@ -1,12 +1,107 @@
 """Private Lightning and torch names that lightning_tpp relies on, each wrapped once here; ``tests/unit/test_compat.py``
-fails loudly when an upgrade moves one of them."""
+fails loudly when an upgrade moves one of them. No other module imports a ``_``-prefixed name from lightning, torch or
+torchmetrics (also checked there). Why each is kept: see docs/architecture.md, "Lightning integration"."""
 
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
+import torch.distributed as dist
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Trainer
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.serialization import _get_layout
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+__all__ = [
+    "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType", "SubprocessScriptLauncher",
+    "SummaryCallbackAdapter", "all_gather_ddp_if_available", "collect_rng_states", "dcp_metadata_path",
+    "default_store", "distributed_is_initialized", "flatten_dense_tensors", "get_layout", "init_dist_connection",
+    "optimizer_to_device", "optimizers_to_device", "requested_weights_only", "set_rank_zero", "set_rng_states",
+    "sync_ddp_if_available", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_dense_tensors",
+]
+
+# --- lightning.fabric: the process group, collectives, optimizer state and RNG states (what DDPStrategy uses) ---------
+init_dist_connection = _init_dist_connection
+sync_ddp_if_available = _sync_ddp_if_available
+all_gather_ddp_if_available = _all_gather_ddp_if_available
+distributed_is_initialized = _distributed_is_initialized
+optimizer_to_device = _optimizer_to_device
+optimizers_to_device = _optimizers_to_device
+collect_rng_states = _collect_rng_states
+set_rng_states = _set_rng_states
+StrategyRegistryType = _StrategyRegistry  # the type of ``lightning.pytorch.strategies.StrategyRegistry`` (a hint)
+
+# --- lightning.pytorch launchers (a Strategy's ``_configure_launcher`` sets ``self._launcher`` to one of them) -------
+SubprocessScriptLauncher = _SubprocessScriptLauncher
+
+# --- torch ----------------------------------------------------------------------------------------------------------
+flatten_dense_tensors = _flatten_dense_tensors
+unflatten_dense_tensors = _unflatten_dense_tensors
+StorageInfo = _StorageInfo  # a class pickled into DCP's ``.metadata``: the safe unpickler must admit it
+get_layout = _get_layout  # ``torch.serialization._get_layout``: pickled into DCP metadata (name -> torch.layout)
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (no public accessor in torch)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def dcp_metadata_path(reader: Any, rank: Optional[int]) -> Any:
+    """Where a ``FileSystemReader`` reads its ``.metadata`` from."""
+    return reader._get_metadata_path(rank)
+
+
+def set_rank_zero(rank: int) -> None:
+    """Lightning's own pattern (DDPStrategy._set_world_ranks): ``rank_zero_only`` reads this class attribute."""
+    rank_zero_only.rank = rank
+
+
+class MultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher with its two private hooks under names of ours.
+
+    ``run_worker`` is what a worker process runs (``_wrapping_function``); ``collect_rank_zero_results`` is called
+    on every rank after the trainer function returned, and builds what goes back to the main process."""
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        self.run_worker(*args, **kwargs)
+
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        return self.collect_rank_zero_results(trainer, results)
+
+    def run_worker(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+
+    def collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        return super()._collect_rank_zero_results(trainer, results)
+
+
+class SummaryCallbackAdapter:
+    """Mixin for a ``ModelSummary``/``RichModelSummary`` callback: Lightning's ``on_fit_start`` builds its summary in
+    the private ``_summary(trainer, pl_module)`` and reads the depth from ``_max_depth``; a subclass overrides
+    ``build_summary`` and reads ``summary_max_depth`` instead."""
+
+    def _summary(self, trainer: Any, pl_module: Any) -> Any:
+        return self.build_summary(trainer, pl_module)
+
+    def build_summary(self, trainer: Any, pl_module: Any) -> Any:
+        return super()._summary(trainer, pl_module)  # type: ignore[misc]
+
+    @property
+    def summary_max_depth(self) -> int:
+        return self._max_depth  # type: ignore[attr-defined]
 
 
 def requested_weights_only(depth: int = 40) -> Optional[bool]:

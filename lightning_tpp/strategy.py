@@ -23,32 +23,32 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE
-from lightning.fabric.utilities.distributed import (
-    _all_gather_ddp_if_available,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_tpp._compat import (
+    StrategyRegistryType,
+    all_gather_ddp_if_available,
+    default_store,
+    distributed_is_initialized,
+    init_dist_connection,
+    optimizers_to_device,
+    set_rank_zero,
+    sync_ddp_if_available,
+)
 from lightning_tpp.checkpoint.state import check_state_layout
-from lightning_tpp.core.params import ParamNames
+from lightning_tpp.core.params import ParamNames, ShardIndex
 from lightning_tpp.core.comm import TPGroup
-from lightning_tpp.integration.checkpointing import CheckpointMixin
+from lightning_tpp.integration.checkpointing import CheckpointMixin, torch_optimizer
+from lightning_tpp.integration.launchers import make_launcher
+from lightning_tpp.integration.precision import with_global_norm
 from lightning_tpp.reliability.preflight import check_agreement, model_structure
 from lightning_tpp.reliability.watch import FailureWatch, NonFiniteLossError
 from lightning_tpp.core.grads import average_gradients, broadcast_module, clip_by_global_norm
@@ -57,7 +57,7 @@ from lightning_tpp.pipeline.build import finish_stages, format_partition, prepar
 from lightning_tpp.pipeline.engine import PipelineEngine, captured_logs
 from lightning_tpp.pipeline.schedule import SCHEDULES
 from lightning_tpp.pipeline.schedule import check as check_schedule
-from lightning_tpp.integration.summary import ShardedModelSummary
+from lightning_tpp.integration.summary import count_whole_model
 from lightning_tpp.tensor_parallel.report import format_plan
 from lightning_tpp.tensor_parallel.apply import apply_plan
 from lightning_tpp.tensor_parallel.plan import TPPlan, check_divisible, detect, hf_plan, overlay
@@ -69,29 +69,6 @@ def _destroy_process_group_at_exit() -> None:
     """Destroy the process group before the interpreter tears down: gloo's threads otherwise may abort the process
     ("terminate called without an active exception") after all work is done. Registered once per process."""
     atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
-
-
-class _WholeWeightsLauncher(_MultiProcessingLauncher):
-    """spawn/fork launcher that hands whole tensors (not rank 0's shards) back to the main process's model, and
-    destroys the process group when a worker is done (its process ends with ``os._exit``, skipping atexit)."""
-
-    @override
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            super()._wrapping_function(*args, **kwargs)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-    @override
-    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Any:
-        module = trainer.lightning_module
-        full = self._strategy.whole_model_state()  # collective: every rank runs this method
-        module.state_dict = lambda *args, **kwargs: full  # type: ignore[method-assign]
-        try:
-            return super()._collect_rank_zero_results(trainer, results)
-        finally:
-            del module.state_dict
 
 
 class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
@@ -271,28 +248,21 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         return self._process_group_backend
 
     @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        method = self._start_method
-        if method == "auto":
-            method = "fork" if _IS_INTERACTIVE else "popen"
-        if method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _WholeWeightsLauncher(self, start_method=method)
+    def _configure_launcher(self) -> None:  # Lightning's hook for a strategy's launcher (DDPStrategy overrides it too)
+        self._launcher = make_launcher(self, self._start_method)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
         self._set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device)
+        self._process_group_backend = self._process_group_backend or dist.Backend.default_device_backend_map.get(
+            self.root_device.type, "gloo")
         assert self.cluster_environment is not None
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         _destroy_process_group_at_exit()
         self._dims = resolve_dims(self.world_size, self._tp, self._pp, self._dp_arg)
         self._mesh = build_mesh(self._dims, self.root_device.type)
@@ -302,7 +272,7 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         self._pp_group = self._mesh.get_group("pp")
         if self._watch is None and self.world_size > 1:
             seconds = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-            self._watch = FailureWatch(dist.distributed_c10d._get_default_store(), self.global_rank, self.world_size,
+            self._watch = FailureWatch(default_store(), self.global_rank, self.world_size,
                                        timeout=min(seconds, 60.0))
             self._watch.start()
 
@@ -310,7 +280,7 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        set_rank_zero(self.global_rank)
 
     # ------------------------------------------------------------------------------------------------------------
     # model
@@ -339,7 +309,7 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self, module: nn.Module) -> ParallelState:
         check_agreement(self._fingerprint(module))
@@ -402,14 +372,34 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
                 m.process_group = self._dp_group
 
     def _patch_trainer(self, trainer: "pl.Trainer") -> None:
-        """Whole-model parameter counts in ModelSummary; global-norm gradient clipping."""
-        stages, shards = self.parallel_state.stages, self.parallel_state.shards
-        totals = (stages.total_params, stages.trainable_params) if stages else None
-        for cb in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(cb, ModelSummary):
-                cb._summary = lambda trainer, pl_module, cb=cb: ShardedModelSummary(
-                    pl_module, max_depth=cb._max_depth, totals=totals, shards=shards)
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        """Whole-model parameter counts in the user's ModelSummary callbacks (global-norm gradient clipping comes
+        with the precision plugin: see ``precision_plugin``)."""
+        count_whole_model(trainer.callbacks)  # type: ignore[attr-defined]
+
+    @property
+    def whole_model_totals(self) -> Optional[tuple[int, int]]:
+        """(all, trainable) parameters of the whole model under a pipeline (this rank holds one stage), else None:
+        the summary then counts the whole tensors of this rank's shards."""
+        stages = self._state.stages if self._state is not None else None
+        return (stages.total_params, stages.trainable_params) if stages is not None else None
+
+    @property
+    def parameter_shards(self) -> ShardIndex:
+        """Which parameters tensor parallelism cut, and how (empty before setup and at tp=1)."""
+        return self._state.shards if self._state is not None else ShardIndex()
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        """The Trainer's precision plugin, clipping gradients by the norm over every shard and stage
+        (:mod:`lightning_tpp.integration.precision`; bound to this strategy, also when a plugin is shared)."""
+        plugin = self._precision_plugin if self._precision_plugin is not None else Precision()
+        return with_global_norm(plugin, self._clip_grad_by_norm)
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        self._precision_plugin = with_global_norm(precision_plugin, self._clip_grad_by_norm)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         assert self.lightning_module is not None
@@ -536,7 +526,7 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
             return out
 
         out = super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
-        inner = getattr(optimizer, "_optimizer", optimizer)
+        inner = torch_optimizer(optimizer)
         if self.dims.tp > 1 and id(inner) not in self._checked_optimizers and self.lightning_module is not None:
             check_state_layout(inner, self._param_names.local(self.lightning_module), self.parallel_state.shards,
                                self.dims.tp)  # once: state exists now
@@ -559,7 +549,7 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
@@ -568,7 +558,7 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src)
@@ -584,17 +574,17 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
         """Reduce over data-parallel replicas (``self.log(sync_dist=True)`` lands here)."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, self._replica_group(group), reduce_op)
+            return sync_ddp_if_available(tensor, self._replica_group(group), reduce_op)
         return tensor
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         """Gather from every data-parallel replica: one entry per replica, not per process."""
-        return _all_gather_ddp_if_available(tensor, group=self._replica_group(group), sync_grads=sync_grads)
+        return all_gather_ddp_if_available(tensor, group=self._replica_group(group), sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return decision
         t = torch.tensor(int(decision), device=self.root_device)
         dist.all_reduce(t, op=ReduceOp.SUM)
@@ -633,6 +623,6 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="tensor x pipeline x data parallelism")
 

@@ -6,11 +6,13 @@ from typing import Any
 
 import torch
 
+from lightning_tpp._compat import collect_rng_states as _collect_rng_states
+from lightning_tpp._compat import set_rng_states as _set_rng_states
+
+
 def rng_state() -> dict[str, Any]:
     """This process's RNG states as plain Python values (bytes, ints): picklable for ``all_gather_object`` and
     accepted by ``weights_only`` loading."""
-    from lightning.fabric.utilities.seed import _collect_rng_states
-
     state = _collect_rng_states()
     out: dict[str, Any] = {"torch": bytes(state["torch"].numpy()), "python": state["python"]}
     if "numpy" in state:
@@ -22,8 +24,6 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    from lightning.fabric.utilities.seed import _set_rng_states
-
     restored: dict[str, Any] = {"torch": torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8),
                                 "python": state["python"]}
     if "numpy" in state:

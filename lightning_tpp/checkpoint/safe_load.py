@@ -24,7 +24,9 @@ from typing import Any, Optional
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from lightning_tpp._compat import StorageInfo as _StorageInfo
+from lightning_tpp._compat import dcp_metadata_path, get_layout
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -112,7 +114,7 @@ def _dcp_metadata_classes() -> dict[tuple[str, str], Any]:
                                            for n in names if hasattr(dcp_metadata, n)}
     allowed[(_StorageInfo.__module__, "_StorageInfo")] = _StorageInfo
     allowed[("torch", "Size")] = torch.Size
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # name -> torch.layout
+    allowed[("torch.serialization", "_get_layout")] = get_layout  # name -> torch.layout
     for cls in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath):
         allowed[("pathlib", cls.__name__)] = allowed[(cls.__module__, cls.__name__)] = cls
     return allowed
@@ -160,7 +162,7 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         if not self.weights_only:
             return super().read_metadata(*args, **kwargs)
-        path = self._get_metadata_path(kwargs.get("rank"))
+        path = dcp_metadata_path(self, kwargs.get("rank"))
         try:
             with self.fs.create_stream(path, "rb") as stream:
                 md = _MetadataUnpickler(stream, path).load()

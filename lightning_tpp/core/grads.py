@@ -17,7 +17,9 @@ from typing import Any, Container, Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_tpp._compat import flatten_dense_tensors as _flatten_dense_tensors
+from lightning_tpp._compat import unflatten_dense_tensors as _unflatten_dense_tensors
 
 _BUCKET_BYTES = 32 * 2**20
 

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
-from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_tpp._compat import requested_weights_only
+from lightning_tpp._compat import optimizer_to_device, requested_weights_only
 from lightning_tpp.checkpoint.dcp import (
     Layout,
     is_sharded_checkpoint,
@@ -34,6 +34,11 @@ from lightning_tpp.checkpoint.state import (
     merge_named,
     named_optimizer_state,
 )
+
+
+def torch_optimizer(optimizer: Any) -> Optimizer:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or ``optimizer`` itself)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 class CheckpointMixin:
@@ -94,7 +99,7 @@ class CheckpointMixin:
         assert self.lightning_module is not None
         if self._save_sharded:
             return {}
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = torch_optimizer(optimizer)
         named = named_optimizer_state(optimizer, self.lightning_module, self._param_names, self._tp_group,
                                       self.parallel_state.shards)
         if self._pp > 1:
@@ -108,10 +113,10 @@ class CheckpointMixin:
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None
         for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
-            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            optimizer = torch_optimizer(optimizer)
             load_indexed_optimizer_state(optimizer, self.lightning_module, state, self._param_names, self._tp_group,
                                          self.parallel_state.shards)
-            _optimizer_to_device(optimizer, self.root_device)
+            optimizer_to_device(optimizer, self.root_device)
 
     @override  # type: ignore[misc]
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
@@ -134,7 +139,7 @@ class CheckpointMixin:
 
     def _save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
         assert self.lightning_module is not None
-        module, optimizers = self.lightning_module, [getattr(o, "_optimizer", o) for o in self.optimizers]
+        module, optimizers = self.lightning_module, [torch_optimizer(o) for o in self.optimizers]
         groups = named_param_groups(optimizers, module, self._param_names)
         if self._pp > 1:  # every stage's parameter names in each group
             stages = self._gather_stages(groups)
@@ -159,7 +164,7 @@ class CheckpointMixin:
         if self._restored_sharded:
             assert self.lightning_module is not None
             return load_sharded(Path(path), self.lightning_module,
-                                [getattr(o, "_optimizer", o) for o in self.optimizers], self._param_names,
+                                [torch_optimizer(o) for o in self.optimizers], self._param_names,
                                 self._layout(), lambda p: self._load_file(p, weights_only),
                                 strict=self.lightning_module.strict_loading, weights_only=weights_only)
         return self._load_file(checkpoint_path, weights_only)

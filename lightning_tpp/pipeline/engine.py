@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from lightning_tpp._compat import tree_flatten, tree_map, tree_unflatten
 from lightning_tpp.pipeline.partition import Partition
 from lightning_tpp.pipeline.schedule import actions
 from lightning_tpp.pipeline.stage import Route, RunContext, StageOutput, StageRuntime, plan_routes, trace

@@ -26,8 +26,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from lightning_tpp._compat import tree_flatten, tree_map, tree_unflatten
 from lightning_tpp.core.swap import swap_class
 from lightning_tpp.core.walk import VERIFYING, tensors_in
 

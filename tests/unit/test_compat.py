@@ -3,10 +3,15 @@ moves one fails here, by name, instead of silently changing behaviour."""
 
 from __future__ import annotations
 
+import ast
 import inspect
+from pathlib import Path
 
+import pytest
+import torch
 from lightning.pytorch import Trainer
 
+from lightning_tpp import _compat
 from lightning_tpp._compat import requested_weights_only
 
 
@@ -26,3 +31,205 @@ def test_no_trainer_call_means_torchs_default() -> None:
         return requested_weights_only()
 
     assert _run() is None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# every name wrapped in lightning_tpp._compat: still there, with the parameters lightning_tpp passes
+
+
+def _params(fn: object) -> list[str]:
+    return list(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+
+
+def test_lightning_version_is_the_pinned_one() -> None:
+    """The private names below are checked against this minor version (pyproject: lightning>=2.6,<2.7)."""
+    import lightning
+
+    assert lightning.__version__.startswith("2.6."), lightning.__version__
+
+
+def test_fabric_distributed_helpers() -> None:
+    assert _params(_compat.init_dist_connection)[:2] == ["cluster_environment", "torch_distributed_backend"]
+    assert "kwargs" in _params(_compat.init_dist_connection)  # timeout=, device_id= are passed on
+    assert _params(_compat.sync_ddp_if_available) == ["result", "group", "reduce_op"]
+    assert _params(_compat.all_gather_ddp_if_available) == ["tensor", "group", "sync_grads"]
+    assert _params(_compat.distributed_is_initialized) == []
+    assert _compat.distributed_is_initialized() is False  # no process group in the unit tests
+
+
+def test_fabric_optimizer_helpers() -> None:
+    assert _params(_compat.optimizer_to_device) == ["optimizer", "device"]
+    assert _params(_compat.optimizers_to_device) == ["optimizers", "device"]
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.Adam([p])
+    p.grad = torch.ones(2)
+    opt.step()
+    _compat.optimizers_to_device([opt], "cpu")
+    assert opt.state[p]["exp_avg"].device.type == "cpu"
+
+
+def test_fabric_rng_states_round_trip() -> None:
+    state = _compat.collect_rng_states()
+    assert {"torch", "python"} <= set(state)  # lightning_tpp.checkpoint.rng reads these keys
+    a = torch.rand(3)
+    _compat.set_rng_states(state)
+    assert torch.equal(torch.rand(3), a)
+
+
+def test_strategy_registry_type() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert isinstance(StrategyRegistry, _compat.StrategyRegistryType)
+
+
+def test_rank_zero_only_reads_its_rank_attribute() -> None:
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    before = getattr(rank_zero_only, "rank", 0)
+    try:
+        _compat.set_rank_zero(1)
+        assert rank_zero_only(lambda: "ran")() is None  # rank 1 does not run it
+        _compat.set_rank_zero(0)
+        assert rank_zero_only(lambda: "ran")() == "ran"
+    finally:
+        rank_zero_only.rank = before
+
+
+def test_launchers() -> None:
+    from lightning.pytorch.strategies import DDPStrategy, Strategy
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+
+    assert _params(_compat.SubprocessScriptLauncher.__init__) == ["self", "cluster_environment", "num_processes",
+                                                                  "num_nodes"]
+    assert _params(_MultiProcessingLauncher.__init__) == ["self", "strategy", "start_method"]
+    assert _params(_MultiProcessingLauncher._wrapping_function)[:4] == ["self", "process_idx", "trainer", "function"]
+    assert _params(_MultiProcessingLauncher._collect_rank_zero_results) == ["self", "trainer", "results"]
+    # the worker hands rank 0's results back through _collect_rank_zero_results, which takes the weights from the
+    # module's state_dict() (WholeWeightsLauncher's state_dict post-hook puts the whole tensors there)
+    assert "self._collect_rank_zero_results(trainer, results)" in inspect.getsource(
+        _MultiProcessingLauncher._wrapping_function)
+    assert "trainer.lightning_module.state_dict()" in inspect.getsource(
+        _MultiProcessingLauncher._collect_rank_zero_results)
+    # a strategy chooses its launcher in _configure_launcher, setting _launcher (as DDPStrategy does)
+    assert _params(Strategy._configure_launcher) == ["self"]
+    assert "self._launcher = " in inspect.getsource(DDPStrategy._configure_launcher)
+    assert "return self._launcher" in inspect.getsource(Strategy.launcher.fget)
+
+
+def test_multiprocessing_launcher_adapter_routes_the_private_hooks() -> None:
+    calls = []
+
+    class Probe(_compat.MultiProcessingLauncher):
+        def run_worker(self, *args: object, **kwargs: object) -> None:
+            calls.append(("run_worker", args))
+
+        def collect_rank_zero_results(self, trainer: object, results: object) -> object:
+            calls.append(("collect", trainer, results))
+            return "out"
+
+    launcher = Probe.__new__(Probe)
+    launcher._wrapping_function(0, None)
+    assert launcher._collect_rank_zero_results("trainer", "results") == "out"
+    assert calls == [("run_worker", (0, None)), ("collect", "trainer", "results")]
+
+
+def test_model_summary_callback_private_factory() -> None:
+    from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+
+    for cls in (ModelSummary, RichModelSummary):
+        assert _params(cls._summary) == ["self", "trainer", "pl_module"]
+        assert cls(max_depth=3)._max_depth == 3  # SummaryCallbackAdapter.summary_max_depth
+    assert "self._summary(trainer, pl_module)" in inspect.getsource(ModelSummary.on_fit_start)
+
+
+def test_summary_adapter_routes_the_private_factory() -> None:
+    from lightning.pytorch.callbacks import ModelSummary
+
+    class Probe(_compat.SummaryCallbackAdapter, ModelSummary):
+        def build_summary(self, trainer: object, pl_module: object) -> object:
+            return ("built", self.summary_max_depth)
+
+    assert Probe(max_depth=2)._summary(None, None) == ("built", 2)
+
+
+def test_torch_flatten_dense_tensors_round_trip() -> None:
+    ts = [torch.arange(3.0), torch.ones(2, 2)]
+    flat = _compat.flatten_dense_tensors(ts)
+    assert flat.shape == (7,)
+    assert all(torch.equal(a, b) for a, b in zip(_compat.unflatten_dense_tensors(flat, ts), ts))
+
+
+def test_torch_pytree() -> None:
+    leaves, spec = _compat.tree_flatten({"a": (1, [2, 3])})
+    assert leaves == [1, 2, 3]
+    assert _compat.tree_unflatten([4, 5, 6], spec) == {"a": (4, [5, 6])}
+    assert _compat.tree_map(lambda x: x * 2, [1, (2,)]) == [2, (4,)]
+
+
+def test_torch_default_store_accessor() -> None:
+    import torch.distributed.distributed_c10d as c10d
+
+    assert _params(c10d._get_default_store) == []
+
+
+def test_torch_dcp_metadata_names() -> None:
+    import dataclasses
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    assert _compat.StorageInfo.__name__ == "_StorageInfo"  # pickled by this name into DCP metadata
+    assert "relative_path" in {f.name for f in dataclasses.fields(_compat.StorageInfo)}
+    assert _compat.get_layout("torch.strided") is torch.strided
+    assert _params(FileSystemReader._get_metadata_path) == ["self", "rank"]
+
+
+def test_precision_plugin_is_assigned_through_the_strategy_property() -> None:
+    """The connector hands the plugin to the strategy through the public ``precision_plugin`` setter, which
+    TensorPipeStrategy overrides (lightning_tpp.integration.precision)."""
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    assert "self.strategy.precision_plugin = self.precision_plugin" in inspect.getsource(_AcceleratorConnector)
+    assert _params(Precision.clip_grad_by_norm) == ["self", "optimizer", "clip_val"]
+    assert "self.clip_grad_by_norm(optimizer, clip_val)" in inspect.getsource(Precision.clip_gradients)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# nothing else imports a private name
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_tpp"
+LIBRARIES = ("torch", "lightning", "torchmetrics")
+
+
+def _private_imports(path: Path) -> list[str]:
+    """Imports of a ``_``-prefixed name, or from a ``._``-prefixed module, of torch, lightning or torchmetrics."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] not in LIBRARIES:
+                continue
+            names = [a.name for a in node.names if a.name.startswith("_")]
+            if any(part.startswith("_") for part in node.module.split(".")) or names:
+                out.append(f"line {node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                if parts[0] in LIBRARIES and any(p.startswith("_") for p in parts):
+                    out.append(f"line {node.lineno}: import {a.name}")
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(p for p in PACKAGE.rglob("*.py") if p.name != "_compat.py"),
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_private_names_come_through_compat(path: Path) -> None:
+    found = _private_imports(path)
+    assert not found, f"{path.relative_to(PACKAGE)} imports private names; wrap them in lightning_tpp/_compat.py: " \
+                      f"{found}"
+
+
+def test_the_private_import_checker_sees_them(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("from torch.utils._pytree import tree_map\nfrom lightning.fabric.utilities import _x\n"
+                   "def f():\n    import torch._utils\n    from torchmetrics.metric import Metric\n")
+    assert [line.split(":")[0] for line in _private_imports(bad)] == ["line 1", "line 2", "line 4"]
+

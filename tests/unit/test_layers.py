@@ -3,7 +3,7 @@ the peer subpackages never import each other. Documented in docs/architecture.md
 
     6  lightning_tpp/__init__.py, __main__.py        the public names, the command line
     5  strategy.py                                   Lightning glue: orders the steps
-    4  integration/                                  Lightning extension points (checkpoint hooks, summary)
+    4  integration/                                  Lightning extension points (checkpoint hooks, precision, summary, launcher)
     3  parallel_state.py                             ParallelState: what was decided for one model
     2  tensor_parallel/  pipeline/  checkpoint/  reliability/     peers: none imports another
     1  core/                                         mesh, shards, collectives, parameter names, class swaps

@@ -1,0 +1,45 @@
+"""Gradient clipping by the global norm, through the precision plugin the Trainer chose.
+
+Lightning clips in ``Precision.clip_grad_by_norm(optimizer, clip_val)`` (called from ``clip_gradients`` for automatic
+and manual optimization alike, after a GradScaler unscaled). Under tensor and pipeline parallelism the norm is global
+over tp and pp, so the strategy's ``precision_plugin`` setter (the public extension point FSDPStrategy overrides too)
+makes the plugin the connector assigns an instance of a subclass whose ``clip_grad_by_norm`` is the strategy's::
+
+    Trainer(precision="bf16-mixed")  ->  connector: strategy.precision_plugin = MixedPrecision(...)
+                                     ->  setter:    with_mixin(GlobalNormClipping, MixedPrecision)
+                                                    (still a MixedPrecision: autocast, scaler, dtypes unchanged)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, TypeVar, Union
+
+from lightning.pytorch.plugins.precision import Precision
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_tpp.integration.subclass import Swappable, swap_in
+
+Clip = Callable[[Optimizer, Union[int, float]], None]
+P = TypeVar("P", bound=Optional[Precision])
+
+
+class GlobalNormClipping(Swappable, Precision):
+    """Placed before the user's precision class: ``clip_grad_by_norm`` is the strategy's global-norm clip."""
+
+    global_norm_clip: Optional[Clip] = None
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        if self.global_norm_clip is None:
+            return super().clip_grad_by_norm(optimizer, clip_val)
+        self.global_norm_clip(optimizer, clip_val)
+
+
+def with_global_norm(plugin: P, clip: Clip) -> P:
+    """``plugin``, now clipping by ``clip`` (a plugin met again, by a second Trainer, only gets the new ``clip``)."""
+    if plugin is None:
+        return plugin
+    swap_in(plugin, GlobalNormClipping)
+    plugin.global_norm_clip = clip  # type: ignore[union-attr]
+    return plugin
