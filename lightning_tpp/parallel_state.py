@@ -15,8 +15,10 @@ tensor-parallel plan -> shards -> pipeline engine) and kept on the module, so th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence, Union
 
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,9 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.params import ParamNames, ShardIndex
-from lightning_tpp.pipeline.build import PreparedStages
+from lightning_tpp.pipeline.build import PreparedStages, finish_stages, format_partition, prepare_stages
 from lightning_tpp.pipeline.engine import PipelineEngine
-from lightning_tpp.tensor_parallel.plan import TPPlan
+from lightning_tpp.tensor_parallel import TPPlan, apply_plan, check_divisible, detect, format_plan, hf_plan, overlay
 
 _SLOT = "_tpp_state"  # the one attribute lightning_tpp keeps on the user's LightningModule
 
@@ -73,3 +75,54 @@ class ParallelState:
                 "this LightningModule was already parallelised by a TensorPipeStrategy with other arguments "
                 + ", ".join(f"{k}: {a} (then) vs {b} (now)" for k, (a, b) in differences.items())
                 + "; its layers are already cut that way. Use the same arguments, or build a fresh module")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The strategy arguments that decide how a model is cut and run."""
+
+    tp: int
+    pp: int
+    microbatches: int
+    schedule: Any
+    virtual_stages: int
+    balance: Union[str, Sequence[int]]
+    split_points: Optional[Sequence[str]]
+    blocks: Optional[Union[str, Sequence[str]]]
+    tp_plan: Union[str, Mapping[str, str]]
+    verify: bool
+
+
+def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, groups: ProcessGroups, *, rank: int,
+                device: torch.device, print_plan: bool) -> ParallelState:
+    """Cut ``module`` for this rank, in the one order everything depends on::
+
+        single-device names -> pipeline stages (this rank keeps its units; stand-ins for the others)
+          -> tensor-parallel plan (automatic, Hugging Face, the user's globs) -> apply (swap and shard)
+          -> finish the stages (dispatchers, tied weights, the engine)
+    """
+    state = ParallelState(dims, groups, ParamNames.of(module))  # names before stages drop modules
+    whole_model = [n for n, _ in module.named_modules()]
+    coords = dims.coords(rank)
+    if config.pp > 1:
+        state.stages = prepare_stages(module, dims=dims, pp_rank=coords["pp"], virtual=config.virtual_stages,
+                                      device=device, blocks=config.blocks, balance=config.balance,
+                                      split_points=config.split_points)
+    remote = state.stages.remote_names() if state.stages is not None else frozenset()
+    plan = detect(module, config.tp, check=False, remote=remote)
+    if config.tp > 1:
+        overlay(module, plan, hf_plan(module), source="Hugging Face tp plan", strict=False, remote=remote)
+        if isinstance(config.tp_plan, Mapping):
+            overlay(module, plan, config.tp_plan, source="tp_plan", strict=True, whole_model=whole_model,
+                    remote=remote)
+        check_divisible(plan, config.tp)
+        state.shards = apply_plan(module, plan, groups.tp, verify=config.verify)
+    state.plan = plan
+    if state.stages is not None:
+        state.engine = finish_stages(module, state.stages, dims=dims, coords=coords, virtual=config.virtual_stages,
+                                     schedule=config.schedule, microbatches=config.microbatches, pp_group=groups.pp)
+    if print_plan and config.tp > 1:
+        rank_zero_info(format_plan(module, plan, config.tp, state.shards))
+    if print_plan and state.stages is not None:
+        rank_zero_info(format_partition(state.stages.partition, dims.pp))
+    return state

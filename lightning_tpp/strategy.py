@@ -11,8 +11,6 @@ then Lightning clips (global norm over every shard) and steps.
 
 from __future__ import annotations
 
-import atexit
-import functools
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -23,55 +21,37 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
-from torch.distributed import ReduceOp
-from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_tpp._compat import (
-    StrategyRegistryType,
-    all_gather_ddp_if_available,
-    default_store,
-    distributed_is_initialized,
-    init_dist_connection,
-    optimizers_to_device,
-    set_rank_zero,
-    sync_ddp_if_available,
-)
+from lightning_tpp._compat import StrategyRegistryType, optimizers_to_device
 from lightning_tpp.checkpoint.state import check_state_layout
-from lightning_tpp.core.params import ParamNames, ShardIndex
 from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.core.grads import average_gradients, broadcast_module
+from lightning_tpp.core.mesh import MeshDims, resolve_dims
+from lightning_tpp.core.params import ParamNames, ShardIndex
 from lightning_tpp.integration.checkpointing import CheckpointMixin, torch_optimizer
+from lightning_tpp.integration.collectives import ReplicaCollectives
 from lightning_tpp.integration.launchers import make_launcher
-from lightning_tpp.integration.precision import with_global_norm
-from lightning_tpp.reliability.preflight import check_agreement, model_structure
-from lightning_tpp.reliability.watch import FailureWatch, NonFiniteLossError
-from lightning_tpp.core.grads import average_gradients, broadcast_module, clip_by_global_norm
-from lightning_tpp.core.mesh import MeshDims, build_mesh, resolve_dims
-from lightning_tpp.pipeline.build import finish_stages, format_partition, prepare_stages, replay_logs
-from lightning_tpp.pipeline.engine import PipelineEngine, captured_logs
+from lightning_tpp.integration.pipeline_steps import PipelineSteps
+from lightning_tpp.integration.precision import GlobalNormClippingStrategy
+from lightning_tpp.integration.summary import count_whole_model
+from lightning_tpp.integration.topology import MeshTopology
+from lightning_tpp.parallel_state import ParallelConfig, ParallelState, ProcessGroups, build_state
+from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.schedule import SCHEDULES
 from lightning_tpp.pipeline.schedule import check as check_schedule
-from lightning_tpp.integration.summary import count_whole_model
-from lightning_tpp.tensor_parallel.report import format_plan
-from lightning_tpp.tensor_parallel.apply import apply_plan
-from lightning_tpp.tensor_parallel.plan import TPPlan, check_divisible, detect, hf_plan, overlay
-from lightning_tpp.parallel_state import ParallelState, ProcessGroups
+from lightning_tpp.reliability.nonfinite import finite_everywhere
+from lightning_tpp.reliability.preflight import check_agreement, model_structure
+from lightning_tpp.reliability.watch import FailureWatch
+from lightning_tpp.tensor_parallel.plan import TPPlan
 
 
-@functools.lru_cache(maxsize=None)
-def _destroy_process_group_at_exit() -> None:
-    """Destroy the process group before the interpreter tears down: gloo's threads otherwise may abort the process
-    ("terminate called without an active exception") after all work is done. Registered once per process."""
-    atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
-
-
-class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
+class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrategy, ReplicaCollectives,
+                         MeshTopology, ParallelStrategy):
     """Tensor (``tp``), pipeline (``pp``) and data (``dp``) parallelism for an unmodified LightningModule.
 
     Args:
@@ -172,43 +152,6 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         self._dp_group: Any = None
         self._pp_group: Any = None
 
-    # ------------------------------------------------------------------------------------------------------------
-    # topology
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def is_distributed(self) -> bool:
-        return True
-
-    @property
-    def dims(self) -> MeshDims:
-        if self._dims is None:
-            raise RuntimeError("the mesh exists once the Trainer has set up the processes (setup_environment)")
-        return self._dims
-
-    @property
-    def device_mesh(self) -> Any:
-        """The ``("dp", "pp", "tp")`` DeviceMesh."""
-        self.dims  # noqa: B018 - raises before setup
-        return self._mesh
-
     @property
     def parallel_state(self) -> ParallelState:
         """What this strategy decided for the model: groups, names, plan, shards, stages (after setup)."""
@@ -229,58 +172,9 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
     def _param_names(self) -> ParamNames:
         return self.parallel_state.names
 
-    @property
-    def tp_group(self) -> TPGroup:
-        return self._tp_group
-
-    @property
-    def dp_group(self) -> Any:
-        return self._dp_group
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        coords = self.dims.coords(self.global_rank)
-        return {"num_replicas": self.dims.dp, "rank": coords["dp"]}
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
-
     @override
     def _configure_launcher(self) -> None:  # Lightning's hook for a strategy's launcher (DDPStrategy overrides it too)
         self._launcher = make_launcher(self, self._start_method)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self._set_world_ranks()
-        self._process_group_backend = self._process_group_backend or dist.Backend.default_device_backend_map.get(
-            self.root_device.type, "gloo")
-        assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        _destroy_process_group_at_exit()
-        self._dims = resolve_dims(self.world_size, self._tp, self._pp, self._dp_arg)
-        self._mesh = build_mesh(self._dims, self.root_device.type)
-        coords = self._dims.coords(self.global_rank)
-        self._tp_group = TPGroup(self._mesh.get_group("tp"), coords["tp"], self._dims.tp)
-        self._dp_group = self._mesh.get_group("dp")
-        self._pp_group = self._mesh.get_group("pp")
-        if self._watch is None and self.world_size > 1:
-            seconds = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-            self._watch = FailureWatch(default_store(), self.global_rank, self.world_size,
-                                       timeout=min(seconds, 60.0))
-            self._watch.start()
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        set_rank_zero(self.global_rank)
 
     # ------------------------------------------------------------------------------------------------------------
     # model
@@ -314,9 +208,6 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
     def _parallelize(self, module: nn.Module) -> ParallelState:
         check_agreement(self._fingerprint(module))
         broadcast_module(module, src=0)
-        state = ParallelState(self.dims, ProcessGroups(self._mesh, self._tp_group, self._pp_group, self._dp_group),
-                              ParamNames.of(module), config=self._config())  # names before stages drop modules
-        whole_model = [n for n, _ in module.named_modules()]
         if self._pp > 1:
             if not module.automatic_optimization:
                 raise ValueError("pipeline parallelism (pp>1) runs forward and backward inside the schedule and "
@@ -325,30 +216,12 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
                 raise ValueError("pipeline parallelism (pp>1) does not support a loss-scaling GradScaler "
                                  "(precision='16-mixed'): every stage would have to agree on each step's scale and "
                                  "skip decision. Use precision='bf16-mixed' (no scaler needed) or '32-true'")
-            coords = self.dims.coords(self.global_rank)
-            state.stages = prepare_stages(module, dims=self.dims, pp_rank=coords["pp"],
-                                            virtual=self.virtual_stages, device=self.root_device,
-                                            blocks=self._blocks, balance=self._balance,
-                                            split_points=self._split_points)
-        remote = state.stages.remote_names() if state.stages is not None else frozenset()
-        plan = detect(module, self._tp, check=False, remote=remote)
-        if self._tp > 1:
-            overlay(module, plan, hf_plan(module), source="Hugging Face tp plan", strict=False, remote=remote)
-            if isinstance(self._tp_plan_arg, Mapping):
-                overlay(module, plan, self._tp_plan_arg, source="tp_plan", strict=True, whole_model=whole_model,
-                        remote=remote)
-            check_divisible(plan, self._tp)
-            state.shards = apply_plan(module, plan, self._tp_group, verify=self._verify)
-        state.plan = plan
-        if state.stages is not None:
-            coords = self.dims.coords(self.global_rank)
-            state.engine = finish_stages(module, state.stages, dims=self.dims, coords=coords,
-                                         virtual=self.virtual_stages, schedule=self.schedule,
-                                         microbatches=self.microbatches, pp_group=self._pp_group)
-        if self._print_plan and self._tp > 1:
-            rank_zero_info(format_plan(module, plan, self._tp, state.shards))
-        if self._print_plan and state.stages is not None:
-            rank_zero_info(format_partition(state.stages.partition, self.dims.pp))
+        config = ParallelConfig(self._tp, self._pp, self.microbatches, self.schedule, self.virtual_stages,
+                                self._balance, self._split_points, self._blocks, self._tp_plan_arg, self._verify)
+        groups = ProcessGroups(self._mesh, self._tp_group, self._pp_group, self._dp_group)
+        state = build_state(module, config, self.dims, groups, rank=self.global_rank, device=self.root_device,
+                            print_plan=self._print_plan)
+        state.config = self._config()
         return state
 
     def _config(self) -> dict[str, str]:
@@ -388,27 +261,6 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         """Which parameters tensor parallelism cut, and how (empty before setup and at tp=1)."""
         return self._state.shards if self._state is not None else ShardIndex()
 
-    @property
-    @override
-    def precision_plugin(self) -> Precision:
-        """The Trainer's precision plugin, clipping gradients by the norm over every shard and stage
-        (:mod:`lightning_tpp.integration.precision`; bound to this strategy, also when a plugin is shared)."""
-        plugin = self._precision_plugin if self._precision_plugin is not None else Precision()
-        return with_global_norm(plugin, self._clip_grad_by_norm)
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
-        self._precision_plugin = with_global_norm(precision_plugin, self._clip_grad_by_norm)
-
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        assert self.lightning_module is not None
-        params = [p for p in self.precision_plugin.main_params(optimizer)]
-        elsewhere = {id(p) for p in self.parallel_state.counted_elsewhere(self.lightning_module)}
-        clip_by_global_norm([p for p in params if id(p) not in elsewhere], float(clip_val),
-                            sharded=self.parallel_state.shards, tp_rank=self._tp_group.rank,
-                            groups=[self._tp_group.group, self._pp_group], apply_to=params)
-
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -436,86 +288,9 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         return out
 
     def _finite_everywhere(self, loss: Tensor) -> bool:
-        """One decision for all ranks about a NaN/inf loss (``on_nonfinite``)."""
-        bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0], device=self.root_device)
-        # the ranks of one replica hold the same loss (tp computes it replicated, pp broadcasts it): ask only the
-        # other replicas, and nobody when there are none (no synchronisation point added to the step)
-        coords = self.dims.coords(self.global_rank)
-        replicas = [self.dims.rank_of(dp=d, pp=coords["pp"], tp=coords["tp"]) for d in range(self.dims.dp)]
-        flags = [bad]
-        if self.dims.dp > 1:
-            flags = [torch.zeros_like(bad) for _ in replicas]
-            dist.all_gather(flags, bad, group=self._dp_group)
-        ranks = [r for r, f in zip(replicas, flags) if f.item()]
-        if not ranks:
-            return True
         step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
-        message = f"non-finite loss at step {step} on ranks {ranks} (on_nonfinite={self._on_nonfinite!r})"
-        if self._on_nonfinite == "raise":
-            raise NonFiniteLossError(f"{message}; pass on_nonfinite='skip' to skip such steps, or lower the learning "
-                                     f"rate / enable gradient clipping")
-        rank_zero_warn(message + ("; skipping the step on every rank" if self._on_nonfinite == "skip" else ""))
-        return self._on_nonfinite == "warn"
-
-    def _pipeline_training_step(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        assert module is not None and module.trainer is not None
-
-        def step(micro: Any) -> Any:
-            with self.precision_plugin.train_step_context():
-                return module.training_step(micro, *args[1:], **kwargs)
-
-        with captured_logs(module) as logs:
-            loss = self._engine.train_step(step, args[0], loss_scale=1.0 / module.trainer.accumulate_grad_batches)
-        replay_logs(self._engine, module, logs)
-        return loss
-
-    def _pipeline_eval(self, hook: str, context: Any, *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        assert module is not None and self._engine is not None
-
-        def step(batch: Any) -> Any:
-            with context():
-                return getattr(module, hook)(batch, *args[1:], **kwargs)
-
-        with captured_logs(module) as logs:
-            out = self._engine.eval_step(step, args[0], hook)
-        replay_logs(self._engine, module, logs)
-        return out
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._engine is None:
-            return super().validation_step(*args, **kwargs)
-        return self._pipeline_eval("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._engine is None:
-            return super().test_step(*args, **kwargs)
-        return self._pipeline_eval("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._engine is None:
-            return super().predict_step(*args, **kwargs)
-        return self._pipeline_eval("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        """Under a pipeline the schedule already ran backward inside ``training_step``: run the hooks and restore
-        the parked gradients instead of differentiating the (detached) step loss."""
-        if self._engine is None and not self._skip_backward:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        assert self.lightning_module is not None
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        if self._engine is not None and not self._skip_backward:
-            self._engine.restore_grads()
-        self._skip_backward = False
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
+        return finite_everywhere(loss, dims=self.dims, rank=self.global_rank, dp_group=self._dp_group,
+                                 policy=self._on_nonfinite, step=step)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -545,50 +320,7 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         average_gradients(params, self._dp_group)
 
     # ------------------------------------------------------------------------------------------------------------
-    # collectives used by Lightning (self.log(sync_dist=True), all_gather, early stopping, checkpoint paths)
-
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if not distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    def _replica_group(self, group: Optional[Any]) -> Any:
-        """The world (Lightning's default) means "every replica": tp/pp ranks of one replica hold the same values,
-        they are not more samples. An explicitly chosen sub-group is kept."""
-        return self._dp_group if group is None or group is dist.group.WORLD else group
-
-    @override
-    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
-               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
-        """Reduce over data-parallel replicas (``self.log(sync_dist=True)`` lands here)."""
-        if isinstance(tensor, Tensor):
-            return sync_ddp_if_available(tensor, self._replica_group(group), reduce_op)
-        return tensor
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        """Gather from every data-parallel replica: one entry per replica, not per process."""
-        return all_gather_ddp_if_available(tensor, group=self._replica_group(group), sync_grads=sync_grads)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        if not distributed_is_initialized():
-            return decision
-        t = torch.tensor(int(decision), device=self.root_device)
-        dist.all_reduce(t, op=ReduceOp.SUM)
-        return bool(t == self.world_size) if all else bool(t)
+    # failures
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -12,12 +12,13 @@ makes the plugin the connector assigns an instance of a subclass whose ``clip_gr
 
 from __future__ import annotations
 
-from typing import Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_tpp.core.grads import clip_by_global_norm
 from lightning_tpp.integration.subclass import Swappable, swap_in
 
 Clip = Callable[[Optimizer, Union[int, float]], None]
@@ -43,3 +44,36 @@ def with_global_norm(plugin: P, clip: Clip) -> P:
     swap_in(plugin, GlobalNormClipping)
     plugin.global_norm_clip = clip  # type: ignore[union-attr]
     return plugin
+
+
+class GlobalNormClippingStrategy:
+    """Strategy mixin: the precision plugin the Trainer assigns clips by the global norm (over tp and pp; a tied
+    weight counted once, on its lowest stage). Expects ``lightning_module``, ``parallel_state``, ``_tp_group`` and
+    ``_pp_group``."""
+
+    _precision_plugin: Optional[Precision]
+    lightning_module: Any
+    parallel_state: Any
+    _tp_group: Any
+    _pp_group: Any
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        """The Trainer's precision plugin, clipping gradients by the norm over every shard and stage
+        (:mod:`lightning_tpp.integration.precision`; bound to this strategy, also when a plugin is shared)."""
+        plugin = self._precision_plugin if self._precision_plugin is not None else Precision()
+        return with_global_norm(plugin, self._clip_grad_by_norm)
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        self._precision_plugin = with_global_norm(precision_plugin, self._clip_grad_by_norm)
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        assert self.lightning_module is not None
+        params = [p for p in self.precision_plugin.main_params(optimizer)]
+        elsewhere = {id(p) for p in self.parallel_state.counted_elsewhere(self.lightning_module)}
+        clip_by_global_norm([p for p in params if id(p) not in elsewhere], float(clip_val),
+                            sharded=self.parallel_state.shards, tp_rank=self._tp_group.rank,
+                            groups=[self._tp_group.group, self._pp_group], apply_to=params)

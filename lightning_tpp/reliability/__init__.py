@@ -2,6 +2,8 @@
 ranks agree before the first step (``preflight``)."""
 
 from lightning_tpp.reliability.preflight import RankDisagreementError, check_agreement, model_structure
-from lightning_tpp.reliability.watch import FailureWatch, NonFiniteLossError
+from lightning_tpp.reliability.nonfinite import NonFiniteLossError, finite_everywhere
+from lightning_tpp.reliability.watch import FailureWatch
 
-__all__ = ["FailureWatch", "NonFiniteLossError", "RankDisagreementError", "check_agreement", "model_structure"]
+__all__ = ["FailureWatch", "NonFiniteLossError", "RankDisagreementError", "check_agreement", "finite_everywhere",
+           "model_structure"]

@@ -116,9 +116,3 @@ class FailureWatch:
                 failures += 1
                 if failures * self.interval > min(self.timeout, 10.0):
                     self._die(f"lost the rendezvous store hosted by rank 0 ({err}): rank 0 was killed or lost")
-
-
-class NonFiniteLossError(FloatingPointError):
-    """A NaN or infinite loss (raised on every rank at once)."""
-
-

@@ -1,0 +1,85 @@
+"""Lightning's step hooks under a pipeline: ``training_step`` runs the schedule (forward and backward of every
+micro-batch, the user's own ``training_step`` on the last stage), ``validation/test/predict_step`` run it forward
+only, and ``backward`` then only restores the gradients the schedule parked (Lightning zeroes gradients after the
+step inside its closure). ``self.log`` inside the schedule is captured and replayed once, on every rank."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_tpp.pipeline.build import replay_logs
+from lightning_tpp.pipeline.engine import PipelineEngine, captured_logs
+
+
+class PipelineSteps:
+    """Strategy mixin. Expects ``lightning_module``, ``precision_plugin``, ``_engine`` (None without a pipeline) and
+    ``_skip_backward`` (a step skipped everywhere for a non-finite loss)."""
+
+    lightning_module: Any
+    precision_plugin: Any
+    _engine: Optional[PipelineEngine]
+    _skip_backward: bool
+
+    def _pipeline_training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None and module.trainer is not None
+
+        def step(micro: Any) -> Any:
+            with self.precision_plugin.train_step_context():
+                return module.training_step(micro, *args[1:], **kwargs)
+
+        with captured_logs(module) as logs:
+            loss = self._engine.train_step(step, args[0], loss_scale=1.0 / module.trainer.accumulate_grad_batches)
+        replay_logs(self._engine, module, logs)
+        return loss
+
+    def _pipeline_eval(self, hook: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None and self._engine is not None
+
+        def step(batch: Any) -> Any:
+            with context():
+                return getattr(module, hook)(batch, *args[1:], **kwargs)
+
+        with captured_logs(module) as logs:
+            out = self._engine.eval_step(step, args[0], hook)
+        replay_logs(self._engine, module, logs)
+        return out
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._engine is None:
+            return super().validation_step(*args, **kwargs)
+        return self._pipeline_eval("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._engine is None:
+            return super().test_step(*args, **kwargs)
+        return self._pipeline_eval("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._engine is None:
+            return super().predict_step(*args, **kwargs)
+        return self._pipeline_eval("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Under a pipeline the schedule already ran backward inside ``training_step``: run the hooks and restore
+        the parked gradients instead of differentiating the (detached) step loss."""
+        if self._engine is None and not self._skip_backward:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        if self._engine is not None and not self._skip_backward:
+            self._engine.restore_grads()
+        self._skip_backward = False
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
