@@ -55,8 +55,8 @@ from lightning_tpp.core.grads import average_gradients, broadcast_module, clip_b
 from lightning_tpp.core.mesh import MeshDims, build_mesh, resolve_dims
 from lightning_tpp.pipeline.build import PreparedStages, finish_stages, format_partition, prepare_stages, replay_logs
 from lightning_tpp.pipeline.engine import PipelineEngine, captured_logs
-from lightning_tpp.pipeline.schedule import SCHEDULES
-from lightning_tpp.pipeline.schedule import check as check_schedule
+from lightning_tpp.pipeline.schedule import ScheduleLike, normalize as normalize_schedule, resolve as resolve_schedule
+from lightning_tpp.pipeline.schedule import validate as validate_schedule
 from lightning_tpp.integration.summary import ShardedModelSummary
 from lightning_tpp.tensor_parallel.report import format_plan
 from lightning_tpp.tensor_parallel.apply import apply_plan
@@ -102,7 +102,9 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         dp: data-parallel size, or ``"auto"`` for ``world_size // (tp * pp)``.
         microbatches: micro-batches per step for the pipeline (default ``2 * pp``).
         schedule: pipeline schedule, one of ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble"``,
-            ``"zb-drain"`` (see ``docs/pipeline.md``: zero-bubble splits every backward, zb-drain a few).
+            ``"zb-drain"`` (see ``docs/pipeline.md``: zero-bubble splits every backward, zb-drain a few), a name added
+            with ``register_schedule``, a ``Schedule``, one list per rank of ``(kind, microbatch, chunk)`` actions,
+            or ``torch.distributed.pipelining``'s ``ScheduleGPipe``/``Schedule1F1B``/``ScheduleInterleaved1F1B``.
         virtual_stages: model chunks per pipeline rank (``"interleaved-1f1b"`` needs 2 or more).
         balance: ``"params"`` (balance stages by parameter count), ``"time"`` (by measured block time on the
             module's ``example_input_array``), or blocks per stage, e.g. ``[3, 5]``.
@@ -134,7 +136,7 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
         dp: Union[int, Literal["auto"]] = "auto",
         *,
         microbatches: Optional[int] = None,
-        schedule: str = "1f1b",
+        schedule: ScheduleLike = "1f1b",
         virtual_stages: int = 1,
         balance: Union[Literal["params", "time"], list[int]] = "params",
         split_points: Optional[list[str]] = None,
@@ -157,18 +159,18 @@ class TensorPipeStrategy(CheckpointMixin, ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         resolve_dims(tp * pp * (dp if isinstance(dp, int) else 1), tp, pp, dp)  # argument types and ranges
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+        schedule = normalize_schedule(schedule)  # a registered name, else a Schedule (same repr on every rank)
         if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
             raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
         if tp_plan != "auto" and not isinstance(tp_plan, Mapping):
             raise TypeError(f"tp_plan must be 'auto' or a mapping of module globs to styles, got {tp_plan!r}")
         self._tp, self._pp, self._dp_arg = tp, pp, dp
-        self.microbatches = microbatches if microbatches is not None else 2 * pp
+        fixed = resolve_schedule(schedule).fixed  # action lists are written for one micro-batch count
+        self.microbatches = microbatches if microbatches is not None else fixed[1] if fixed else 2 * pp
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         if pp > 1:
-            check_schedule(schedule, pp, self.microbatches, virtual_stages)
+            validate_schedule(schedule, pp, self.microbatches, virtual_stages)
         if isinstance(balance, str) and balance not in ("params", "time"):
             raise ValueError(f"balance={balance!r} must be 'params', 'time' or a list of blocks per stage")
         self._balance, self._split_points, self._blocks = balance, split_points, blocks

@@ -6,10 +6,11 @@ from lightning_tpp.pipeline.build import PreparedStages, finish_stages, format_p
     prepare_stages
 from lightning_tpp.pipeline.engine import PipelineEngine, PipelineError
 from lightning_tpp.pipeline.partition import Partition, PipelinePartitionError, plan_partition
-from lightning_tpp.pipeline.schedule import SCHEDULES, ScheduleConfigError, actions, simulate, theoretical_bubble
+from lightning_tpp.pipeline.schedule import SCHEDULES, Schedule, ScheduleConfigError, actions, register_schedule, \
+    simulate, theoretical_bubble
 from lightning_tpp.pipeline.stage import PipelineTraceError
 
 __all__ = ["SCHEDULES", "Partition", "PipelineEngine", "PipelineError", "PipelinePartitionError",
-           "PipelineTraceError", "PreparedStages", "ScheduleConfigError", "actions", "finish_stages",
-           "format_partition", "measure_block_costs", "plan_partition", "prepare_stages", "simulate",
+           "PipelineTraceError", "PreparedStages", "Schedule", "ScheduleConfigError", "actions", "finish_stages",
+           "format_partition", "measure_block_costs", "plan_partition", "prepare_stages", "register_schedule", "simulate",
            "theoretical_bubble"]
