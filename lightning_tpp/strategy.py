@@ -53,8 +53,9 @@ from lightning_tpp.reliability.preflight import check_agreement, model_structure
 from lightning_tpp.reliability.watch import FailureWatch, NonFiniteLossError
 from lightning_tpp.core.grads import average_gradients, broadcast_module, clip_by_global_norm
 from lightning_tpp.core.mesh import MeshDims, build_mesh, resolve_dims
-from lightning_tpp.pipeline.build import PreparedStages, finish_stages, format_partition, prepare_stages, replay_logs
-from lightning_tpp.pipeline.engine import PipelineEngine, captured_logs
+from lightning_tpp.pipeline.build import PreparedStages, finish_stages, format_partition, prepare_stages
+from lightning_tpp.pipeline.engine import PipelineEngine
+from lightning_tpp.pipeline.logging import captured_logs, replay_logs
 from lightning_tpp.pipeline.schedule import ScheduleLike, normalize as normalize_schedule, resolve as resolve_schedule
 from lightning_tpp.pipeline.schedule import validate as validate_schedule
 from lightning_tpp.integration.summary import ShardedModelSummary
