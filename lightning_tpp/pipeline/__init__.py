@@ -1,6 +1,7 @@
 """Pipeline parallelism: cut the block sequence into stages (``partition``), keep this rank's units and trace which
-values cross stages (``stage``, ``build``), order micro-batches (``schedule``, ``wgrad`` for split backwards) and run
-them (``engine``)."""
+values cross stages (``stage``, ``build``), order micro-batches (``schedule``, a registry; ``schedule_input`` for the
+user's own lists and torch's classes; ``wgrad`` for split backwards) and run them (``engine``, a facade over
+``executor``, ``transport`` and ``parking``; ``logging`` carries ``self.log`` across stages)."""
 
 from lightning_tpp.pipeline.build import PreparedStages, finish_stages, format_partition, measure_block_costs, \
     prepare_stages
@@ -12,5 +13,5 @@ from lightning_tpp.pipeline.stage import PipelineTraceError
 
 __all__ = ["SCHEDULES", "Partition", "PipelineEngine", "PipelineError", "PipelinePartitionError",
            "PipelineTraceError", "PreparedStages", "Schedule", "ScheduleConfigError", "actions", "finish_stages",
-           "format_partition", "measure_block_costs", "plan_partition", "prepare_stages", "register_schedule", "simulate",
-           "theoretical_bubble"]
+           "format_partition", "measure_block_costs", "plan_partition", "prepare_stages", "register_schedule",
+           "simulate", "theoretical_bubble"]

@@ -269,8 +269,8 @@ class Simulation:
         return [1.0 - b / self.makespan for b in self.busy]
 
 
-def simulate(schedule: Union[str, Schedule], pp: int, microbatches: int, virtual: int = 1, *, f: float = 1.0, b: float = 2.0,
-             w_share: float = 0.5, split_cost: float = 0.0) -> Simulation:
+def simulate(schedule: Union[str, Schedule], pp: int, microbatches: int, virtual: int = 1, *, f: float = 1.0,
+             b: float = 2.0, w_share: float = 0.5, split_cost: float = 0.0) -> Simulation:
     """Run every rank's order with action costs ``f`` (forward) and ``b`` (backward; ``I`` and ``W`` take
     ``(1 - w_share) * b`` and ``w_share * b``, plus half of ``split_cost`` each: what splitting a backward costs
     beyond it) per stage chunk; raises ``ScheduleConfigError`` on a deadlock."""
