@@ -178,9 +178,10 @@ def _gpipe(rank: int, pp: int, m: int, v: int = 1) -> list[Action]:
     return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
 
 
-for _builtin in (Schedule("gpipe", _gpipe, min_microbatches=1), Schedule("1f1b", _one_f_one_b),
-                 Schedule("interleaved-1f1b", _interleaved, interleaved=True),
-                 Schedule("zero-bubble", _zero_bubble), Schedule("zb-drain", _zb_drain)):
+_BUILTINS = (Schedule("gpipe", _gpipe, min_microbatches=1), Schedule("1f1b", _one_f_one_b),
+             Schedule("interleaved-1f1b", _interleaved, interleaved=True),
+             Schedule("zero-bubble", _zero_bubble), Schedule("zb-drain", _zb_drain))
+for _builtin in _BUILTINS:
     register_schedule(_builtin)
 
 
@@ -224,9 +225,13 @@ def actions(schedule: Union[str, Schedule], rank: int, pp: int, microbatches: in
 
 def validate(schedule: Union[str, Schedule], pp: int, microbatches: int, virtual: int) -> None:
     """At construction: the layout fits, each rank's orders run every micro-batch and chunk once (``F``, then ``B``
-    or ``I`` then ``W``), and the ranks' orders together do not deadlock."""
+    or ``I`` then ``W``), and the ranks' orders together do not deadlock. The built-ins' orders are proven by the
+    unit tests, so only their layout is checked (simulating pp=32, m=256 takes seconds)."""
     check(schedule, pp, microbatches, virtual)
-    name = resolve(schedule).name
+    spec = resolve(schedule)
+    if any(spec is b for b in _BUILTINS):
+        return
+    name = spec.name
     for rank in range(pp):
         check_orders(name, rank, actions(schedule, rank, pp, microbatches, virtual), microbatches, virtual)
     simulate(schedule, pp, microbatches, virtual)
