@@ -42,8 +42,10 @@ from lightning_tpp.integration.summary import count_whole_model
 from lightning_tpp.integration.topology import MeshTopology
 from lightning_tpp.parallel_state import ParallelConfig, ParallelState, ProcessGroups, build_state
 from lightning_tpp.pipeline.engine import PipelineEngine
-from lightning_tpp.pipeline.schedule import SCHEDULES
-from lightning_tpp.pipeline.schedule import check as check_schedule
+from lightning_tpp.pipeline.schedule import ScheduleLike
+from lightning_tpp.pipeline.schedule import normalize as normalize_schedule
+from lightning_tpp.pipeline.schedule import resolve as resolve_schedule
+from lightning_tpp.pipeline.schedule import validate as validate_schedule
 from lightning_tpp.reliability.nonfinite import finite_everywhere
 from lightning_tpp.reliability.preflight import check_agreement, model_structure
 from lightning_tpp.reliability.watch import FailureWatch
@@ -60,7 +62,9 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         dp: data-parallel size, or ``"auto"`` for ``world_size // (tp * pp)``.
         microbatches: micro-batches per step for the pipeline (default ``2 * pp``).
         schedule: pipeline schedule, one of ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble"``,
-            ``"zb-drain"`` (see ``docs/pipeline.md``: zero-bubble splits every backward, zb-drain a few).
+            ``"zb-drain"`` (see ``docs/pipeline.md``: zero-bubble splits every backward, zb-drain a few), a name added
+            with ``register_schedule``, a ``Schedule``, one list per rank of ``(kind, microbatch, chunk)`` actions,
+            or ``torch.distributed.pipelining``'s ``ScheduleGPipe``/``Schedule1F1B``/``ScheduleInterleaved1F1B``.
         virtual_stages: model chunks per pipeline rank (``"interleaved-1f1b"`` needs 2 or more).
         balance: ``"params"`` (balance stages by parameter count), ``"time"`` (by measured block time on the
             module's ``example_input_array``), or blocks per stage, e.g. ``[3, 5]``.
@@ -92,7 +96,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         dp: Union[int, Literal["auto"]] = "auto",
         *,
         microbatches: Optional[int] = None,
-        schedule: str = "1f1b",
+        schedule: ScheduleLike = "1f1b",
         virtual_stages: int = 1,
         balance: Union[Literal["params", "time"], list[int]] = "params",
         split_points: Optional[list[str]] = None,
@@ -115,18 +119,18 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         resolve_dims(tp * pp * (dp if isinstance(dp, int) else 1), tp, pp, dp)  # argument types and ranges
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+        schedule = normalize_schedule(schedule)  # a registered name, else a Schedule (same repr on every rank)
         if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
             raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
         if tp_plan != "auto" and not isinstance(tp_plan, Mapping):
             raise TypeError(f"tp_plan must be 'auto' or a mapping of module globs to styles, got {tp_plan!r}")
         self._tp, self._pp, self._dp_arg = tp, pp, dp
-        self.microbatches = microbatches if microbatches is not None else 2 * pp
+        fixed = resolve_schedule(schedule).fixed  # action lists are written for one micro-batch count
+        self.microbatches = microbatches if microbatches is not None else fixed[1] if fixed else 2 * pp
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         if pp > 1:
-            check_schedule(schedule, pp, self.microbatches, virtual_stages)
+            validate_schedule(schedule, pp, self.microbatches, virtual_stages)
         if isinstance(balance, str) and balance not in ("params", "time"):
             raise ValueError(f"balance={balance!r} must be 'params', 'time' or a list of blocks per stage")
         self._balance, self._split_points, self._blocks = balance, split_points, blocks

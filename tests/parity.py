@@ -135,7 +135,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--schedule", default="1f1b")  # a name, or "lists:NAME" for NAME's orders as action lists
     parser.add_argument("--microbatches", type=int, default=None)
     parser.add_argument("--virtual", type=int, default=1)
     parser.add_argument("--blocks", default=None)
@@ -153,8 +153,14 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     from lightning_tpp import TensorPipeStrategy
 
     rank = int(os.environ["LOCAL_RANK"])
+    schedule = args.schedule
+    if schedule.startswith("lists:"):  # a user's per-rank action lists, copied from a built-in schedule's
+        from lightning_tpp.pipeline.schedule import actions
+
+        m = args.microbatches or 2 * args.pp
+        schedule = [actions(schedule[len("lists:"):], r, args.pp, m, args.virtual) for r in range(args.pp)]
     for name in args.models.split(","):
-        strategy = TensorPipeStrategy(tp=args.tp, pp=args.pp, schedule=args.schedule, microbatches=args.microbatches,
+        strategy = TensorPipeStrategy(tp=args.tp, pp=args.pp, schedule=schedule, microbatches=args.microbatches,
                                       virtual_stages=args.virtual, blocks=args.blocks, print_plan=rank == 0 and name == "nanogpt")
         record = train(name, strategy=strategy, devices=args.tp * args.dp * args.pp, dp=args.dp, steps=args.steps, batch_size=args.batch_size,
                        accumulate=args.accumulate, clip=args.clip, precision=args.precision,

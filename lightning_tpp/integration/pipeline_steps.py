@@ -11,8 +11,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_tpp.pipeline.build import replay_logs
-from lightning_tpp.pipeline.engine import PipelineEngine, captured_logs
+from lightning_tpp.pipeline.engine import PipelineEngine
+from lightning_tpp.pipeline.logging import captured_logs, replay_logs
 
 
 class PipelineSteps:

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_tpp._compat import tree_flatten
 from lightning_tpp.core.mesh import MeshDims
-from lightning_tpp.pipeline.engine import PipelineEngine, PipelineError, load_metric_state, metric_state
+from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.partition import (
     Partition,
     PipelinePartitionError,
@@ -104,7 +105,7 @@ def measure_block_costs(module: nn.Module, members: Sequence[Sequence[str]], exa
     try:
         for _ in range(repeats):
             out = module(*example) if isinstance(example, (tuple, list)) else module(example)
-            loss = sum(t.float().sum() for t in torch.utils._pytree.tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+            loss = sum(t.float().sum() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
                        and t.requires_grad)
             if isinstance(loss, torch.Tensor):
                 loss.backward()
@@ -222,50 +223,3 @@ def format_partition(partition: Partition, pp: int) -> str:
                      f"{' + ' + ', '.join(extra) if extra else ''}")
     return "\n".join(lines)
 
-
-def _reduce(values: list[Any], reduce_fx: Any) -> float:
-    t = torch.stack([torch.as_tensor(v).detach().float().reshape(()).cpu() for v in values])
-    name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "mean")
-    if name in ("sum", "add"):
-        return float(t.sum())
-    if name in ("max", "amax"):
-        return float(t.max())
-    if name in ("min", "amin"):
-        return float(t.min())
-    return float(t.mean())
-
-
-def replay_logs(engine: PipelineEngine, module: Any, entries: list[tuple[str, Any, dict]]) -> None:
-    """Log on every rank what the last stage's step logged: one value per name and step (micro-batch values are
-    reduced with the call's ``reduce_fx``). A torchmetrics object's state is copied from the last stage into the
-    same metric on the other stages, which then log it themselves, so every rank computes the same values."""
-    from torchmetrics import Metric
-
-    payload = None
-    if engine.holds_last:
-        by_name: dict[str, tuple[list[Any], dict]] = {}
-        for name, value, kwargs in entries:
-            values, _ = by_name.get(name, ([], kwargs))
-            by_name[name] = (values + [value], kwargs)
-        names = {id(m): n for n, m in module.named_modules()}
-        payload = []
-        for name, (values, kwargs) in by_name.items():
-            last = values[-1]
-            kwargs = {k: v for k, v in kwargs.items() if k != "sync_dist_group"}
-            if isinstance(last, Metric):
-                if id(last) not in names:
-                    raise PipelineError(f"self.log({name!r}, metric): under pipeline parallelism the metric must be "
-                                        f"an attribute of the LightningModule")
-                payload.append((name, names[id(last)], metric_state(last), kwargs))
-            else:
-                payload.append((name, None, _reduce(values, kwargs.get("reduce_fx", "mean")), kwargs))
-    box = [payload]
-    dist.broadcast_object_list(box, src=engine.last_rank, group=engine.group)
-    for name, metric_name, value, kwargs in box[0] or []:
-        if metric_name is not None:
-            metric = module.get_submodule(metric_name)
-            if not engine.holds_last:
-                load_metric_state(metric, value, engine.runtime.device)
-            module.log(name, metric, **kwargs)
-        else:
-            module.log(name, torch.tensor(value, device=engine.runtime.device), **kwargs)

@@ -7,41 +7,111 @@ input gradient only, ``W`` weight gradient only (zero-bubble and zb-drain split 
     1F1B, pp=4, m=8, rank 0:  F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7
                     rank 3:  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7
 
-:func:`simulate` runs the orders with given action costs (sends asynchronous, receives blocking, as the engine does)
-and reports each rank's idle fraction, or the deadlock if the orders have one.
+A :class:`Schedule` names a function producing those lists plus the micro-batch constraints it relies on;
+:data:`SCHEDULES` is the registry of named ones (the five built-ins, and any added with :func:`register_schedule`).
+:func:`resolve` also turns a user's explicit per-rank action lists and ``torch.distributed.pipelining`` schedule
+classes into a ``Schedule`` (``schedule_input``), and :func:`validate` checks one before any process runs: every
+micro-batch forwarded once and backwarded once, and :func:`simulate` (sends asynchronous, receives blocking, as the
+engine does) finding no deadlock; it also reports each rank's idle fraction.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Literal, Optional, Sequence, Union
 
 Action = tuple[str, int, int]
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-drain")
+Orders = Callable[[int, int, int, int], Sequence[Action]]  # (rank, pp, microbatches, virtual) -> that rank's actions
 
 
 class ScheduleConfigError(ValueError):
     """Micro-batch count, stage count and schedule do not fit together."""
 
 
-def check(schedule: str, pp: int, microbatches: int, virtual: int) -> None:
-    if microbatches < 1:
-        raise ScheduleConfigError(f"microbatches={microbatches} must be at least 1")
-    if schedule in SCHEDULES and schedule != "gpipe" and microbatches < pp:  # the others keep pp in flight
-        raise ScheduleConfigError(
-            f"schedule={schedule!r} needs microbatches >= pp: got microbatches={microbatches}, pp={pp}. "
-            f"Use microbatches={2 * pp} (bubble (p-1)/(m+p-1) = {(pp - 1) / (3 * pp - 1):.0%}) or schedule='gpipe'")
-    if schedule == "interleaved-1f1b":
-        if virtual < 2:
-            raise ScheduleConfigError(f"schedule='interleaved-1f1b' needs virtual_stages >= 2, got {virtual}")
-        if microbatches % pp:
-            raise ScheduleConfigError(f"schedule='interleaved-1f1b' needs microbatches divisible by pp={pp}, got "
-                                      f"{microbatches}; use {((microbatches + pp - 1) // pp) * pp}")
-    elif virtual != 1:
-        raise ScheduleConfigError(f"virtual_stages={virtual} needs schedule='interleaved-1f1b', not {schedule!r}")
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule: ``orders(rank, pp, microbatches, virtual)`` gives a rank's actions, and the fields say
+    which layouts the orders are written for, so that :meth:`check` refuses a bad one at construction rather than a
+    hang at the first step.
+
+    Args:
+        name: the name ranks and messages use (the registry key once registered).
+        orders: a rank's ordered ``(kind, microbatch, chunk)`` actions; stage of a chunk = ``chunk * pp + rank``.
+        min_microbatches: ``"pp"`` if the orders keep ``pp`` micro-batches in flight (1F1B and its kin), else ``1``.
+        interleaved: orders for ``virtual_stages >= 2`` chunks per rank with ``microbatches`` divisible by ``pp``
+            (Megatron's grouping); ``False``: one chunk per rank.
+        fixed: ``(pp, microbatches, virtual_stages)`` that explicit action lists were written for.
+        key: what identifies ``orders`` in ``repr`` (ranks compare reprs to agree on the configuration); default
+            the function's qualified name.
+    """
+
+    name: str
+    orders: Orders
+    min_microbatches: Literal[1, "pp"] = "pp"
+    interleaved: bool = False
+    fixed: Optional[tuple[int, int, int]] = None
+    key: str = ""
+
+    def __repr__(self) -> str:
+        key = self.key or f"{getattr(self.orders, '__module__', '')}.{getattr(self.orders, '__qualname__', '')}"
+        return (f"Schedule(name={self.name!r}, orders={key}, min_microbatches={self.min_microbatches!r}, "
+                f"interleaved={self.interleaved}, fixed={self.fixed})")
+
+    def check(self, pp: int, microbatches: int, virtual: int) -> None:
+        """Refuse a layout the orders are not written for, with the values and a fix."""
+        if microbatches < 1:
+            raise ScheduleConfigError(f"microbatches={microbatches} must be at least 1")
+        if self.fixed is not None:
+            return self._check_fixed(pp, microbatches, virtual)
+        if self.min_microbatches == "pp" and microbatches < pp:
+            raise ScheduleConfigError(
+                f"schedule={self.name!r} needs microbatches >= pp: got microbatches={microbatches}, pp={pp}. "
+                f"Use microbatches={2 * pp} (bubble (p-1)/(m+p-1) = {(pp - 1) / (3 * pp - 1):.0%}) or "
+                f"schedule='gpipe'")
+        if self.interleaved:
+            if virtual < 2:
+                raise ScheduleConfigError(f"schedule={self.name!r} needs virtual_stages >= 2, got {virtual}")
+            if microbatches % pp:
+                raise ScheduleConfigError(f"schedule={self.name!r} needs microbatches divisible by pp={pp}, got "
+                                          f"{microbatches}; use {((microbatches + pp - 1) // pp) * pp}")
+        elif virtual != 1:
+            raise ScheduleConfigError(f"virtual_stages={virtual} needs schedule='interleaved-1f1b', not {self.name!r}")
+
+    def _check_fixed(self, pp: int, microbatches: int, virtual: int) -> None:
+        assert self.fixed is not None
+        got = {"pp": pp, "microbatches": microbatches, "virtual_stages": virtual}
+        wrong = [f"{k}={got[k]}" for k, want in zip(got, self.fixed) if got[k] != want]
+        if wrong:
+            fpp, fm, fv = self.fixed
+            raise ScheduleConfigError(
+                f"schedule {self.name!r} is action lists for pp={fpp}, microbatches={fm}, virtual_stages={fv} "
+                f"(one list per rank; micro-batches and chunks counted from the actions), but got {', '.join(wrong)}; "
+                f"pass pp={fpp}, microbatches={fm}, virtual_stages={fv}, or write lists for this layout")
+
+    def actions(self, rank: int, pp: int, microbatches: int, virtual: int = 1) -> list[Action]:
+        self.check(pp, microbatches, virtual)
+        return list(self.orders(rank, pp, microbatches, virtual))
 
 
-def _one_f_one_b(rank: int, pp: int, m: int) -> list[Action]:
+ScheduleLike = Union[str, Schedule, Sequence[Sequence[Action]], type]  # what TensorPipeStrategy(schedule=) takes
+SCHEDULES: dict[str, Schedule] = {}
+
+
+def register_schedule(schedule: Schedule, *, replace: bool = False) -> Schedule:
+    """Add ``schedule`` to :data:`SCHEDULES` under its name, so that ``TensorPipeStrategy(schedule=name)`` finds it.
+    Register it in every process (at import time of the training script) before building the strategy."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"register_schedule takes a Schedule, got {type(schedule).__name__}: {schedule!r}; "
+                        f"wrap the function: register_schedule(Schedule('my-schedule', orders))")
+    if schedule.name in SCHEDULES and SCHEDULES[schedule.name] != schedule and not replace:
+        raise ScheduleConfigError(f"a schedule named {schedule.name!r} is already registered "
+                                  f"({SCHEDULES[schedule.name]!r}); choose another name or pass replace=True")
+    SCHEDULES[schedule.name] = schedule
+    return schedule
+
+
+def _one_f_one_b(rank: int, pp: int, m: int, v: int = 1) -> list[Action]:
     warmup = min(pp - rank - 1, m)
     order: list[Action] = [("F", i, 0) for i in range(warmup)]
     for i in range(m - warmup):
@@ -49,7 +119,7 @@ def _one_f_one_b(rank: int, pp: int, m: int) -> list[Action]:
     return order + [("B", i, 0) for i in range(m - warmup, m)]
 
 
-def _zero_bubble(rank: int, pp: int, m: int) -> list[Action]:
+def _zero_bubble(rank: int, pp: int, m: int, v: int = 1) -> list[Action]:
     """ZB-H1-style: 1F1B with each backward split into ``I`` (input gradient, sent upstream at once) and ``W``
     (weight gradient), ``W`` deferred by ``rank`` backward steps. Later stages put off the most weight work, so the
     input gradients the earlier stages wait for arrive sooner, and the deferred ``W`` fill the cool-down. With
@@ -69,7 +139,7 @@ def _zero_bubble(rank: int, pp: int, m: int) -> list[Action]:
     return order + [("W", mb, 0) for mb in done_i[max(len(done_i) - lag, 0):]]
 
 
-def _zb_drain(rank: int, pp: int, m: int) -> list[Action]:
+def _zb_drain(rank: int, pp: int, m: int, v: int = 1) -> list[Action]:
     """1F1B in which rank ``r > 0`` splits only the backward of its first ``r`` micro-batches and of its last one,
     and runs those ``W`` in the drain, where 1F1B idles::
 
@@ -104,20 +174,93 @@ def _interleaved(rank: int, pp: int, m: int, v: int) -> list[Action]:
     return order + [("B", *ident(k, True)) for k in range(total - warmup, total)]
 
 
-def actions(schedule: str, rank: int, pp: int, microbatches: int, virtual: int = 1) -> list[Action]:
+def _gpipe(rank: int, pp: int, m: int, v: int = 1) -> list[Action]:
+    return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
+
+
+_BUILTINS = (Schedule("gpipe", _gpipe, min_microbatches=1), Schedule("1f1b", _one_f_one_b),
+             Schedule("interleaved-1f1b", _interleaved, interleaved=True),
+             Schedule("zero-bubble", _zero_bubble), Schedule("zb-drain", _zb_drain))
+for _builtin in _BUILTINS:
+    register_schedule(_builtin)
+
+
+def resolve(schedule: ScheduleLike) -> Schedule:
+    """The :class:`Schedule` for a registered name, a ``Schedule``, explicit per-rank action lists or a
+    ``torch.distributed.pipelining`` schedule class."""
+    if isinstance(schedule, Schedule):
+        return schedule
+    if isinstance(schedule, str):
+        if schedule not in SCHEDULES:
+            raise ScheduleConfigError(
+                f"unknown schedule {schedule!r}: schedule={schedule!r} is not one of {tuple(SCHEDULES)}; pass one "
+                f"of those, add yours with register_schedule(Schedule(name, orders)), or pass a Schedule, per-rank "
+                f"action lists or a torch.distributed.pipelining schedule class")
+        return SCHEDULES[schedule]
+    from lightning_tpp.pipeline.schedule_input import from_actions, from_torch
+
+    if isinstance(schedule, type):
+        return from_torch(schedule)
+    if isinstance(schedule, Sequence):
+        return from_actions(schedule)
+    raise TypeError(f"schedule must be a registered name {tuple(SCHEDULES)}, a Schedule, per-rank action lists or a "
+                    f"torch.distributed.pipelining schedule class, got {type(schedule).__name__}: {schedule!r}")
+
+
+def normalize(schedule: ScheduleLike) -> Union[str, Schedule]:
+    """What a strategy keeps: the name of a registered schedule (as before the registry), else the ``Schedule``;
+    either has the same ``repr`` on every rank (ranks compare their configurations)."""
+    spec = resolve(schedule)
+    return spec.name if SCHEDULES.get(spec.name) is spec else spec
+
+
+def check(schedule: Union[str, Schedule], pp: int, microbatches: int, virtual: int) -> None:
+    resolve(schedule).check(pp, microbatches, virtual)
+
+
+def actions(schedule: Union[str, Schedule], rank: int, pp: int, microbatches: int, virtual: int = 1) -> list[Action]:
     """The ordered actions of ``rank``."""
+    return resolve(schedule).actions(rank, pp, microbatches, virtual)
+
+
+def validate(schedule: Union[str, Schedule], pp: int, microbatches: int, virtual: int) -> None:
+    """At construction: the layout fits, each rank's orders run every micro-batch and chunk once (``F``, then ``B``
+    or ``I`` then ``W``), and the ranks' orders together do not deadlock. The built-ins' orders are proven by the
+    unit tests, so only their layout is checked (simulating pp=32, m=256 takes seconds)."""
     check(schedule, pp, microbatches, virtual)
-    if schedule == "gpipe":
-        return [("F", i, 0) for i in range(microbatches)] + [("B", i, 0) for i in range(microbatches)]
-    if schedule == "1f1b":
-        return _one_f_one_b(rank, pp, microbatches)
-    if schedule == "zero-bubble":
-        return _zero_bubble(rank, pp, microbatches)
-    if schedule == "zb-drain":
-        return _zb_drain(rank, pp, microbatches)
-    if schedule == "interleaved-1f1b":
-        return _interleaved(rank, pp, microbatches, virtual)
-    raise ScheduleConfigError(f"unknown schedule {schedule!r}")
+    spec = resolve(schedule)
+    if any(spec is b for b in _BUILTINS):
+        return
+    name = spec.name
+    for rank in range(pp):
+        check_orders(name, rank, actions(schedule, rank, pp, microbatches, virtual), microbatches, virtual)
+    simulate(schedule, pp, microbatches, virtual)
+
+
+def check_orders(name: str, rank: int, order: Sequence[Action], microbatches: int, virtual: int) -> None:
+    """One rank's actions are complete and in dependency order on that rank."""
+    where = f"schedule {name!r}, rank {rank}"
+    for action in order:
+        if action[0] not in "FBIW" or not (0 <= action[1] < microbatches and 0 <= action[2] < virtual):
+            raise ScheduleConfigError(f"{where}: action {action!r} is outside microbatches={microbatches}, "
+                                      f"virtual_stages={virtual} (kinds 'F', 'B', 'I', 'W')")
+    counts = Counter(order)
+    pos = {a: i for i, a in enumerate(order)}
+    for mb in range(microbatches):
+        for c in range(virtual):
+            n = {k: counts[(k, mb, c)] for k in "FBIW"}
+            what = f"{where}: micro-batch {mb}, chunk {c}"
+            if n["F"] != 1 or (n["B"], n["I"], n["W"]) not in ((1, 0, 0), (0, 1, 1)):
+                raise ScheduleConfigError(
+                    f"{what} has {n['F']} F, {n['B']} B, {n['I']} I, {n['W']} W; each micro-batch and chunk needs "
+                    f"one F, then one B or one I then one W")
+            back = ("B" if n["B"] else "I", mb, c)
+            if pos[back] < pos[("F", mb, c)]:
+                raise ScheduleConfigError(f"{what}: {back[0]} (action {pos[back]}) comes before its F (action "
+                                          f"{pos[('F', mb, c)]}); a backward must follow its forward")
+            if n["W"] and pos[("W", mb, c)] < pos[back]:
+                raise ScheduleConfigError(f"{what}: W (action {pos[('W', mb, c)]}) comes before its I (action "
+                                          f"{pos[back]}); the weight gradient must follow the input gradient")
 
 
 @dataclass
@@ -131,8 +274,8 @@ class Simulation:
         return [1.0 - b / self.makespan for b in self.busy]
 
 
-def simulate(schedule: str, pp: int, microbatches: int, virtual: int = 1, *, f: float = 1.0, b: float = 2.0,
-             w_share: float = 0.5, split_cost: float = 0.0) -> Simulation:
+def simulate(schedule: Union[str, Schedule], pp: int, microbatches: int, virtual: int = 1, *, f: float = 1.0,
+             b: float = 2.0, w_share: float = 0.5, split_cost: float = 0.0) -> Simulation:
     """Run every rank's order with action costs ``f`` (forward) and ``b`` (backward; ``I`` and ``W`` take
     ``(1 - w_share) * b`` and ``w_share * b``, plus half of ``split_cost`` each: what splitting a backward costs
     beyond it) per stage chunk; raises ``ScheduleConfigError`` on a deadlock."""
@@ -176,8 +319,10 @@ def simulate(schedule: str, pp: int, microbatches: int, virtual: int = 1, *, f: 
                 progressed = True
         if not progressed:
             stuck = {r: orders[r][pos[r]] for r in range(pp) if pos[r] < len(orders[r])}
-            raise ScheduleConfigError(f"schedule {schedule!r} deadlocks (pp={pp}, m={microbatches}, v={virtual}): "
-                                      f"ranks wait at {stuck}")
+            name = schedule if isinstance(schedule, str) else schedule.name
+            raise ScheduleConfigError(f"schedule {name!r} deadlocks (pp={pp}, m={microbatches}, v={virtual}): "
+                                      f"ranks wait at {stuck}; each rank's next action waits for one that another "
+                                      f"rank runs only later: reorder them")
     return Simulation(max(clock), busy)
 
 

@@ -43,6 +43,12 @@ def test_pp2_every_schedule(tmp_path: Path, schedule: str) -> None:
                     extra=("--schedule", schedule))
 
 
+def test_pp2_user_action_lists(tmp_path: Path) -> None:
+    """schedule= given as per-rank (kind, microbatch, chunk) lists, equal to 1F1B's: the engine runs them as it runs
+    schedule='1f1b' (the strategy reads microbatches=4 from the lists)."""
+    run_and_compare(tmp_path, ["nanogpt"], extra=("--schedule", "lists:1f1b"))
+
+
 CROSSING_MODELS = ["seq2seq", "hf_t5", "hf_bart", "conditioned", "nested_lists", "fused_gqa", "root_param"]
 
 

@@ -290,3 +290,131 @@ def test_check_accepts_valid_configs():
 def test_actions_validates():
     with pytest.raises(ScheduleConfigError, match="needs microbatches >= pp"):
         actions("1f1b", 0, 4, 2)
+
+
+# ---- registry, user schedules ---------------------------------------------------------------------------------------
+def _one_f_one_b_lists(pp: int, m: int) -> list[list[tuple[str, int, int]]]:
+    return [actions("1f1b", r, pp, m) for r in range(pp)]
+
+
+def test_registry_holds_the_builtins_in_order():
+    assert tuple(sched.SCHEDULES) == ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-drain")
+    assert all(isinstance(s, sched.Schedule) and s.name == n for n, s in sched.SCHEDULES.items())
+
+
+def test_registered_schedule_runs_through_simulate(monkeypatch):
+    monkeypatch.setattr(sched, "SCHEDULES", dict(sched.SCHEDULES))  # leave the real registry as it was
+
+    def reversed_gpipe(rank, pp, m, v):  # backwards in reverse micro-batch order
+        return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in reversed(range(m))]
+
+    spec = sched.register_schedule(sched.Schedule("reversed-gpipe", reversed_gpipe, min_microbatches=1))
+    assert sched.resolve("reversed-gpipe") is spec and sched.normalize(spec) == "reversed-gpipe"
+    sched.validate("reversed-gpipe", 3, 2, 1)
+    assert simulate("reversed-gpipe", 3, 2).makespan == pytest.approx(simulate("gpipe", 3, 2).makespan)
+    with pytest.raises(ScheduleConfigError, match=r"a schedule named 'reversed-gpipe' is already registered .*"
+                                                  r"choose another name or pass replace=True"):
+        sched.register_schedule(sched.Schedule("reversed-gpipe", sched.SCHEDULES["gpipe"].orders))
+    with pytest.raises(TypeError, match=r"register_schedule takes a Schedule, got function"):
+        sched.register_schedule(reversed_gpipe)
+
+
+def test_unregistered_schedule_repr_is_stable():
+    spec = sched.Schedule("mine", sched.SCHEDULES["1f1b"].orders)
+    assert sched.normalize(spec) is spec  # not the registered '1f1b' object: kept as a Schedule
+    assert repr(spec) == ("Schedule(name='mine', orders=lightning_tpp.pipeline.schedule._one_f_one_b, "
+                          "min_microbatches='pp', interleaved=False, fixed=None)")
+
+
+def test_action_lists_equal_to_1f1b():
+    lists = _one_f_one_b_lists(2, 4)
+    spec = sched.resolve(lists)
+    assert spec.fixed == (2, 4, 1) and "actions-sha256:" in repr(spec)
+    assert repr(sched.resolve([list(o) for o in lists])) == repr(spec)  # the same lists give the same repr
+    sched.validate(spec, 2, 4, 1)
+    assert [spec.actions(r, 2, 4) for r in range(2)] == lists
+    assert simulate(spec, 2, 4).bubble == pytest.approx(simulate("1f1b", 2, 4).bubble)
+    with pytest.raises(ScheduleConfigError, match=r"schedule 'custom' is action lists for pp=2, microbatches=4, "
+                                                  r"virtual_stages=1 .*but got microbatches=8; pass pp=2"):
+        sched.validate(spec, 2, 8, 1)
+
+
+def test_action_lists_with_split_backwards():
+    lists = [actions("zb-drain", r, 2, 4) for r in range(2)]
+    sched.validate(sched.resolve(lists), 2, 4, 1)
+
+
+@pytest.mark.parametrize("lists, message", [
+    ([], r"one non-empty list per pipeline rank of \(kind, microbatch, chunk\) tuples"),
+    ("1f1b-ish", r"unknown schedule '1f1b-ish'"),
+    ([[("F", 0, 0), ("X", 0, 0)]], r"rank 0, action 1: \('X', 0, 0\) is not \(kind, microbatch, chunk\)"),
+    ([[("F", 0, 0), ("B", -1, 0)]], r"rank 0, action 1: \('B', -1, 0\) is not"),
+    ([[("F", 0, 0), ("B", 0, 0)], [("F", 0, 0)]],
+     r"schedule 'custom', rank 1: micro-batch 0, chunk 0 has 1 F, 0 B, 0 I, 0 W; each micro-batch and chunk needs "
+     r"one F, then one B or one I then one W"),
+    ([[("F", 0, 0), ("B", 0, 0), ("B", 0, 0)]] * 2, r"rank 0: micro-batch 0, chunk 0 has 1 F, 2 B"),
+    ([[("F", 0, 0), ("I", 0, 0), ("B", 0, 0), ("W", 0, 0)]] * 2, r"has 1 F, 1 B, 1 I, 1 W"),
+    ([[("B", 0, 0), ("F", 0, 0)]] * 2, r"rank 0: micro-batch 0, chunk 0: B \(action 0\) comes before its F "
+                                       r"\(action 1\); a backward must follow its forward"),
+    ([[("F", 0, 0), ("W", 0, 0), ("I", 0, 0)]] * 2, r"W \(action 1\) comes before its I \(action 2\)"),
+    ([[("F", 1, 0), ("B", 1, 0)]] * 2, r"micro-batch 0, chunk 0 has 0 F"),
+    ([[("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)], [("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)]],
+     r"schedule 'custom' deadlocks \(pp=2, m=2, v=1\): ranks wait at .*reorder them"),
+])
+def test_action_list_errors(lists, message):
+    with pytest.raises(ScheduleConfigError, match=message):
+        spec = sched.resolve(lists)
+        pp, m, v = spec.fixed
+        sched.validate(spec, pp, m, v)
+
+
+def test_action_lists_of_wrong_pp():
+    with pytest.raises(ScheduleConfigError, match=r"action lists for pp=2, .*but got pp=4; pass pp=2"):
+        sched.validate(sched.resolve(_one_f_one_b_lists(2, 4)), 4, 4, 1)
+
+
+def test_torch_pipelining_classes():
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    assert [sched.normalize(c) for c in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)] == \
+        ["gpipe", "1f1b", "interleaved-1f1b"]
+
+
+@pytest.mark.parametrize("name, message", [
+    ("ScheduleZBVZeroBubble", r"schedule=ScheduleZBVZeroBubble is not supported: it places stages in a V .*"
+                              r"V-shaped placements are not supported.*Supported torch.distributed.pipelining "
+                              r"classes: ScheduleGPipe \('gpipe'\), Schedule1F1B \('1f1b'\)"),
+    ("ScheduleDualPipeV", r"ScheduleDualPipeV is not supported: it places stages in a V"),
+    ("ScheduleInterleavedZeroBubble", r"ScheduleInterleavedZeroBubble is not supported: its order \(ZB1P .*is not "
+                                      r"schedule='zero-bubble'"),
+    ("ScheduleLoopedBFS", r"ScheduleLoopedBFS is not supported: its breadth-first order"),
+])
+def test_torch_pipelining_classes_refused(name, message):
+    import torch.distributed.pipelining.schedules as torch_schedules
+
+    with pytest.raises(ScheduleConfigError, match=message):
+        sched.resolve(getattr(torch_schedules, name))
+
+
+def test_other_classes_and_types_refused():
+    with pytest.raises(ScheduleConfigError, match=r"schedule=Counter is a class lightning_tpp cannot run"):
+        sched.resolve(Counter)
+    with pytest.raises(TypeError, match=r"schedule must be a registered name .*got int: 3"):
+        sched.resolve(3)
+
+
+def test_strategy_takes_every_form():
+    from torch.distributed.pipelining import Schedule1F1B
+
+    from lightning_tpp import TensorPipeStrategy
+
+    assert TensorPipeStrategy(pp=2, schedule=Schedule1F1B).schedule == "1f1b"
+    lists = _one_f_one_b_lists(2, 6)
+    strategy = TensorPipeStrategy(pp=2, schedule=lists)
+    assert strategy.microbatches == 6 and isinstance(strategy.schedule, sched.Schedule)  # read from the lists
+    with pytest.raises(ValueError, match=r"action lists for pp=2, microbatches=6, virtual_stages=1 .*but got "
+                                         r"microbatches=4"):
+        TensorPipeStrategy(pp=2, schedule=lists, microbatches=4)
+    with pytest.raises(ValueError, match=r"deadlocks"):
+        TensorPipeStrategy(pp=2, schedule=[[("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)],
+                                           [("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)]])

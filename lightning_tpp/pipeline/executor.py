@@ -1,0 +1,268 @@
+"""Execute this rank's schedule actions: split the batch into micro-batches, run each ``F``/``B``/``I``/``W`` on its
+chunk's stage, and collect the last stage's loss. What crosses stages is decided by the routes, traced once per kind
+of step and batch structure; moving it is the :class:`~lightning_tpp.pipeline.transport.Transport`'s job.
+
+A rank holds the stages ``chunk * pp + rank``::
+
+    pp=2, v=2:   rank 0: stages 0, 2      rank 1: stages 1, 3      (a micro-batch goes 0 -> 1 -> 2 -> 3)
+
+``F`` runs the user's own step with this stage's units real and the others stand-ins (``stage``), stopping after
+the stage's last unit; ``B`` runs autograd from the sent outputs (their gradients received) and the loss; ``I``
+computes only what the previous stage waits for, ``W`` the weight gradients filed under ``DeferWeightGrads``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_tpp._compat import tree_flatten, tree_unflatten
+from lightning_tpp.pipeline.errors import PipelineError
+from lightning_tpp.pipeline.logging import collected_values, kept_metric_states
+from lightning_tpp.pipeline.partition import Partition
+from lightning_tpp.pipeline.schedule import Action
+from lightning_tpp.pipeline.stage import Route, RunContext, StageOutput, StageRuntime, plan_routes, trace
+from lightning_tpp.pipeline.transport import Posted, Transport
+from lightning_tpp.pipeline.wgrad import DeferWeightGrads, WeightGrads
+
+Step = Callable[[Any], Any]  # the user's step on one micro-batch (training_step, validation_step, ...)
+Trace = list[tuple[str, int, int, float, float, float]]  # see Executor.trace
+
+
+@dataclass
+class _MicroBatch:
+    inputs: dict[int, list[Tensor]] = field(default_factory=dict)  # received, per sending stage (graph leaves)
+    outputs: dict[int, list[Tensor]] = field(default_factory=dict)  # sent, per receiving stage (graph roots)
+    grads: dict[int, list[Posted]] = field(default_factory=dict)  # posted receives of their gradients
+    loss: Optional[Tensor] = None
+    weight_grads: WeightGrads = field(default_factory=WeightGrads)  # ``W`` work filed by the backward
+    deferred: Optional[tuple[list[Tensor], Optional[list[Tensor]]]] = None  # a whole backward put off to ``W``
+
+
+States = dict[tuple[int, int], _MicroBatch]  # (micro-batch, chunk) -> its state
+
+
+def split_batch(batch: Any, n: int) -> tuple[list[Any], list[float]]:
+    """``n`` micro-batches (every tensor leaf cut along dim 0, other leaves repeated) and each one's share of the
+    batch. A batch size that ``n`` does not divide (an epoch's last batch) gives sizes that differ by one; the shares
+    weight each micro-batch's loss so that the step still optimises the mean over the whole batch."""
+    leaves, spec = tree_flatten(batch)
+    sizes = {t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim() > 0}
+    if not sizes:
+        raise PipelineError("the batch holds no tensor with a batch dimension to split into micro-batches")
+    if len(sizes) > 1:
+        raise PipelineError(f"batch tensors disagree on the batch size (dim 0): {sorted(sizes)}")
+    size = sizes.pop()
+    if size < n:
+        raise PipelineError(f"batch size {size} is smaller than microbatches={n}: every micro-batch needs a sample. "
+                            f"Use batches of at least {n} samples (drop_last=True drops a short last batch) or fewer "
+                            f"microbatches")
+    chunks = [t.tensor_split(n) if isinstance(t, Tensor) and t.dim() > 0 else [t] * n for t in leaves]
+    shares = [len(range(size)[i::n]) / size for i in range(n)]  # tensor_split sizes, as fractions
+    return [tree_unflatten([c[i] for c in chunks], spec) for i in range(n)], shares
+
+
+def batch_size(batch: Any) -> int:
+    sizes = [t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, Tensor) and t.dim() > 0]
+    return min(sizes) if sizes else 1
+
+
+def _loss_of(result: Any, stage: int) -> Tensor:
+    loss = result.get("loss") if isinstance(result, dict) else result
+    if not isinstance(loss, Tensor):
+        raise PipelineError(f"training_step on the last stage ({stage}) returned {type(result).__name__}; with "
+                            f"pipeline parallelism it must return the loss (a tensor, or a dict with 'loss')")
+    return loss
+
+
+@contextlib.contextmanager
+def _sandbox(module: nn.Module, device: torch.device) -> Iterator[list[Any]]:
+    """For a traced step: no gradients, random state and torchmetrics states restored afterwards, ``self.log``
+    values collected (the tensors the last stage must be able to compute) instead of logged."""
+    devices = [device] if device.type == "cuda" else []
+    with kept_metric_states(module, device), collected_values(module) as logged:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            yield logged
+
+
+class Executor:
+    """Runs action lists on this rank's chunks. ``ancestor_params``: parameters of the model itself used before the
+    blocks (on the first stage; zero buffers of the same name elsewhere), sources for tracing."""
+
+    def __init__(self, module: nn.Module, partition: Partition, runtime: StageRuntime, transport: Transport, *,
+                 rank: int, pp: int, virtual: int, ancestor_params: tuple[str, ...] = ()) -> None:
+        self.module, self.partition, self.runtime, self.transport = module, partition, runtime, transport
+        self.rank, self.pp, self.virtual, self.ancestor_params = rank, pp, virtual, ancestor_params
+        self._route_cache: dict[Any, list[Route]] = {}
+        self.trace: Optional[Trace] = None  # (kind, microbatch, chunk, start, end, seconds waiting for peers)
+        self.position: Optional[Action] = None
+
+    def stage(self, chunk: int) -> int:
+        return chunk * self.pp + self.rank
+
+    @property
+    def holds_last(self) -> bool:
+        return self.partition.stages - 1 in [self.stage(c) for c in range(self.virtual)]
+
+    def describe_position(self) -> str:
+        """Where the current step is, for failure messages: ' in stage 1, backward of micro-batch 3'."""
+        if self.position is None:
+            return ""
+        kind, mb, chunk = self.position
+        names = {"F": "forward", "B": "backward", "I": "input-gradient backward", "W": "weight-gradient backward"}
+        return f" in pipeline stage {self.stage(chunk)}, {names[kind]} of micro-batch {mb}"
+
+    # ------------------------------------------------------------------------------------------------------------
+    # which values cross stages (traced once per kind of step and batch structure)
+
+    def routes(self, kind: str, step: Step, micro: Any) -> list[Route]:
+        leaves, spec = tree_flatten(micro)
+        key = (kind, str(spec), tuple((t.dim(), t.dtype) if isinstance(t, Tensor) else type(t).__name__
+                                      for t in leaves))
+        if key not in self._route_cache:
+            sources = {}  # parameters on the first stage, zero buffers of the same name elsewhere
+            for fqn in self.ancestor_params:
+                owner_name, _, attr = fqn.rpartition(".")
+                sources[fqn] = getattr(self.module.get_submodule(owner_name), attr)
+            try:
+                with _sandbox(self.module, self.runtime.device) as logged:
+                    calls, result = trace(self.runtime, lambda: (step(micro), logged), sources)
+            except Exception as err:
+                raise PipelineError(
+                    f"{kind} could not be traced to find which values cross pipeline stages: it runs once with "
+                    f"zeros in place of every layer's output, and raised {type(err).__name__}: {err}. A step that "
+                    f"cannot run on zeros (sampling from its outputs, asserting on their values) cannot be "
+                    f"pipelined automatically") from err
+            routes = plan_routes(self.runtime, calls, result, self.partition.stages)
+            self.transport.agree(repr([(k, sorted(map(repr, tags))) for k, tags in calls]), kind)
+            self._route_cache[key] = routes
+        return self._route_cache[key]
+
+    def inbound(self, routes: list[Route]) -> dict[int, dict[int, int]]:
+        """Local stage -> {source stage: tensors it sends}, in chunk order."""
+        return {self.stage(c): dict(routes[self.stage(c)].inbound) for c in range(self.virtual)}
+
+    # ------------------------------------------------------------------------------------------------------------
+    # one forward / backward of one micro-batch on one chunk
+
+    def _receive(self, mb: int, src: int, dst: int, count: int, state: _MicroBatch) -> list[Tensor]:
+        if src not in state.inputs:
+            state.inputs[src] = self.transport.receive_bundle(mb, src, dst, count)
+        return state.inputs[src]
+
+    def forward(self, mb: int, chunk: int, step: Step, micro: Any, states: States, routes: list[Route], *,
+                split: bool = False) -> Any:
+        """Run stage ``chunk``'s part of the step; returns the step's result on the last stage. ``split``: the
+        backward will be ``I`` then ``W``, so products with a weight matrix file their weight gradients for ``W``."""
+        g = self.stage(chunk)
+        route = routes[g]
+        state = states[(mb, chunk)] = _MicroBatch()
+        last = g == self.partition.stages - 1
+        if not route.runs:
+            return None
+        ctx = RunContext(g, route, lambda s: self._receive(mb, s, g, route.inbound[s], state))
+        self.runtime.ctx = ctx
+        result = None
+        try:
+            with DeferWeightGrads(state.weight_grads) if split else contextlib.nullcontext():
+                result = step(micro)
+        except StageOutput:
+            pass
+        else:
+            if not last:
+                raise PipelineError(f"stage {g}: the step finished without calling "
+                                    f"{self.runtime.units[route.stop_after[0]].name!r} (call {route.stop_after[1]}) "
+                                    f"as the traced forward did; the step must run the model's forward")
+        finally:
+            self.runtime.ctx = None
+        missing = [s for s in route.inbound if s not in state.inputs]
+        if missing:
+            raise PipelineError(f"stage {g}: the forward never used what stages {missing} send it, unlike the traced "
+                                f"forward of this step; the forward must call the same layers on every step")
+        for dst, items in route.outbound.items():
+            tensors = [ctx.kept[key][leaf] for key, leaf in items]
+            state.outputs[dst] = tensors
+            self.transport.send_bundle(mb, g, dst, tensors)
+            if torch.is_grad_enabled() and self.transport.early:  # the gradients will come back: post receives now
+                state.grads[dst] = self.transport.post_grads(mb, g, dst, tensors)
+        return result
+
+    def _roots(self, mb: int, chunk: int, state: _MicroBatch, scale: float) -> tuple[list[Tensor], Optional[list]]:
+        roots: dict[int, Tensor] = {}
+        grads: dict[int, Tensor] = {}
+        if state.loss is not None:
+            roots[id(state.loss)], grads[id(state.loss)] = state.loss, torch.full_like(state.loss, scale)
+        for dst, tensors in state.outputs.items():
+            posted = state.grads.get(dst) or self.transport.post_grads(mb, self.stage(chunk), dst, tensors)
+            for t, grad in zip([t for t in tensors if t.requires_grad], self.transport.wait(posted)):
+                roots[id(t)], grads[id(t)] = t, grads[id(t)] + grad if id(t) in grads else grad
+        return list(roots.values()), [grads[k] for k in roots]
+
+    def backward(self, kind: str, mb: int, chunk: int, states: States, scale: float) -> None:
+        state = states[(mb, chunk)]
+        inputs = [t for tensors in state.inputs.values() for t in tensors if t.requires_grad]
+        if kind in ("B", "I"):
+            roots, grads = self._roots(mb, chunk, state, scale)
+            if kind == "I" and not (inputs and roots):
+                state.deferred = (roots, grads)  # nothing to send upstream: the whole backward is weight work
+            elif roots:
+                torch.autograd.backward(roots, grads)
+            sent = {} if state.deferred is not None else {id(t): t.grad for t in inputs}
+            for src, tensors in state.inputs.items():
+                self.transport.send_grads(mb, self.stage(chunk), src, tensors, sent)
+        if kind in ("B", "W"):  # B is I then W at once
+            if state.deferred is not None and state.deferred[0]:
+                torch.autograd.backward(*state.deferred)
+            state.weight_grads.run()  # filed by the products made under DeferWeightGrads
+            states[(mb, chunk)] = _MicroBatch(loss=state.loss.detach() if state.loss is not None else None)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # steps
+
+    def run(self, order: list[Action], step: Step, micro: list[Any], routes: list[Route], shares: list[float],
+            loss_scale: float) -> Tensor:
+        """Run ``order`` over the micro-batches; returns this rank's share-weighted loss sum (zero off the last
+        stage)."""
+        states: States = {}
+        scale = [loss_scale * share for share in shares]
+        # split backwards, except on the first stage: it has no input gradients to send before the weight gradients
+        splits = {(mb, chunk) for kind, mb, chunk in order if kind == "I" and self.stage(chunk) > 0}
+        try:
+            for kind, mb, chunk in order:
+                self.position = (kind, mb, chunk)
+                start, self.transport.waited = time.perf_counter(), 0.0
+                if kind == "F":
+                    result = self.forward(mb, chunk, step, micro[mb], states, routes, split=(mb, chunk) in splits)
+                    if self.stage(chunk) == self.partition.stages - 1:
+                        states[(mb, chunk)].loss = _loss_of(result, self.stage(chunk))
+                else:
+                    self.backward(kind, mb, chunk, states, scale[mb])
+                if self.trace is not None:
+                    self.trace.append((kind, mb, chunk, start, time.perf_counter(), self.transport.waited))
+            self.transport.flush()
+        finally:
+            self.runtime.ctx = None
+        self.position = None
+        losses = [s.loss.float() * shares[mb] for (mb, _), s in states.items() if s.loss is not None]
+        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.runtime.device)
+
+    def run_eval(self, step: Step, batch: Any, kind: str) -> Any:
+        """Forward only, whole batch as one micro-batch, through every chunk of this rank in stage order; returns
+        the step's result on the last stage, else ``None``."""
+        states: States = {}
+        routes = self.routes(kind, step, batch)
+        result = None
+        try:
+            for chunk in range(self.virtual):
+                out = self.forward(0, chunk, step, batch, states, routes)
+                if self.stage(chunk) == self.partition.stages - 1:
+                    result = out
+            self.transport.flush()
+        finally:
+            self.runtime.ctx = None
+        return result

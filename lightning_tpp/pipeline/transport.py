@@ -1,0 +1,152 @@
+"""Point-to-point traffic between pipeline stages: one bundle of tensors per micro-batch, stage pair and direction.
+
+Sends are asynchronous (``isend``, waited at the end of the step by :meth:`Transport.flush`); receives block when the
+data is needed. The receiver learns shapes and dtypes from a small header sent before each bundle, so a new sequence
+length or dtype is simply a new header: nothing is negotiated once and then trusted::
+
+    header  (kind 0):  per tensor [dtype code, requires_grad, ndim, dim0, ..., dim7]   int64
+    tensors (kind 1):  the bundle's tensors, one message each                          as the header says
+    grads   (kind 2):  the gradients of those that require grad, sent back             shapes known to the sender
+
+Receives can be posted ahead (every header of a step when it starts, each gradient right after its forward) so a
+transfer happens while the rank computes; that needs messages matched by tag, as gloo does. NCCL matches a pair's
+messages in posting order, so there (``early=False``) receives are posted only when needed, in send order.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from lightning_tpp.pipeline.errors import PipelineError
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
+           torch.uint8, torch.int8, torch.int16]
+_MAX_DIMS = 8
+_HEADER = 3 + _MAX_DIMS  # dtype, requires_grad, ndim, dims...
+_MAX_LEAVES = 64  # tensors per bundle
+
+Posted = tuple[Tensor, Any]  # a receive buffer and its pending work
+
+
+class Transport:
+    """Sends and receives of one pipeline (the ranks sharing this rank's dp and tp coordinates).
+
+    Args:
+        group: the pipeline's process group.
+        stages: pipeline stages in all (``pp * virtual``); tags are unique per message of a step.
+        pp: pipeline ranks; stage ``g`` lives on pp rank ``g % pp``.
+        stage_rank: pp rank -> global rank.
+        device: where receive buffers are allocated.
+    """
+
+    def __init__(self, group: Optional[ProcessGroup], *, stages: int, pp: int, stage_rank: Callable[[int], int],
+                 device: torch.device) -> None:
+        self.group, self.stages, self.pp, self.stage_rank, self.device = group, stages, pp, stage_rank, device
+        self.last_rank = stage_rank((stages - 1) % pp)
+        self.early = dist.get_backend(group) != "nccl"  # see the module docstring
+        self.waited = 0.0  # seconds spent waiting for receives since the caller last reset it
+        self._sends: list[Any] = []
+        self._headers: dict[tuple[int, int, int], Posted] = {}  # (mb, src, dst) -> posted header receive
+
+    def tag(self, mb: int, src: int, dst: int, kind: int, leaf: int = 0) -> int:
+        """Unique per message of a step; both ends derive it from the stages (with interleaving a rank holds several,
+        and one stage may feed several later ones)."""
+        return (((mb * self.stages + src) * self.stages + dst) * 3 + kind) * _MAX_LEAVES + leaf
+
+    def rank_of_stage(self, stage: int) -> int:
+        return self.stage_rank(stage % self.pp)
+
+    def _isend(self, t: Tensor, dst: int, tag: int) -> None:
+        self._sends.append(dist.isend(t.contiguous(), dst, tag=tag))
+
+    def post(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> Posted:
+        """Post a receive now (so that the transfer can happen while this rank computes); wait for it later."""
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        return buf, dist.irecv(buf, src, tag=tag)
+
+    def wait(self, posted: list[Posted]) -> list[Tensor]:
+        start = time.perf_counter()
+        for _, work in posted:
+            work.wait()
+        self.waited += time.perf_counter() - start
+        return [buf for buf, _ in posted]
+
+    def post_headers(self, inbound: dict[int, dict[int, int]], microbatches: int) -> None:
+        """Every header this rank will receive in the step (``inbound``: local stage -> {source stage: tensors}),
+        posted up front: a bundle then costs one round trip."""
+        for mb in range(microbatches if self.early else 0):
+            for g, sources in inbound.items():
+                for src, count in sources.items():
+                    self._headers[(mb, src, g)] = self.post((count * _HEADER,), torch.int64,
+                                                            self.rank_of_stage(src), self.tag(mb, src, g, 0))
+
+    def send_bundle(self, mb: int, src: int, dst: int, tensors: list[Tensor]) -> None:
+        if len(tensors) > _MAX_LEAVES:
+            raise PipelineError(f"{len(tensors)} tensors cross from pipeline stage {src} to {dst}; at most "
+                                f"{_MAX_LEAVES} are supported")
+        header = torch.zeros(len(tensors) * _HEADER, dtype=torch.int64, device=self.device)
+        for i, t in enumerate(tensors):
+            if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
+                raise PipelineError(f"cannot send a {t.dim()}-d {t.dtype} activation between stages")
+            row = [_DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
+            header[i * _HEADER:i * _HEADER + len(row)] = torch.tensor(row)
+        rank = self.rank_of_stage(dst)
+        self._isend(header, rank, self.tag(mb, src, dst, 0))
+        for i, t in enumerate(tensors):
+            self._isend(t.detach(), rank, self.tag(mb, src, dst, 1, i))
+
+    def receive_bundle(self, mb: int, src: int, dst: int, count: int) -> list[Tensor]:
+        """The ``count`` tensors stage ``src`` sends stage ``dst``; those sent requiring grad come as graph leaves."""
+        rank = self.rank_of_stage(src)
+        posted = self._headers.pop((mb, src, dst), None) or self.post(
+            (count * _HEADER,), torch.int64, rank, self.tag(mb, src, dst, 0))
+        header = self.wait([posted])[0].tolist()
+        rows = [header[k * _HEADER:(k + 1) * _HEADER] for k in range(count)]
+        out = self.wait([self.post(tuple(dims[:ndim]), _DTYPES[code], rank, self.tag(mb, src, dst, 1, k))
+                         for k, (code, _, ndim, *dims) in enumerate(rows)])
+        return [t.requires_grad_(True) if row[1] else t for t, row in zip(out, rows)]
+
+    def post_grads(self, mb: int, stage: int, dst: int, sent: list[Tensor]) -> list[Posted]:
+        """Receives of the gradients stage ``dst`` returns for what ``stage`` sent it (those requiring grad)."""
+        rank = self.rank_of_stage(dst)
+        return [self.post(tuple(t.shape), t.dtype, rank, self.tag(mb, dst, stage, 2, i))
+                for i, t in enumerate(x for x in sent if x.requires_grad)]
+
+    def send_grads(self, mb: int, stage: int, src: int, received: list[Tensor],
+                   grads: dict[int, Optional[Tensor]]) -> None:
+        """Return to stage ``src`` the gradients (by tensor id; zeros where none) of what ``stage`` received."""
+        rank = self.rank_of_stage(src)
+        for i, t in enumerate(x for x in received if x.requires_grad):
+            grad = grads.get(id(t))
+            self._isend(grad if grad is not None else torch.zeros_like(t), rank, self.tag(mb, stage, src, 2, i))
+
+    def flush(self) -> None:
+        """Wait for this step's sends (their buffers must live until then)."""
+        for work in self._sends:
+            work.wait()
+        self._sends = []
+
+    def agree(self, digest: str, what: str) -> None:
+        """Every rank of the pipeline must have traced the same forward; a mismatch would hang at the first send."""
+        every: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, digest, group=self.group)
+        if any(d != digest for d in every):
+            raise PipelineError(f"the pipeline stages traced different forwards for one {what} step (the forward "
+                                f"takes a different path on some ranks); it must call the same layers everywhere")
+
+    def broadcast_from_last(self, value: Tensor) -> Tensor:
+        """The last stage's scalar (the loss) on every rank of the pipeline."""
+        value = value.detach().float().reshape(()).contiguous()
+        dist.broadcast(value, src=self.last_rank, group=self.group)
+        return value
+
+    def broadcast_object_from_last(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.last_rank, group=self.group)
+        return box[0]
