@@ -12,9 +12,10 @@ from lightning_tpp.checkpoint import (
     consolidate,
 )
 from lightning_tpp.core.mesh import MeshDims
-from lightning_tpp.tensor_parallel.apply import TensorParallelMismatchError
-from lightning_tpp.tensor_parallel.plan import TensorParallelConfigError, TPPlan
+from lightning_tpp.parallel_state import ParallelState
+from lightning_tpp.pipeline import Schedule, register_schedule
 from lightning_tpp.strategy import TensorPipeStrategy
+from lightning_tpp.tensor_parallel import TensorParallelConfigError, TensorParallelMismatchError, TPPlan
 
 if TensorPipeStrategy.strategy_name not in StrategyRegistry:
     TensorPipeStrategy.register_strategies(StrategyRegistry)
@@ -23,11 +24,14 @@ __all__ = [
     "CheckpointMismatchError",
     "MeshDims",
     "OptimizerStateLayoutError",
+    "ParallelState",
+    "Schedule",
     "TPPlan",
     "TensorParallelConfigError",
     "TensorParallelMismatchError",
     "TensorPipeStrategy",
     "UnsafeCheckpointError",
     "consolidate",
+    "register_schedule",
 ]
 __version__ = "0.1.0"

@@ -119,3 +119,23 @@ def requested_weights_only(depth: int = 40) -> Optional[bool]:
             return value if isinstance(value, bool) else None
         frame = frame.f_back
     return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# private attributes of other libraries' objects (read or set, not imported)
+
+# nn.MultiheadAttention takes its fused fast paths (which would read a tp shard's in_proj as whole) only while this
+# is True; a tensor-parallel MHA sets it False on its instance
+MHA_FAST_PATH_FLAG = "_qkv_same_embed_dim"
+
+
+def metric_progress(metric: Any) -> tuple[Any, int]:
+    """A torchmetrics ``Metric``'s last ``forward`` value and update count: with ``metric_state`` (public), what a
+    pipeline copies aside and back when it runs the user's step more than once (tracing, micro-batches)."""
+    return metric._forward_cache, metric._update_count
+
+
+def set_metric_progress(metric: Any, forward_cache: Any, update_count: int) -> None:
+    metric._forward_cache = forward_cache
+    metric._update_count = update_count
+    metric._computed = None  # the cached compute() no longer holds

@@ -1,12 +1,15 @@
-"""``TensorPipeStrategy``: the Lightning glue. Parallelism lives in the other modules; this class orders the steps.
+"""``TensorPipeStrategy``: the Lightning glue. Parallelism lives in the subpackages; this class orders the steps.
 
-Setup order (runs for every fit/validate/test/predict; a second run finds the model already parallel)::
+Setup order (runs for every fit/validate/test/predict; a module that already holds a ``ParallelState`` adopts it)::
 
-    init process group -> mesh (dp, pp, tp) -> model to device -> broadcast rank 0's weights
-      -> tensor-parallel plan (auto, Hugging Face, user) -> apply -> optimizers
+    init process group -> mesh (dp, pp, tp) and groups          (integration.topology)
+      -> model to device -> ranks agree, rank 0's weights broadcast  (reliability.preflight)
+      -> parallel_state.build_state: names -> pipeline stages -> tensor-parallel plan -> apply -> engine
+      -> precision -> optimizers
 
-Per optimizer step: the Trainer's closure runs ``training_step`` + backward; then gradients are averaged over dp,
-then Lightning clips (global norm over every shard) and steps.
+Per optimizer step: the Trainer's closure runs ``training_step`` (under a pipeline: the whole schedule,
+``integration.pipeline_steps``) + backward; then gradients are averaged over dp, then Lightning clips through the
+precision plugin (global norm over every shard, ``integration.precision``) and steps.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_tpp._compat import StrategyRegistryType, optimizers_to_device
@@ -151,10 +156,10 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         self._start_method = start_method
         self._num_nodes = 1
         self._dims: Optional[MeshDims] = None
-        self._mesh: Any = None
+        self._mesh: Optional[DeviceMesh] = None
         self._tp_group = TPGroup(None, 0, 1)
-        self._dp_group: Any = None
-        self._pp_group: Any = None
+        self._dp_group: Optional[ProcessGroup] = None
+        self._pp_group: Optional[ProcessGroup] = None
 
     @property
     def parallel_state(self) -> ParallelState:

@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tpp.checkpoint.files import atomic_save, publish
 from lightning_tpp.checkpoint.safe_load import CheckpointMismatchError, SafeFileSystemReader, classify, torch_load
@@ -68,7 +69,7 @@ class Layout:
     """How this rank's tensors map to whole tensors (the tp mesh and group, and which parameters are cut how): wrap
     for DCP, and unwrap what DCP loaded."""
 
-    def __init__(self, tp_mesh: Any, group: TPGroup, shards: ShardIndex) -> None:
+    def __init__(self, tp_mesh: Optional[DeviceMesh], group: TPGroup, shards: ShardIndex) -> None:
         self.mesh, self.group, self.shards = tp_mesh, group, shards
 
     def wrap(self, t: Tensor, spec: Optional[ShardSpec], full_shape: tuple[int, ...]) -> Any:

@@ -17,6 +17,7 @@ from typing import Any, Container, Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from lightning_tpp._compat import flatten_dense_tensors as _flatten_dense_tensors
 from lightning_tpp._compat import unflatten_dense_tensors as _unflatten_dense_tensors
@@ -41,7 +42,7 @@ def _buckets(tensors: list[Tensor]) -> Iterable[list[Tensor]]:
             yield bucket
 
 
-def all_reduce_coalesced(tensors: list[Tensor], group: Any, *, average: bool) -> None:
+def all_reduce_coalesced(tensors: list[Tensor], group: Optional[ProcessGroup], *, average: bool) -> None:
     """Sum (or average) ``tensors`` in place over ``group`` in a few flat buckets."""
     n = dist.get_world_size(group)
     for bucket in _buckets(tensors):
@@ -53,7 +54,7 @@ def all_reduce_coalesced(tensors: list[Tensor], group: Any, *, average: bool) ->
             t.copy_(synced)
 
 
-def average_gradients(params: list[nn.Parameter], group: Any) -> None:
+def average_gradients(params: list[nn.Parameter], group: Optional[ProcessGroup]) -> None:
     """Average gradients over a data-parallel group. A parameter without a gradient on some replicas (a branch not
     taken) gets zeros there, as DDP does; one without a gradient anywhere keeps ``None``."""
     if group is None or dist.get_world_size(group) == 1:

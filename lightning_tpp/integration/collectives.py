@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed import ReduceOp
+from torch.distributed import ProcessGroup, ReduceOp
 from typing_extensions import override
 
 from lightning_tpp._compat import all_gather_ddp_if_available, distributed_is_initialized, sync_ddp_if_available
@@ -18,7 +18,7 @@ from lightning_tpp._compat import all_gather_ddp_if_available, distributed_is_in
 class ReplicaCollectives:
     """Strategy mixin. Expects ``_dp_group``, ``root_device`` and ``world_size``."""
 
-    _dp_group: Any
+    _dp_group: Optional[ProcessGroup]
     root_device: torch.device
     world_size: int
 

@@ -16,8 +16,10 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
+from torch.distributed import ProcessGroup
 from typing_extensions import override
 
+from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.grads import clip_by_global_norm
 from lightning_tpp.integration.subclass import Swappable, swap_in
 
@@ -54,8 +56,8 @@ class GlobalNormClippingStrategy:
     _precision_plugin: Optional[Precision]
     lightning_module: Any
     parallel_state: Any
-    _tp_group: Any
-    _pp_group: Any
+    _tp_group: TPGroup
+    _pp_group: Optional[ProcessGroup]
 
     @property
     @override

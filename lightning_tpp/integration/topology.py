@@ -10,6 +10,8 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 from lightning.fabric.utilities.seed import reset_seed
 from typing_extensions import override
 
@@ -38,10 +40,10 @@ class MeshTopology:
     _watch: Optional[FailureWatch]
     _num_nodes: int
     _dims: Optional[MeshDims]
-    _mesh: Any
+    _mesh: Optional[DeviceMesh]
     _tp_group: TPGroup
-    _dp_group: Any
-    _pp_group: Any
+    _dp_group: Optional[ProcessGroup]
+    _pp_group: Optional[ProcessGroup]
     parallel_devices: Optional[list[torch.device]]
     cluster_environment: Any
     local_rank: int
@@ -88,7 +90,7 @@ class MeshTopology:
         return self._tp_group
 
     @property
-    def dp_group(self) -> Any:
+    def dp_group(self) -> Optional[ProcessGroup]:
         return self._dp_group
 
     @property

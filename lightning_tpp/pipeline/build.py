@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from lightning_tpp._compat import tree_flatten
 from lightning_tpp.core.mesh import MeshDims
@@ -154,7 +155,8 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
         for fqn in prepared.ancestor_params:
             owner_name, _, attr = fqn.rpartition(".")
             owner = module.get_submodule(owner_name)
-            zeros = torch.zeros_like(owner._parameters.pop(attr))
+            zeros = torch.zeros_like(getattr(owner, attr))
+            delattr(owner, attr)  # the parameter, replaced by a buffer of zeros
             owner.register_buffer(attr, zeros, persistent=False)
     for unit in runtime.units:
         prepared.twins[unit.name] = meta_twin(modules[unit.name])
@@ -170,7 +172,7 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
 
 
 def finish_stages(module: nn.Module, prepared: PreparedStages, *, dims: MeshDims, coords: dict[str, int],
-                  virtual: int, schedule: str, microbatches: int, pp_group: Any) -> PipelineEngine:
+                  virtual: int, schedule: str, microbatches: int, pp_group: Optional[ProcessGroup]) -> PipelineEngine:
     partition, runtime, local = prepared.partition, prepared.runtime, prepared.local_stages
     modules = dict(module.named_modules())
     for i, unit in enumerate(runtime.units):

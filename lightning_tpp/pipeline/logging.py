@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 import torch.distributed as dist
 
+from lightning_tpp._compat import metric_progress, set_metric_progress
 from lightning_tpp.pipeline.errors import PipelineError
 
 if TYPE_CHECKING:
@@ -85,16 +86,15 @@ def metric_state(metric: Any) -> dict[str, Any]:
     """A copy of a torchmetrics object's accumulated state, on the CPU (updates add to the live state in place)."""
     cpu = lambda v: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else copy.deepcopy(v)  # noqa: E731
     state = {k: [cpu(x) for x in v] if isinstance(v, list) else cpu(v) for k, v in metric.metric_state.items()}
-    return {"state": state, "forward_cache": cpu(metric._forward_cache), "update_count": metric._update_count}
+    forward_cache, update_count = metric_progress(metric)
+    return {"state": state, "forward_cache": cpu(forward_cache), "update_count": update_count}
 
 
 def load_metric_state(metric: Any, payload: dict[str, Any], device: torch.device) -> None:
     dev = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
     for k, v in payload["state"].items():
         setattr(metric, k, [dev(x) for x in v] if isinstance(v, list) else dev(v))
-    metric._forward_cache = dev(payload["forward_cache"])
-    metric._update_count = payload["update_count"]
-    metric._computed = None
+    set_metric_progress(metric, dev(payload["forward_cache"]), payload["update_count"])
 
 
 def _reduce(values: list[Any], reduce_fx: Any) -> float:

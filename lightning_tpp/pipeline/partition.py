@@ -134,7 +134,7 @@ def describe(model: nn.Module, blocks: "str | Sequence[str]", *, zip_siblings: b
     for i, (n, m) in enumerate(modules.items()):
         if any(n == c or _inside(n, c) or _inside(c, n) for c in containers):
             continue  # the blocks themselves; their ancestors (see ancestor_parameters)
-        if any(_inside(n, o) for o in chosen) or not any(p is not None for p in m._parameters.values()):
+        if any(_inside(n, o) for o in chosen) or not any(True for _ in m.parameters(recurse=False)):
             continue  # inside a module already placed; modules without parameters run on every stage
         chosen.append(n)
         before = max((k for c, k in done_after.items() if position[c] < i and not _inside(n, c)), default=0)
@@ -154,7 +154,7 @@ def ancestor_parameters(model: nn.Module, blocks: "str | Sequence[str]") -> tupl
     out = []
     for n, m in model.named_modules():
         if any(n == c or _inside(c, n) for c in containers):
-            out += [f"{n}.{k}" if n else k for k, p in m._parameters.items() if p is not None]
+            out += [f"{n}.{k}" if n else k for k, _ in m.named_parameters(recurse=False, remove_duplicate=False)]
     return tuple(dict.fromkeys(out))
 
 

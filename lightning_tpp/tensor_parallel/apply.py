@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_tpp._compat import MHA_FAST_PATH_FLAG
 from lightning_tpp.core.comm import TPGroup, TPScope, all_reduce_flag, gather_with_spec
 from lightning_tpp.core.params import ShardIndex, ShardInfo
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
@@ -182,7 +183,7 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
         block._tpp_block = state
         if info.kind == "mha":
             block._tpp_layer = LayerTP(group, scope=state.scope, heads=info.heads)
-            set_local_attr(block, "_qkv_same_embed_dim", False)
+            set_local_attr(block, MHA_FAST_PATH_FLAG, False)
             for attr in ("in_proj_weight", "in_proj_bias"):
                 _set_shard(block, attr, info.fused[bname][0], group, done, shards)
             swap_class(block, _TPMultiheadAttentionBlock)

@@ -187,7 +187,7 @@ def _mlp(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]]) -> Opti
 
 
 def _mha(fqn: str, m: nn.MultiheadAttention, notes: list[str]) -> Optional[BlockInfo]:
-    if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
+    if m.kdim != m.embed_dim or m.vdim != m.embed_dim or m.bias_k is not None or m.add_zero_attn:
         notes.append(f"{fqn}: nn.MultiheadAttention with kdim/vdim, bias_k/bias_v or add_zero_attn stays replicated")
         return None
     e = m.embed_dim

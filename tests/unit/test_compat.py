@@ -233,3 +233,30 @@ def test_the_private_import_checker_sees_them(tmp_path: Path) -> None:
                    "def f():\n    import torch._utils\n    from torchmetrics.metric import Metric\n")
     assert [line.split(":")[0] for line in _private_imports(bad)] == ["line 1", "line 2", "line 4"]
 
+
+
+def test_mha_still_gates_its_fast_path_on_the_flag() -> None:
+    """A tensor-parallel nn.MultiheadAttention turns torch's fused paths off through this instance attribute."""
+    from torch import nn
+
+    from lightning_tpp._compat import MHA_FAST_PATH_FLAG
+
+    mha = nn.MultiheadAttention(8, 2)
+    assert getattr(mha, MHA_FAST_PATH_FLAG) is True
+    assert MHA_FAST_PATH_FLAG in inspect.getsource(nn.MultiheadAttention.forward)
+    assert getattr(nn.MultiheadAttention(8, 2, kdim=4), MHA_FAST_PATH_FLAG) is False
+
+
+def test_metric_progress_round_trips() -> None:
+    import torch
+    from torchmetrics import MeanMetric
+
+    from lightning_tpp._compat import metric_progress, set_metric_progress
+
+    metric = MeanMetric()
+    metric(torch.tensor(3.0))
+    cache, count = metric_progress(metric)
+    assert float(cache) == 3.0 and count == 1
+    metric(torch.tensor(5.0))
+    set_metric_progress(metric, cache, count)
+    assert metric_progress(metric) == (cache, 1) and metric._computed is None
