@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from lightning_tpp.core.sharding import ShardSpec, unshard_tensor
 
@@ -26,7 +27,7 @@ from lightning_tpp.core.sharding import ShardSpec, unshard_tensor
 class TPGroup:
     """The tensor-parallel process group of this rank (``group=None`` means a single process)."""
 
-    group: Optional[Any]
+    group: Optional[ProcessGroup]
     rank: int
     size: int
 
@@ -120,7 +121,7 @@ class TPScope:
         self.active = False
 
 
-def all_reduce_flag(ok: bool, group: Optional[Any]) -> bool:
+def all_reduce_flag(ok: bool, group: Optional[ProcessGroup]) -> bool:
     """True only if ``ok`` is true on every rank of ``group`` (a decision all ranks then share)."""
     if not dist.is_initialized():
         return ok

@@ -104,7 +104,7 @@ def clip_by_global_norm(params: list[nn.Parameter], max_norm: float, *, sharded:
     return total
 
 
-def broadcast_module(module: nn.Module, src: int = 0, group: Optional[Any] = None) -> None:
+def broadcast_module(module: nn.Module, src: int = 0, group: Optional[ProcessGroup] = None) -> None:
     """Make every rank start from ``src``'s parameters and buffers (as DDP does at wrap time)."""
     tensors = [t.data for t in list(module.parameters()) + list(module.buffers())]  # both deduplicated
     for bucket in _buckets(tensors):

@@ -39,7 +39,7 @@ class ReplicaCollectives:
         dist.broadcast_object_list(box, src)
         return box[0]
 
-    def _replica_group(self, group: Optional[Any]) -> Any:
+    def _replica_group(self, group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
         """The world (Lightning's default) means "every replica": tp/pp ranks of one replica hold the same values,
         they are not more samples. An explicitly chosen sub-group is kept."""
         return self._dp_group if group is None or group is dist.group.WORLD else group
