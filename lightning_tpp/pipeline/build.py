@@ -39,13 +39,17 @@ class PreparedStages:
     runtime: StageRuntime
     local_stages: list[int]
     twins: dict[str, nn.Module]
-    tied_stages: list[tuple[int, ...]]  # stage sets that share a weight (e.g. embedding and tied LM head)
     ancestor_params: tuple[str, ...]  # parameters owned by ancestors of the blocks (first stage)
     total_params: int
     trainable_params: int
     # weights that several stages hold, in the whole model's order: the same on every rank, so that their gradient
     # all-reduces pair up. By name, not by object: tensor parallelism replaces the parameters after this is computed
     tied: list[TiedWeight] = field(default_factory=list)
+
+    @property
+    def tied_stages(self) -> list[tuple[int, ...]]:
+        """The stage sets that share a weight (e.g. embedding and tied LM head), in the same order on every rank."""
+        return sorted({w.stages for w in self.tied})
 
     def remote_names(self) -> frozenset[str]:
         """The units other pipeline ranks hold (stand-ins here)."""
@@ -145,12 +149,16 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
     for name, stage in owners.items():
         for p in modules[name].parameters():
             holders.setdefault(id(p), (p, set()))[1].add(stage)
-    tied_stages = sorted({tuple(sorted(s)) for _, s in holders.values() if len(s) > 1})
+    aliases: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        if len(holders.get(id(p), (None, ()))[1]) > 1:
+            aliases.setdefault(id(p), []).append(n)
+    tied = [TiedWeight(tuple(names), tuple(sorted(holders[i][1]))) for i, names in aliases.items()]
     params = list(module.parameters())
     runtime = StageRuntime(device)
     runtime.units = _units(module, partition)
-    prepared = PreparedStages(partition, runtime, local, {}, tied_stages, ancestor_parameters(module, containers),
-                              sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
+    prepared = PreparedStages(partition, runtime, local, {}, ancestor_parameters(module, containers),
+                              sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad), tied)
     if 0 not in local:  # other stages compute with zeros in their place; not saved, no gradient
         for fqn in prepared.ancestor_params:
             owner_name, _, attr = fqn.rpartition(".")
@@ -160,11 +168,6 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
             owner.register_buffer(attr, zeros, persistent=False)
     for unit in runtime.units:
         prepared.twins[unit.name] = meta_twin(modules[unit.name])
-    aliases: dict[int, list[str]] = {}
-    for n, p in module.named_parameters(remove_duplicate=False):
-        if len(holders.get(id(p), (None, ()))[1]) > 1:
-            aliases.setdefault(id(p), []).append(n)
-    prepared.tied = [TiedWeight(tuple(names), tuple(sorted(holders[i][1]))) for i, names in aliases.items()]
     for i, unit in enumerate(runtime.units):
         if unit.stage not in local:
             _set_module(module, unit.name, _RemoteModule(prepared.twins[unit.name], runtime, unit=i))
