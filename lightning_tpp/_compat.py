@@ -139,3 +139,23 @@ def set_metric_progress(metric: Any, forward_cache: Any, update_count: int) -> N
     metric._forward_cache = forward_cache
     metric._update_count = update_count
     metric._computed = None  # the cached compute() no longer holds
+
+
+def module_initializer(module: Any, hf_root: Any = None) -> Optional[Any]:
+    """The function that (re)initialises ``module``'s own tensors in place, as its constructor did: a Hugging Face
+    model's ``_init_weights(module)`` for modules inside one (``hf_root``), else the module's ``reset_parameters()``
+    (torch's convention, which Lightning's and torch's meta-device materialisation call too), else
+    ``_reset_parameters()`` (``nn.MultiheadAttention`` and a few other torch layers name it so). None: no way known."""
+    if hf_root is not None and callable(getattr(hf_root, "_init_weights", None)):
+        return lambda: hf_root._init_weights(module)
+    for name in ("reset_parameters", "_reset_parameters"):
+        fn = getattr(module, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def is_hf_pretrained(module: Any) -> bool:
+    """A Hugging Face ``PreTrainedModel`` (without importing transformers: it has a config and ``_init_weights``)."""
+    return callable(getattr(module, "_init_weights", None)) and hasattr(module, "config") and hasattr(
+        module, "post_init")

@@ -24,6 +24,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.core.materialize import materialize
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.params import ParamNames, ShardIndex
 from lightning_tpp.pipeline.build import PreparedStages, finish_stages, format_partition, prepare_stages
@@ -93,13 +94,26 @@ class ParallelConfig:
     verify: bool
 
 
+@dataclass(frozen=True)
+class Materialization:
+    """How a model built on the meta device gets its tensors: on ``device``, initialised per module from
+    ``base_seed`` (the same on every rank), or left for ``load_weights`` when ``initialize`` is False."""
+
+    device: torch.device
+    base_seed: int
+    initialize: bool = True
+
+
 def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, groups: ProcessGroups, *, rank: int,
-                device: torch.device, print_plan: bool) -> ParallelState:
+                device: torch.device, print_plan: bool, meta: Optional[Materialization] = None) -> ParallelState:
     """Cut ``module`` for this rank, in the one order everything depends on::
 
         single-device names -> pipeline stages (this rank keeps its units; stand-ins for the others)
           -> tensor-parallel plan (automatic, Hugging Face, the user's globs) -> apply (swap and shard)
           -> finish the stages (dispatchers, tied weights, the engine)
+          -> a model built on the meta device: this rank's shards allocated and initialised (``meta``)
+
+    Everything before the last step works on meta tensors (shapes only), so no rank ever holds the whole model.
     """
     state = ParallelState(dims, groups, ParamNames.of(module))  # names before stages drop modules
     whole_model = [n for n, _ in module.named_modules()]
@@ -121,8 +135,32 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
     if state.stages is not None:
         state.engine = finish_stages(module, state.stages, dims=dims, coords=coords, virtual=config.virtual_stages,
                                      schedule=config.schedule, microbatches=config.microbatches, pp_group=groups.pp)
+    if meta is not None:
+        materialize(module, device=meta.device, names=state.names, shards=state.shards, tp_rank=groups.tp.rank,
+                    tp_size=groups.tp.size, base_seed=meta.base_seed, initialize=meta.initialize)
+        if state.stages is not None and meta.initialize:
+            _sync_tied(module, state, dims, coords)
     if print_plan and config.tp > 1:
         rank_zero_info(format_plan(module, plan, config.tp, state.shards))
     if print_plan and state.stages is not None:
         rank_zero_info(format_partition(state.stages.partition, dims.pp))
     return state
+
+
+def _sync_tied(module: nn.Module, state: ParallelState, dims: MeshDims, coords: dict[str, int]) -> None:
+    """A weight that several stages hold (tied embedding and head) was initialised on each by its local module; the
+    stage holding the module of its single-device name did what one process does: its copy goes to the others."""
+    assert state.stages is not None and state.engine is not None
+    owners = state.stages.partition.owners()
+    units = sorted(owners, key=len, reverse=True)
+    groups = {id(p): group for p, group in state.engine.tied}
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for weight in state.stages.tied:
+        here = next((params[n] for n in weight.names if n in params), None)
+        if here is None or id(here) not in groups:
+            continue
+        owner_module = weight.names[0].rpartition(".")[0]
+        unit = next((u for u in units if owner_module == u or owner_module.startswith(u + ".")), None)
+        stage = owners[unit] if unit is not None else min(weight.stages)
+        src = dims.rank_of(dp=coords["dp"], pp=stage % dims.pp, tp=coords["tp"])
+        torch.distributed.broadcast(here.data, src=src, group=groups[id(here)])

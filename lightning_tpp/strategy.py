@@ -15,7 +15,7 @@ precision plugin (global norm over every shard, ``integration.precision``) and s
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union
 
@@ -36,6 +36,7 @@ from lightning_tpp._compat import StrategyRegistryType, optimizers_to_device
 from lightning_tpp.checkpoint.state import check_state_layout
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.grads import average_gradients, broadcast_module
+from lightning_tpp.core.materialize import has_meta, move_real
 from lightning_tpp.core.mesh import MeshDims, resolve_dims
 from lightning_tpp.core.params import ParamNames, ShardIndex
 from lightning_tpp.integration.checkpointing import CheckpointMixin, torch_optimizer
@@ -45,7 +46,7 @@ from lightning_tpp.integration.pipeline_steps import PipelineSteps
 from lightning_tpp.integration.precision import GlobalNormClippingStrategy
 from lightning_tpp.integration.summary import count_whole_model
 from lightning_tpp.integration.topology import MeshTopology
-from lightning_tpp.parallel_state import ParallelConfig, ParallelState, ProcessGroups, build_state
+from lightning_tpp.parallel_state import Materialization, ParallelConfig, ParallelState, ProcessGroups, build_state
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.schedule import ScheduleLike
 from lightning_tpp.pipeline.schedule import normalize as normalize_schedule
@@ -215,8 +216,9 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self, module: nn.Module) -> ParallelState:
-        check_agreement(self._fingerprint(module))
-        broadcast_module(module, src=0)
+        on_meta = has_meta(module)
+        check_agreement({**self._fingerprint(module), "built on the meta device": on_meta})
+        broadcast_module(module, src=0)  # what exists already (an eager model); meta tensors are initialised per rank
         if self._pp > 1:
             if not module.automatic_optimization:
                 raise ValueError("pipeline parallelism (pp>1) runs forward and backward inside the schedule and "
@@ -228,10 +230,18 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         config = ParallelConfig(self._tp, self._pp, self.microbatches, self.schedule, self.virtual_stages,
                                 self._balance, self._split_points, self._blocks, self._tp_plan_arg, self._verify)
         groups = ProcessGroups(self._mesh, self._tp_group, self._pp_group, self._dp_group)
+        meta = Materialization(self.root_device, self._agreed_seed()) if on_meta else None
         state = build_state(module, config, self.dims, groups, rank=self.global_rank, device=self.root_device,
-                            print_plan=self._print_plan)
+                            print_plan=self._print_plan, meta=meta)
         state.config = self._config()
         return state
+
+    def _agreed_seed(self) -> int:
+        """The seed a meta-built model is initialised from: rank 0's (``seed_everything``'s on every rank)."""
+        seed = torch.tensor([torch.initial_seed() % (2 ** 63)], dtype=torch.int64, device=self.root_device)
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast(seed, src=0)
+        return int(seed.item())
 
     def _config(self) -> dict[str, str]:
         """The arguments that decide how the model is cut and run, as compared across ranks and runs."""
@@ -273,12 +283,21 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        move_real(self.model, self.root_device)  # meta tensors (a model built to be cut) are materialised in setup
 
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        with self.precision_plugin.tensor_init_context():
+        """``trainer.init_module(empty_init=True)`` builds on the meta device: setup allocates only this rank's
+        shards and initialises them (see ``core/materialize.py``)."""
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device (what it creates on a real device explicitly stays)."""
+        with torch.device("meta"):
             yield
 
     # ------------------------------------------------------------------------------------------------------------

@@ -90,6 +90,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:  # torch's convention (nn.RMSNorm has it): lets a meta-built model initialise
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
@@ -417,10 +420,15 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 class LitLM(L.LightningModule):
     """An ordinary next-token LightningModule around any model above."""
 
-    def __init__(self, name: str = "nanogpt", lr: float = 0.1, optimizer: str = "sgd") -> None:
+    def __init__(self, name: str = "nanogpt", lr: float = 0.1, optimizer: str = "sgd",
+                 build_in_configure_model: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = MODELS[name]()
+        self.model = None if build_in_configure_model else MODELS[name]()
+
+    def configure_model(self) -> None:  # Lightning's hook for large models (the strategy builds it on meta)
+        if self.model is None:
+            self.model = MODELS[self.hparams.name]()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

@@ -57,11 +57,12 @@ class Recorder(Callback):
 
 def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, steps: int = 5, batch_size: int = 4,
           accumulate: int = 1, clip: Optional[float] = None, precision: str = "32-true", lr: float = 0.1,
-          optimizer: str = "sgd", accelerator: str = "cpu", in_order_receives: bool = False) -> Record:
+          optimizer: str = "sgd", accelerator: str = "cpu", in_order_receives: bool = False,
+          meta: bool = False) -> Record:
     """Train ``name`` for ``steps`` optimizer steps. With ``strategy="auto"`` (one process) each batch is the union of
     what ``dp`` replicas draw from Lightning's shuffling DistributedSampler (seed 0, epoch 0) at that step."""
     L.seed_everything(0, verbose=False)
-    module = LitLM(name, lr=lr, optimizer=optimizer)
+    module = LitLM(name, lr=lr, optimizer=optimizer, build_in_configure_model=meta)  # meta: built in configure_model
     data = token_dataset()
     if strategy == "auto":
         perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
@@ -149,6 +150,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--in-order-receives", action="store_true")
+    parser.add_argument("--meta", action="store_true", help="build the model in configure_model (meta device)")
     args = parser.parse_args()
     from lightning_tpp import TensorPipeStrategy
 
@@ -165,7 +167,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
         record = train(name, strategy=strategy, devices=args.tp * args.dp * args.pp, dp=args.dp, steps=args.steps, batch_size=args.batch_size,
                        accumulate=args.accumulate, clip=args.clip, precision=args.precision,
                        optimizer=args.optimizer, lr=args.lr, accelerator=args.accelerator,
-                       in_order_receives=args.in_order_receives)
+                       in_order_receives=args.in_order_receives, meta=args.meta)
         torch.save(asdict(record), Path(args.out) / f"{name}.rank{rank}.pt")
 
 

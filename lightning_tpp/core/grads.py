@@ -106,7 +106,7 @@ def clip_by_global_norm(params: list[nn.Parameter], max_norm: float, *, sharded:
 
 def broadcast_module(module: nn.Module, src: int = 0, group: Optional[ProcessGroup] = None) -> None:
     """Make every rank start from ``src``'s parameters and buffers (as DDP does at wrap time)."""
-    tensors = [t.data for t in list(module.parameters()) + list(module.buffers())]  # both deduplicated
+    tensors = [t.data for t in list(module.parameters()) + list(module.buffers()) if not t.is_meta]  # deduplicated
     for bucket in _buckets(tensors):
         flat = _flatten_dense_tensors(bucket)
         dist.broadcast(flat.view(torch.uint8) if flat.dtype == torch.bool else flat, src=src, group=group)

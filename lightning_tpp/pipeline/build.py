@@ -134,6 +134,10 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
             raise PipelinePartitionError("balance='time' measures each block on the LightningModule's "
                                          "example_input_array; set self.example_input_array, or use "
                                          "balance='params'")
+        if any(p.is_meta for p in module.parameters()):
+            raise PipelinePartitionError("balance='time' measures each block by running it, but the model is on the "
+                                         "meta device (built in configure_model or with empty_init=True); use "
+                                         "balance='params' or blocks per stage, e.g. balance=[3, 5]")
         members = describe(module, containers, zip_siblings=blocks is None)[0]
         costs = torch.tensor(measure_block_costs(module, members, example), device=device)
         dist.broadcast(costs, src=0)  # every rank must cut at the same places
@@ -163,7 +167,8 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
         for fqn in prepared.ancestor_params:
             owner_name, _, attr = fqn.rpartition(".")
             owner = module.get_submodule(owner_name)
-            zeros = torch.zeros_like(getattr(owner, attr))
+            held = getattr(owner, attr)
+            zeros = torch.zeros(held.shape, dtype=held.dtype, device=device)  # real also when the model is on meta
             delattr(owner, attr)  # the parameter, replaced by a buffer of zeros
             owner.register_buffer(attr, zeros, persistent=False)
     for unit in runtime.units:

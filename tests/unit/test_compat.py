@@ -260,3 +260,18 @@ def test_metric_progress_round_trips() -> None:
     metric(torch.tensor(5.0))
     set_metric_progress(metric, cache, count)
     assert metric_progress(metric) == (cache, 1) and metric._computed is None
+
+
+def test_module_initializers_still_exist() -> None:
+    """Meta-built models are initialised by these: torch's MultiheadAttention names its ``_reset_parameters``, Hugging
+    Face models initialise a module with ``_init_weights(module)``."""
+    import transformers
+
+    assert callable(getattr(torch.nn.MultiheadAttention, "_reset_parameters", None))
+    assert _compat.module_initializer(torch.nn.MultiheadAttention(4, 2)) is not None
+    cfg = transformers.LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    assert _compat.is_hf_pretrained(model) and not _compat.is_hf_pretrained(model.lm_head)
+    assert "module" in inspect.signature(model._init_weights).parameters
