@@ -123,7 +123,8 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
                                       device=device, blocks=config.blocks, balance=config.balance,
                                       split_points=config.split_points)
     remote = state.stages.remote_names() if state.stages is not None else frozenset()
-    plan = detect(module, config.tp, check=False, remote=remote)
+    plan = detect(module, config.tp, check=False, remote={n: state.stages.twins[n] for n in remote}
+                  if state.stages is not None else remote)
     if config.tp > 1:
         overlay(module, plan, hf_plan(module), source="Hugging Face tp plan", strict=False, remote=remote)
         if isinstance(config.tp_plan, Mapping):

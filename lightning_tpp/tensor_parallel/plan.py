@@ -18,7 +18,7 @@ from __future__ import annotations
 import fnmatch
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Collection, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence, Union
 
 from torch import nn
 
@@ -195,10 +195,19 @@ def _mha(fqn: str, m: nn.MultiheadAttention, notes: list[str]) -> Optional[Block
                      {fqn: [ShardSpec(0, (e, e, e))]}, {"num_heads": m.num_heads})
 
 
-def _vocab(model: nn.Module, claimed: set[str], tp: int, plan: TPPlan) -> None:
-    embeddings = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+def _vocab(model: nn.Module, claimed: set[str], tp: int, plan: TPPlan,
+           elsewhere: Mapping[str, nn.Module]) -> None:
+    """Pair each token embedding with its LM head (a linear ``D -> V``), also when a pipeline puts one of them on
+    another stage (``elsewhere``: that stage's modules, as meta copies): both stages must cut the pair the same way,
+    or a tied weight's gradient sum would meet shards of different sizes."""
+    local = list(model.named_modules())
+    remote = list(elsewhere.items())  # the units themselves (an embedding, a head), not layers inside remote blocks
+    embeddings = {n: m for n, m in local + remote if isinstance(m, nn.Embedding)}
+    here = {n for n, _ in local if n not in elsewhere}
     for e_name, emb in embeddings.items():
-        heads = [(n, m) for n, m in model.named_modules() if n not in claimed and _is_linear(m)
+        if e_name in claimed:
+            continue
+        heads = [(n, m) for n, m in local + remote if n not in claimed and _is_linear(m)
                  and linear_dims(m) == (emb.embedding_dim, emb.num_embeddings)]
         tied = [(n, m) for n, m in heads if m.weight is emb.weight]
         if not heads:
@@ -209,17 +218,22 @@ def _vocab(model: nn.Module, claimed: set[str], tp: int, plan: TPPlan) -> None:
                               f"embedding and LM head stay replicated")
             continue
         h_name, _ = (tied or heads)[-1]
-        if any(m.weight is emb.weight for n, m in heads if n != h_name):
+        if any(m.weight is emb.weight for n, m in heads if n != h_name) or not {e_name, h_name} & here:
             continue
-        plan.styles[e_name] = "vocab"
-        plan.styles[h_name] = "colwise_gather"
-        claimed.update({e_name, h_name})
+        # embeddings that share this weight (BART's shared / encoder / decoder token embeddings) are cut alike
+        aliases = [n for n, m in embeddings.items() if n != e_name and m.weight is emb.weight]
+        for n, style in ((e_name, "vocab"), (h_name, "colwise_gather"), *((a, "vocab") for a in aliases)):
+            if n in here:
+                plan.styles[n] = style
+        claimed.update({e_name, h_name, *aliases})
 
 
-def detect(model: nn.Module, tp: int, *, check: bool = True, remote: Collection[str] = ()) -> TPPlan:
+def detect(model: nn.Module, tp: int, *, check: bool = True,
+           remote: Union[Collection[str], Mapping[str, nn.Module]] = ()) -> TPPlan:
     """The automatic plan for ``model`` at tensor-parallel size ``tp`` (empty when ``tp == 1``).
 
-    ``remote``: modules another pipeline stage holds (this rank has stand-ins); no block contains one.
+    ``remote``: modules another pipeline stage holds (this rank has stand-ins); no block contains one. Given as a
+    mapping to meta copies of them, an embedding here is paired with its head there (and the reverse).
     ``check=False`` leaves the divisibility check (:func:`check_divisible`) to the caller, who may first lay a
     ``tp_plan`` over the result (e.g. replicate the block that does not divide)."""
     plan = TPPlan()
@@ -253,7 +267,7 @@ def detect(model: nn.Module, tp: int, *, check: bool = True, remote: Collection[
             plan.styles[name] = "colwise"
         plan.styles[info.layers[-1]] = "rowwise"
         claimed.update(info.layers)
-    _vocab(model, claimed, tp, plan)
+    _vocab(model, claimed, tp, plan, remote if isinstance(remote, Mapping) else {})
     plan = _ordered(plan, model)
     if check:
         check_divisible(plan, tp)

@@ -483,3 +483,34 @@ def test_an_output_projection_registered_first_is_not_read_as_an_mlp() -> None:
             self.qkv_proj = nn.Linear(16, 48)
 
     assert not detect(nn.Sequential(Attn()), 2).blocks
+
+
+@pytest.mark.parametrize("here", ["first", "last"])
+def test_vocab_pair_split_across_pipeline_stages(here: str) -> None:
+    """Under a pipeline the embedding (stage 0) and the head (last stage) are on different ranks: each stage cuts its
+    half of the pair (given the other stage's units as meta copies), so a tied weight's shards match in size."""
+    import copy
+
+    import torch
+
+    model = TinyLlama()
+    remote_name = "output" if here == "first" else "tok_embeddings"
+    twin = copy.deepcopy(getattr(model, remote_name)).to("meta")
+    setattr(model, remote_name, nn.Identity())  # the stand-in a pipeline leaves
+    plan = detect(model, 2, remote={remote_name: twin})
+    local_name, style = ("tok_embeddings", "vocab") if here == "first" else ("output", "colwise_gather")
+    assert plan.styles[local_name] == style
+    assert remote_name not in plan.styles
+    # without the other stage's units the pair is not seen: the half stays whole (what happened before)
+    assert local_name not in detect(model, 2, remote=[remote_name]).styles
+
+
+def test_embeddings_sharing_a_weight_are_cut_alike() -> None:
+    """BART's shared, encoder and decoder token embeddings are one weight: all become vocab parallel, or the weight
+    would be split into a shard and a whole copy."""
+    model = TinyLlama()
+    second = nn.Embedding(*model.tok_embeddings.weight.shape)
+    second.weight = model.tok_embeddings.weight
+    model.add_module("second_embeddings", second)
+    plan = detect(model, 2)
+    assert plan.styles["tok_embeddings"] == plan.styles["second_embeddings"] == "vocab"
