@@ -491,8 +491,6 @@ def test_vocab_pair_split_across_pipeline_stages(here: str) -> None:
     half of the pair (given the other stage's units as meta copies), so a tied weight's shards match in size."""
     import copy
 
-    import torch
-
     model = TinyLlama()
     remote_name = "output" if here == "first" else "tok_embeddings"
     twin = copy.deepcopy(getattr(model, remote_name)).to("meta")
