@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_tpp._compat import tree_map
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.pipeline.build import prepare_stages
@@ -163,17 +164,21 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     whole = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
     report = MemoryReport([], dims, None, m, mb, seq_len, spec.name, optimizer, param_dtype,
                           activation_checkpointing, dp_shard, whole)
-    for r in range(pp):
-        cut, plan, partition = _cut(module, dims, r, virtual_stages, param_dtype, balance=balance,
-                                    split_points=split_points, blocks=blocks, tp_plan=tp_plan)
-        report.partition = partition
+    cuts = [_cut(module, dims, r, virtual_stages, param_dtype, balance=balance, split_points=split_points,
+                 blocks=blocks, tp_plan=tp_plan) for r in range(pp)]
+    report.partition = cuts[0][2]
+    plan = TPPlan()  # the pipeline ranks' plans name disjoint modules: one meta forward measures every stage
+    for _, p, _ in cuts:
+        plan.styles.update(p.styles)
+        plan.blocks.update(p.blocks)
+    per_stage, recompute = _activations(module, plan, report.partition, dims, mb, seq_len, param_dtype,
+                                        activation_checkpointing, forward)
+    for r, (cut, _, _) in enumerate(cuts):
         params, grads, optim, count = _state_bytes(cut, optimizer, dp if dp_shard else 1)
         stages = tuple(c * pp + r for c in range(virtual_stages)) if pp > 1 else (0,)
-        per_stage, peak_extra = _activations(module, plan, partition, stages, dims, mb, seq_len, param_dtype,
-                                             activation_checkpointing, forward)
-        chunk_bytes = [per_stage[g] for g in stages]
-        in_flight, held = _held(spec, r, pp, m, virtual_stages, chunk_bytes)
-        report.ranks += [RankMemory(r, t, stages, count, params, grads, optim, held + peak_extra, in_flight)
+        in_flight, held = _held(spec, r, pp, m, virtual_stages, [per_stage.get(g, 0) for g in stages])
+        extra = max((recompute.get(g, 0) for g in stages), default=0)
+        report.ranks += [RankMemory(r, t, stages, count, params, grads, optim, held + extra, in_flight)
                          for t in range(tp)]
     if dp_shard and dp > 1:
         report.notes.append("dp_shard assumes FSDP2 over dp (parameters, gradients and optimizer state / dp); the "
@@ -247,20 +252,23 @@ def _held(spec: Any, rank: int, pp: int, m: int, virtual: int, chunk_bytes: Sequ
 # activations: saved tensors of one micro-batch, by pipeline stage
 
 
-def _activations(module: nn.Module, plan: TPPlan, partition: Optional[Partition], stages: Sequence[int],
-                 dims: MeshDims, mb: int, seq_len: int, dtype: torch.dtype, checkpointing: bool,
-                 forward: Optional[ForwardFn]) -> tuple[dict[int, int], int]:
-    """Bytes held per micro-batch by each of ``stages`` (saved tensors, plus the outputs sent to the next stage),
-    and what comes on top at the peak: one block's recomputed activations under checkpointing."""
+def _activations(module: nn.Module, plan: TPPlan, partition: Optional[Partition], dims: MeshDims, mb: int,
+                 seq_len: int, dtype: torch.dtype, checkpointing: bool, forward: Optional[ForwardFn]
+                 ) -> tuple[dict[int, int], dict[int, int]]:
+    """Bytes held per micro-batch by each stage (saved tensors, plus the outputs sent to the next stage), and what
+    comes on top at a stage's peak: under checkpointing, its largest block's activations while it recomputes."""
     owners = partition.owners() if partition is not None else {}
     blocks = _block_names(module, partition)
     full = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, False, forward)
     last = partition.stages - 1 if partition is not None else 0
     if not checkpointing:
-        return _per_stage(full, stages, last), 0
+        return _per_stage(full, last), {}
     held = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, True, forward)
-    recompute = max((b for name, b in full.blocks.items() if owners.get(name, 0) in stages), default=0)
-    return _per_stage(held, stages, last), recompute
+    recompute: dict[int, int] = {}
+    for name, b in full.blocks.items():
+        g = owners.get(name, 0)
+        recompute[g] = max(recompute.get(g, 0), b)
+    return _per_stage(held, last), recompute
 
 
 def _block_names(module: nn.Module, partition: Optional[Partition]) -> tuple[str, ...]:
@@ -272,8 +280,8 @@ def _block_names(module: nn.Module, partition: Optional[Partition]) -> tuple[str
         return ()
 
 
-def _per_stage(m: "_Measured", stages: Sequence[int], last: int) -> dict[int, int]:
-    return {g: m.saved.get(g, 0) + (m.sent.get(g, 0) if g < last else 0) for g in stages}
+def _per_stage(m: "_Measured", last: int) -> dict[int, int]:
+    return {g: m.saved.get(g, 0) + (m.sent.get(g, 0) if g < last else 0) for g in range(last + 1)}
 
 
 @dataclass
@@ -292,15 +300,16 @@ def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks:
     if dims.tp > 1:
         apply_plan(copy, plan, TPGroup(None, 0, dims.tp), verify=False)
     modules = dict(copy.named_modules())
-    for name in blocks if checkpointing else ():
-        block = modules[name]
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     out = _Measured()
     running: list[str] = []
     last = [0]
     seen: dict[int, Tensor] = {}  # keeps counted tensors alive, so that ids are not reused
     params = {id(p) for p in copy.parameters()}
     block_set = set(blocks)
+    repeats = _Repeats(out, owners)
+    for name in blocks:
+        modules[name].forward = functools.partial(repeats.run, name, modules[name], modules[name].forward,
+                                                  checkpointing)
 
     def pack(t: Tensor) -> Tensor:
         base = t._base if t._base is not None else t
@@ -338,6 +347,43 @@ def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks:
         for h in handles:
             h.remove()
     return out
+
+
+class _Repeats:
+    """Runs a block only until two blocks of the same kind (class, parameter shapes, input shapes) have run; later
+    ones are counted as the second (shared inputs such as rotary tables are counted by the first only) and return
+    fresh meta tensors of the same shapes: an 80-layer model costs two layers' worth of meta operations."""
+
+    def __init__(self, out: "_Measured", owners: Mapping[str, int]) -> None:
+        self.out, self.owners = out, owners
+        self.done: dict[Any, list[tuple[int, Any]]] = {}  # kind -> (bytes, output) of the blocks that ran
+
+    def run(self, name: str, block: nn.Module, forward: Callable[..., Any], checkpointing: bool, *args: Any,
+            **kwargs: Any) -> Any:
+        kind = (type(block), tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()),
+                _shapes((args, kwargs)))
+        ran = self.done.setdefault(kind, [])
+        if len(ran) >= 2:
+            saved, result = ran[-1]
+            stage = self.owners.get(name, 0)
+            self.out.saved[stage] = self.out.saved.get(stage, 0) + saved
+            self.out.blocks[name] = saved
+            return tree_map(lambda t: torch.empty_like(t).requires_grad_(t.requires_grad)
+                            if isinstance(t, Tensor) else t, result)
+        result = checkpoint(forward, *args, use_reentrant=False, **kwargs) if checkpointing else \
+            forward(*args, **kwargs)
+        ran.append((self.out.blocks.get(name, 0), result))
+        return result
+
+
+def _shapes(obj: Any, depth: int = 0) -> Any:
+    if isinstance(obj, Tensor):
+        return (tuple(obj.shape), obj.dtype, obj.requires_grad)
+    if isinstance(obj, (list, tuple)) and depth < 4:
+        return tuple(_shapes(v, depth + 1) for v in obj)
+    if isinstance(obj, dict) and depth < 4:
+        return tuple((k, _shapes(v, depth + 1)) for k, v in obj.items())
+    return obj if obj is None or isinstance(obj, (bool, int, float, str)) else type(obj).__name__
 
 
 def _float_bytes(value: Any) -> int:
