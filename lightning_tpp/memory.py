@@ -65,8 +65,10 @@ class RankMemory:
     params: int
     grads: int
     optimizer: int
-    activations: int  # at the schedule's peak
+    activations: int  # at the schedule's peak: saved tensors + sent outputs + recompute
     in_flight: int  # the most micro-batches it holds at once
+    sent: int = 0  # of which: outputs sent to the next stage, held until their gradients come back
+    recompute: int = 0  # of which: one block's activations while it recomputes (activation checkpointing)
 
     @property
     def states(self) -> int:
@@ -171,15 +173,16 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     for _, p, _ in cuts:
         plan.styles.update(p.styles)
         plan.blocks.update(p.blocks)
-    per_stage, recompute = _activations(module, plan, report.partition, dims, mb, seq_len, param_dtype,
-                                        activation_checkpointing, forward)
+    per_stage, saved, recompute = _activations(module, plan, report.partition, dims, mb, seq_len, param_dtype,
+                                               activation_checkpointing, forward)
     for r, (cut, _, _) in enumerate(cuts):
         params, grads, optim, count = _state_bytes(cut, optimizer, dp if dp_shard else 1)
         stages = tuple(c * pp + r for c in range(virtual_stages)) if pp > 1 else (0,)
         in_flight, held = _held(spec, r, pp, m, virtual_stages, [per_stage.get(g, 0) for g in stages])
+        held_saved = _held(spec, r, pp, m, virtual_stages, [saved.get(g, 0) for g in stages])[1]
         extra = max((recompute.get(g, 0) for g in stages), default=0)
-        report.ranks += [RankMemory(r, t, stages, count, params, grads, optim, held + extra, in_flight)
-                         for t in range(tp)]
+        report.ranks += [RankMemory(r, t, stages, count, params, grads, optim, held + extra, in_flight,
+                                    held - held_saved, extra) for t in range(tp)]
     if dp_shard and dp > 1:
         report.notes.append("dp_shard assumes FSDP2 over dp (parameters, gradients and optimizer state / dp); the "
                             "strategy does not shard over dp yet (pass dp_shard=False for today's replication)")
@@ -254,21 +257,22 @@ def _held(spec: Any, rank: int, pp: int, m: int, virtual: int, chunk_bytes: Sequ
 
 def _activations(module: nn.Module, plan: TPPlan, partition: Optional[Partition], dims: MeshDims, mb: int,
                  seq_len: int, dtype: torch.dtype, checkpointing: bool, forward: Optional[ForwardFn]
-                 ) -> tuple[dict[int, int], dict[int, int]]:
-    """Bytes held per micro-batch by each stage (saved tensors, plus the outputs sent to the next stage), and what
-    comes on top at a stage's peak: under checkpointing, its largest block's activations while it recomputes."""
+                 ) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+    """Bytes held per micro-batch by each stage (saved tensors plus the outputs sent to the next stage; saved
+    tensors alone), and what comes on top at a stage's peak: under checkpointing, its largest block's activations
+    while it recomputes."""
     owners = partition.owners() if partition is not None else {}
     blocks = _block_names(module, partition)
     full = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, False, forward)
     last = partition.stages - 1 if partition is not None else 0
     if not checkpointing:
-        return _per_stage(full, last), {}
+        return _per_stage(full, last), dict(full.saved), {}
     held = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, True, forward)
     recompute: dict[int, int] = {}
     for name, b in full.blocks.items():
         g = owners.get(name, 0)
         recompute[g] = max(recompute.get(g, 0), b)
-    return _per_stage(held, last), recompute
+    return _per_stage(held, last), dict(held.saved), recompute
 
 
 def _block_names(module: nn.Module, partition: Optional[Partition]) -> tuple[str, ...]:
