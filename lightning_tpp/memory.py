@@ -16,7 +16,9 @@ Activations are measured, not modelled: the model's forward (and a cross-entropy
 model's own loss) runs on the meta copy of each pipeline rank, parallel layers included (collectives return the
 shapes they would), for one micro-batch of ``batch_size / dp / microbatches`` sequences of ``seq_len`` tokens, under
 ``torch.autograd.graph.saved_tensors_hooks``: each tensor autograd keeps for backward (parameters excepted) is counted
-once, on the pipeline stage whose module was running. A stage other than the last also holds the outputs it sent
+once, on the pipeline stage whose module was running (``scaled_dot_product_attention`` as the fused kernels real
+devices run keeps it: q, k, v, output, log-sum-exp; the meta device's math path would keep seq x seq
+probabilities). A stage other than the last also holds the outputs it sent
 until their gradients come back. With activation checkpointing every block runs under non-reentrant
 ``torch.utils.checkpoint``, which keeps only the block's inputs; one block's full activations come back while it
 recomputes. How many micro-batches a rank holds comes from the schedule's own action lists (``pipeline.schedule``):
@@ -38,6 +40,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from lightning_tpp._compat import tree_map
@@ -341,7 +344,7 @@ def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks:
         handles.append(modules[name].register_forward_hook(functools.partial(leave, name)))
     ids = torch.zeros(mb, seq_len, dtype=torch.long, device="meta")
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttention():
             (forward or _default_forward)(copy, ids)
     except (RuntimeError, NotImplementedError, TypeError) as err:
         raise ValueError(f"estimate_memory runs the model's forward on the meta device to measure activations, and "
@@ -351,6 +354,34 @@ def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks:
         for h in handles:
             h.remove()
     return out
+
+
+class _FlashSaves(torch.autograd.Function):
+    """What a fused attention kernel (flash / memory-efficient, on GPU and CPU alike) keeps for backward: q, k, v,
+    the output, the log-sum-exp per query, and the mask if one is given; no (seq x seq) probabilities."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:  # pragma: no cover - shapes only, never run
+        raise NotImplementedError
+
+
+class _FusedAttention(TorchFunctionMode):
+    """``scaled_dot_product_attention`` on meta tensors takes the math path, which saves the attention
+    probabilities; real devices run a fused kernel that does not. Count what the fused kernel keeps."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and all(isinstance(a, Tensor) and a.is_meta for a in args[:3]):
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            return _FlashSaves.apply(*args[:3], mask if isinstance(mask, Tensor) else None)
+        return func(*args, **kwargs)
 
 
 class _Repeats:

@@ -181,3 +181,11 @@ def test_cli_plan_lightning_module(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "model.tok_embeddings" in out and "replicated over dp" in out and "fits" in out
     assert math.isfinite(parse_bytes("80GB"))
+
+
+def test_fused_attention_keeps_no_probabilities() -> None:
+    """sdpa counted as the fused kernels of real devices run it: activations grow linearly with the sequence."""
+    llama = _meta(lambda: TinyLlama(n_layers=2))
+    short = estimate_memory(llama, tp=1, pp=1, batch_size=1, seq_len=256).ranks[0].activations
+    long = estimate_memory(llama, tp=1, pp=1, batch_size=1, seq_len=512).ranks[0].activations
+    assert long == pytest.approx(2 * short, rel=0.05)
