@@ -12,6 +12,7 @@ from lightning_tpp.checkpoint import (
     consolidate,
 )
 from lightning_tpp.core.mesh import MeshDims
+from lightning_tpp.memory import MemoryReport, RankMemory, estimate_memory
 from lightning_tpp.parallel_state import ParallelState
 from lightning_tpp.pipeline import Schedule, register_schedule
 from lightning_tpp.strategy import TensorPipeStrategy
@@ -22,9 +23,11 @@ if TensorPipeStrategy.strategy_name not in StrategyRegistry:
 
 __all__ = [
     "CheckpointMismatchError",
+    "MemoryReport",
     "MeshDims",
     "OptimizerStateLayoutError",
     "ParallelState",
+    "RankMemory",
     "Schedule",
     "TPPlan",
     "TensorParallelConfigError",
@@ -32,6 +35,7 @@ __all__ = [
     "TensorPipeStrategy",
     "UnsafeCheckpointError",
     "consolidate",
+    "estimate_memory",
     "register_schedule",
 ]
 __version__ = "0.1.0"

@@ -33,6 +33,8 @@ class TPGroup:
 
 
 def _all_reduce(t: Tensor, group: TPGroup) -> Tensor:
+    if t.is_meta:  # shapes only (the memory planner runs parallel layers on the meta device): nothing to reduce
+        return t
     # gloo has no half-precision reductions: reduce in fp32 and cast back (CPU only; NCCL keeps the dtype).
     if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16):
         buf = t.float()
@@ -71,6 +73,8 @@ class _GatherFromTP(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, group: TPGroup) -> Tensor:
         ctx.group = group
         x = x.contiguous()
+        if x.is_meta:  # shapes only: the gathered shape, no communication
+            return torch.cat([x] * group.size, dim=-1)
         comm = x.float() if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) else x
         out = [torch.empty_like(comm) for _ in range(group.size)]
         torch.distributed.all_gather(out, comm, group=group.group)

@@ -1,0 +1,444 @@
+"""Memory planner: the bytes each rank of a (tp, pp, dp) layout will hold, worked out on the meta device.
+
+For every pipeline rank, a meta copy of the model is cut the way ``parallel_state.build_state`` cuts the real one,
+with the same functions: ``pipeline.build.prepare_stages`` (``find_block_sequences`` + ``plan_partition``, balanced
+by parameters or by the given block counts; other stages' units become stand-ins, tied weights stay on every stage
+that uses them) -> ``tensor_parallel.detect`` + the Hugging Face plan + ``tp_plan`` -> ``apply_plan``. The
+parameters left on that copy are the rank's own, in their tensor-parallel shapes::
+
+    per rank (pp rank, tp rank)      params  +  grads  +  optimizer state  +  activations held by the schedule
+    params, grads                    the copy's parameters (trainable ones for grads), in param_dtype
+    optimizer state                  states per parameter (AdamW 2, SGD with momentum 1, SGD 0) + AdamW's step
+    activations                      (bytes saved for backward per micro-batch, per stage)
+                                       x (micro-batches the schedule holds at once on that rank)
+
+Activations are measured, not modelled: the model's forward (and a cross-entropy on its logits, or a Hugging Face
+model's own loss) runs on the meta copy of each pipeline rank, parallel layers included (collectives return the
+shapes they would), for one micro-batch of ``batch_size / dp / microbatches`` sequences of ``seq_len`` tokens, under
+``torch.autograd.graph.saved_tensors_hooks``: each tensor autograd keeps for backward (parameters excepted) is counted
+once, on the pipeline stage whose module was running (``scaled_dot_product_attention`` as the fused kernels real
+devices run keeps it: q, k, v, output, log-sum-exp; the meta device's math path would keep seq x seq
+probabilities). A stage other than the last also holds the outputs it sent
+until their gradients come back. With activation checkpointing every block runs under non-reentrant
+``torch.utils.checkpoint``, which keeps only the block's inputs; one block's full activations come back while it
+recomputes. How many micro-batches a rank holds comes from the schedule's own action lists (``pipeline.schedule``):
+a micro-batch is held from its ``F`` until its ``B`` (or its ``W`` when the backward is split; an upper bound).
+
+``dp_shard=True`` assumes FSDP2 over dp (``fully_shard``: every parameter's dim 0 cut into dp pieces, padded), so
+parameters, gradients and optimizer state are divided by dp; ``dp_shard=False`` is replication over dp (what the
+strategy does today). Not counted: framework and allocator overhead, communication buffers, FSDP2's gathered
+parameters of the block in flight, temporaries that are not saved for backward (e.g. the loss's gradient).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
+
+from lightning_tpp._compat import tree_map
+from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.core.mesh import MeshDims
+from lightning_tpp.pipeline.build import prepare_stages
+from lightning_tpp.pipeline.partition import Partition, find_block_sequences, plan_partition
+from lightning_tpp.pipeline.schedule import ScheduleLike, actions, resolve
+from lightning_tpp.pipeline.stage import meta_twin
+from lightning_tpp.tensor_parallel import TPPlan, apply_plan, check_divisible, detect, hf_plan, overlay
+
+GiB = 1024 ** 3
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}  # states shaped like the parameter
+ForwardFn = Callable[[nn.Module, Tensor], Any]  # (model, token ids of one micro-batch) -> what backward starts from
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds (all tp ranks of a pipeline rank hold the same)."""
+
+    pp_rank: int
+    tp_rank: int
+    stages: tuple[int, ...]  # the (virtual) pipeline stages it runs
+    param_count: int  # parameter elements it holds (after tp and, with dp_shard, dp sharding)
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # at the schedule's peak: saved tensors + sent outputs + recompute
+    in_flight: int  # the most micro-batches it holds at once
+    sent: int = 0  # of which: outputs sent to the next stage, held until their gradients come back
+    recompute: int = 0  # of which: one block's activations while it recomputes (activation checkpointing)
+
+    @property
+    def states(self) -> int:
+        """Parameters + gradients + optimizer state."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.states + self.activations
+
+
+@dataclass
+class MemoryReport:
+    """What :func:`estimate_memory` found: one :class:`RankMemory` per (pp rank, tp rank), and the partition."""
+
+    ranks: list[RankMemory]
+    dims: MeshDims
+    partition: Optional[Partition]
+    microbatches: int
+    micro_batch_size: int
+    seq_len: int
+    schedule: str
+    optimizer: str
+    param_dtype: torch.dtype
+    activation_checkpointing: bool
+    dp_shard: bool
+    whole_params: int  # parameter elements of the whole model (shared weights once)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def largest(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total)
+
+    def ideal_share(self) -> float:
+        """Bytes of the whole model's params + grads + optimizer state divided by the world size."""
+        per_param = torch.empty((), dtype=self.param_dtype).element_size() * (2 + OPTIMIZER_STATES[self.optimizer])
+        return self.whole_params * per_param / self.dims.world_size
+
+    def fits(self, device_bytes: float) -> bool:
+        return self.largest.total <= device_bytes
+
+    def __str__(self) -> str:
+        d = self.dims
+        layout = (f"tp={d.tp} x pp={d.pp} x dp={d.dp}, {self.microbatches} micro-batch(es) of {self.micro_batch_size}"
+                  f" x {self.seq_len} tokens, schedule {self.schedule!r}, {self.optimizer}, {self.param_dtype}, "
+                  f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}, "
+                  f"states {'sharded over dp (FSDP2)' if self.dp_shard and d.dp > 1 else 'replicated over dp'}")
+        unit, scale = ("GiB", GiB) if self.largest.total >= GiB else ("MiB", 1024 ** 2)
+        lines = [f"Memory per rank ({unit}): {layout}; whole model {self.whole_params / 1e6:,.1f} M parameters",
+                 f"{'pp':>3} {'tp':>5} {'stages':>8} {'params':>9} {'grads':>9} {'optimizer':>10} "
+                 f"{'activations':>12} {'in flight':>9} {'total':>9}"]
+        for r in self.ranks:
+            if r.tp_rank:
+                continue  # the tp ranks of one pipeline rank hold the same
+            tps = f"0-{d.tp - 1}" if d.tp > 1 else "0"
+            lines.append(f"{r.pp_rank:>3} {tps:>5} {','.join(map(str, r.stages)):>8} {r.params / scale:9.2f} "
+                         f"{r.grads / scale:9.2f} {r.optimizer / scale:10.2f} {r.activations / scale:12.2f} "
+                         f"{r.in_flight:>9} {r.total / scale:9.2f}")
+        lines.append(f"largest rank: {self.largest.total / scale:.2f} {unit} (pp rank {self.largest.pp_rank}); "
+                     f"ideal share of params+grads+optimizer: {self.ideal_share() / scale:.2f} {unit}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microbatches: Optional[int] = None,
+                    batch_size: int, seq_len: int, schedule: ScheduleLike = "1f1b", virtual_stages: int = 1,
+                    optimizer: str = "adamw", param_dtype: torch.dtype = torch.float32,
+                    activation_checkpointing: bool = False, dp_shard: bool = True,
+                    balance: Union[str, Sequence[int]] = "params", split_points: Optional[Sequence[str]] = None,
+                    blocks: Optional[Union[str, Sequence[str]]] = None,
+                    tp_plan: Union[str, Mapping[str, str]] = "auto",
+                    forward: Optional[ForwardFn] = None) -> MemoryReport:
+    """Bytes per rank of training ``module`` with ``TensorPipeStrategy(tp, pp, dp, ...)``, without allocating.
+
+    ``module`` is usually built on the meta device (``with torch.device("meta"): ...``); a module with real weights
+    is copied to meta first and left as it was. ``batch_size`` is the global batch (all dp replicas together): a
+    micro-batch is ``batch_size / dp / microbatches`` sequences of ``seq_len`` tokens (``microbatches`` defaults to
+    ``2 * pp`` as in the strategy; 1 without a pipeline). ``forward(model, ids)`` replaces the default call
+    (``model(ids)`` and a cross-entropy on the logits; a Hugging Face model's own loss). ``balance``,
+    ``split_points``, ``blocks`` and ``tp_plan`` are the strategy's. See the module docstring for the method."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r} is not one of {tuple(OPTIMIZER_STATES)}")
+    if balance == "time":
+        raise ValueError("estimate_memory cannot measure block times on the meta device: balance='time' is not "
+                         "supported here; pass balance='params' or blocks per stage, e.g. balance=[10, 10]")
+    dims = MeshDims(dp, pp, tp)
+    m = (microbatches or 2 * pp) if pp > 1 else 1
+    spec = resolve(schedule)
+    if pp > 1:
+        spec.check(pp, m, virtual_stages)
+    if batch_size % (dp * m):
+        raise ValueError(f"batch_size={batch_size} must be divisible by dp * microbatches = {dp} * {m}: each "
+                         f"micro-batch holds batch_size / dp / microbatches sequences")
+    mb = batch_size // (dp * m)
+    whole = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+    report = MemoryReport([], dims, None, m, mb, seq_len, spec.name, optimizer, param_dtype,
+                          activation_checkpointing, dp_shard, whole)
+    cuts = [_cut(module, dims, r, virtual_stages, param_dtype, balance=balance, split_points=split_points,
+                 blocks=blocks, tp_plan=tp_plan) for r in range(pp)]
+    report.partition = cuts[0][2]
+    plan = TPPlan()  # the pipeline ranks' plans name disjoint modules: one meta forward measures every stage
+    for _, p, _ in cuts:
+        plan.styles.update(p.styles)
+        plan.blocks.update(p.blocks)
+    per_stage, saved, recompute = _activations(module, plan, report.partition, dims, mb, seq_len, param_dtype,
+                                               activation_checkpointing, forward)
+    for r, (cut, _, _) in enumerate(cuts):
+        params, grads, optim, count = _state_bytes(cut, optimizer, dp if dp_shard else 1)
+        stages = tuple(c * pp + r for c in range(virtual_stages)) if pp > 1 else (0,)
+        in_flight, held = _held(spec, r, pp, m, virtual_stages, [per_stage.get(g, 0) for g in stages])
+        held_saved = _held(spec, r, pp, m, virtual_stages, [saved.get(g, 0) for g in stages])[1]
+        extra = max((recompute.get(g, 0) for g in stages), default=0)
+        report.ranks += [RankMemory(r, t, stages, count, params, grads, optim, held + extra, in_flight,
+                                    held - held_saved, extra) for t in range(tp)]
+    if dp_shard and dp > 1:
+        report.notes.append("dp_shard assumes FSDP2 over dp (parameters, gradients and optimizer state / dp); the "
+                            "strategy does not shard over dp yet (pass dp_shard=False for today's replication)")
+    return report
+
+
+def _cut(module: nn.Module, dims: MeshDims, pp_rank: int, virtual: int, dtype: torch.dtype, *,
+         balance: Union[str, Sequence[int]], split_points: Optional[Sequence[str]],
+         blocks: Optional[Union[str, Sequence[str]]], tp_plan: Union[str, Mapping[str, str]]
+         ) -> tuple[nn.Module, TPPlan, Optional[Partition]]:
+    """A meta copy of ``module`` cut for ``pp_rank`` as ``parallel_state.build_state`` cuts it (tp rank 0)."""
+    copy = _meta_copy(module, dtype)
+    whole_model = [n for n, _ in copy.named_modules()]
+    remote: frozenset[str] = frozenset()
+    partition = None
+    if dims.pp > 1:
+        prepared = prepare_stages(copy, dims=dims, pp_rank=pp_rank, virtual=virtual, device=torch.device("meta"),
+                                  blocks=blocks, balance=balance, split_points=split_points)
+        remote, partition = prepared.remote_names(), prepared.partition
+    plan = detect(copy, dims.tp, check=False, remote=remote)
+    if dims.tp > 1:
+        overlay(copy, plan, hf_plan(copy), source="Hugging Face tp plan", strict=False, remote=remote)
+        if isinstance(tp_plan, Mapping):
+            overlay(copy, plan, tp_plan, source="tp_plan", strict=True, whole_model=whole_model, remote=remote)
+        check_divisible(plan, dims.tp)
+        apply_plan(copy, plan, TPGroup(None, 0, dims.tp), verify=False)
+    return copy, plan, partition
+
+
+def _meta_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    copy = meta_twin(module)
+    for p in copy.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    return copy
+
+
+def _state_bytes(cut: nn.Module, optimizer: str, dp: int) -> tuple[int, int, int, int]:
+    """(params, grads, optimizer state) bytes and the parameter elements of a cut copy, each parameter's dim 0
+    divided into ``dp`` padded pieces (FSDP2) when ``dp > 1``."""
+    params = grads = optim = count = 0
+    for p in {id(p): p for p in cut.parameters()}.values():
+        n = p.numel() if dp == 1 or p.dim() == 0 else math.ceil(p.shape[0] / dp) * math.prod(p.shape[1:])
+        size = n * p.element_size()
+        count, params = count + n, params + size
+        if p.requires_grad:
+            grads += size
+            optim += OPTIMIZER_STATES[optimizer] * size + (4 if optimizer in ("adam", "adamw") else 0)  # fp32 step
+    return params, grads, optim, count
+
+
+def _held(spec: Any, rank: int, pp: int, m: int, virtual: int, chunk_bytes: Sequence[int]) -> tuple[int, int]:
+    """(most micro-batches held at once, most activation bytes held at once) over ``rank``'s actions: held from
+    ``F`` until ``B``, or until ``W`` when the backward is split into ``I`` and ``W``."""
+    if pp == 1:
+        return 1, chunk_bytes[0]
+    held: set[tuple[int, int]] = set()
+    most = most_bytes = 0
+    for kind, mb, chunk in actions(spec, rank, pp, m, virtual):
+        if kind == "F":
+            held.add((mb, chunk))
+        elif kind in "BW":
+            held.discard((mb, chunk))
+        most = max(most, len(held))
+        most_bytes = max(most_bytes, sum(chunk_bytes[c] for _, c in held))
+    return most, most_bytes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# activations: saved tensors of one micro-batch, by pipeline stage
+
+
+def _activations(module: nn.Module, plan: TPPlan, partition: Optional[Partition], dims: MeshDims, mb: int,
+                 seq_len: int, dtype: torch.dtype, checkpointing: bool, forward: Optional[ForwardFn]
+                 ) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+    """Bytes held per micro-batch by each stage (saved tensors plus the outputs sent to the next stage; saved
+    tensors alone), and what comes on top at a stage's peak: under checkpointing, its largest block's activations
+    while it recomputes."""
+    owners = partition.owners() if partition is not None else {}
+    blocks = _block_names(module, partition)
+    full = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, False, forward)
+    last = partition.stages - 1 if partition is not None else 0
+    if not checkpointing:
+        return _per_stage(full, last), dict(full.saved), {}
+    held = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, True, forward)
+    recompute: dict[int, int] = {}
+    for name, b in full.blocks.items():
+        g = owners.get(name, 0)
+        recompute[g] = max(recompute.get(g, 0), b)
+    return _per_stage(held, last), dict(held.saved), recompute
+
+
+def _block_names(module: nn.Module, partition: Optional[Partition]) -> tuple[str, ...]:
+    if partition is not None:
+        return tuple(n for members in partition.members for n in members)
+    try:
+        return tuple(n for members in plan_partition(module, 1).members for n in members)
+    except ValueError:  # no block sequence: nothing to checkpoint per block
+        return ()
+
+
+def _per_stage(m: "_Measured", last: int) -> dict[int, int]:
+    return {g: m.saved.get(g, 0) + (m.sent.get(g, 0) if g < last else 0) for g in range(last + 1)}
+
+
+@dataclass
+class _Measured:
+    saved: dict[int, int] = field(default_factory=dict)  # stage -> bytes saved for backward
+    sent: dict[int, int] = field(default_factory=dict)  # stage -> bytes of its last unit's outputs
+    blocks: dict[str, int] = field(default_factory=dict)  # block -> bytes saved inside it
+
+
+def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks: Sequence[str], dims: MeshDims,
+             mb: int, seq_len: int, dtype: torch.dtype, checkpointing: bool, forward: Optional[ForwardFn]
+             ) -> _Measured:
+    """Run one micro-batch forward on a meta copy cut by ``plan``; attribute every saved tensor to the stage (and
+    block) whose module is running, or else to the stage that ran last (the loss goes to the last stage)."""
+    copy = _meta_copy(module, dtype)
+    if dims.tp > 1:
+        apply_plan(copy, plan, TPGroup(None, 0, dims.tp), verify=False)
+    modules = dict(copy.named_modules())
+    out = _Measured()
+    running: list[str] = []
+    last = [0]
+    seen: dict[int, Tensor] = {}  # keeps counted tensors alive, so that ids are not reused
+    params = {id(p) for p in copy.parameters()}
+    block_set = set(blocks)
+    repeats = _Repeats(out, owners)
+    for name in blocks:
+        modules[name].forward = functools.partial(repeats.run, name, modules[name], modules[name].forward,
+                                                  checkpointing)
+
+    def pack(t: Tensor) -> Tensor:
+        base = t._base if t._base is not None else t
+        if id(base) in params or id(base) in seen:
+            return t
+        seen[id(base)] = base
+        stage = owners.get(running[0], 0) if running else last[0]
+        out.saved[stage] = out.saved.get(stage, 0) + base.nbytes
+        if running and running[0] in block_set:
+            out.blocks[running[0]] = out.blocks.get(running[0], 0) + base.nbytes
+        return t
+
+    def enter(name: str, *_: Any) -> None:
+        running.append(name)
+
+    def leave(name: str, _m: nn.Module, _a: Any, result: Any) -> None:
+        running.pop()
+        if not running:
+            last[0] = owners.get(name, 0)
+            out.sent[last[0]] = _float_bytes(result)
+
+    handles = []
+    for name in (*owners, *(n for n in blocks if n not in owners)):
+        handles.append(modules[name].register_forward_pre_hook(functools.partial(enter, name)))
+        handles.append(modules[name].register_forward_hook(functools.partial(leave, name)))
+    ids = torch.zeros(mb, seq_len, dtype=torch.long, device="meta")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttention():
+            (forward or _default_forward)(copy, ids)
+    except (RuntimeError, NotImplementedError, TypeError) as err:
+        raise ValueError(f"estimate_memory runs the model's forward on the meta device to measure activations, and "
+                         f"{type(module).__name__}'s failed there: {type(err).__name__}: {err}. Pass "
+                         f"forward=lambda model, ids: <the loss of one micro-batch> to call it another way") from err
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+class _FlashSaves(torch.autograd.Function):
+    """What a fused attention kernel (flash / memory-efficient, on GPU and CPU alike) keeps for backward: q, k, v,
+    the output, the log-sum-exp per query, and the mask if one is given; no (seq x seq) probabilities."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:  # pragma: no cover - shapes only, never run
+        raise NotImplementedError
+
+
+class _FusedAttention(TorchFunctionMode):
+    """``scaled_dot_product_attention`` on meta tensors takes the math path, which saves the attention
+    probabilities; real devices run a fused kernel that does not. Count what the fused kernel keeps."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and all(isinstance(a, Tensor) and a.is_meta for a in args[:3]):
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            return _FlashSaves.apply(*args[:3], mask if isinstance(mask, Tensor) else None)
+        return func(*args, **kwargs)
+
+
+class _Repeats:
+    """Runs a block only until two blocks of the same kind (class, parameter shapes, input shapes) have run; later
+    ones are counted as the second (shared inputs such as rotary tables are counted by the first only) and return
+    fresh meta tensors of the same shapes: an 80-layer model costs two layers' worth of meta operations."""
+
+    def __init__(self, out: "_Measured", owners: Mapping[str, int]) -> None:
+        self.out, self.owners = out, owners
+        self.done: dict[Any, list[tuple[int, Any]]] = {}  # kind -> (bytes, output) of the blocks that ran
+
+    def run(self, name: str, block: nn.Module, forward: Callable[..., Any], checkpointing: bool, *args: Any,
+            **kwargs: Any) -> Any:
+        kind = (type(block), tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()),
+                _shapes((args, kwargs)))
+        ran = self.done.setdefault(kind, [])
+        if len(ran) >= 2:
+            saved, result = ran[-1]
+            stage = self.owners.get(name, 0)
+            self.out.saved[stage] = self.out.saved.get(stage, 0) + saved
+            self.out.blocks[name] = saved
+            return tree_map(lambda t: torch.empty_like(t).requires_grad_(t.requires_grad)
+                            if isinstance(t, Tensor) else t, result)
+        result = checkpoint(forward, *args, use_reentrant=False, **kwargs) if checkpointing else \
+            forward(*args, **kwargs)
+        ran.append((self.out.blocks.get(name, 0), result))
+        return result
+
+
+def _shapes(obj: Any, depth: int = 0) -> Any:
+    if isinstance(obj, Tensor):
+        return (tuple(obj.shape), obj.dtype, obj.requires_grad)
+    if isinstance(obj, (list, tuple)) and depth < 4:
+        return tuple(_shapes(v, depth + 1) for v in obj)
+    if isinstance(obj, dict) and depth < 4:
+        return tuple((k, _shapes(v, depth + 1)) for k, v in obj.items())
+    return obj if obj is None or isinstance(obj, (bool, int, float, str)) else type(obj).__name__
+
+
+def _float_bytes(value: Any) -> int:
+    if isinstance(value, Tensor):
+        return value.nbytes if value.is_floating_point() else 0
+    if isinstance(value, (tuple, list)):
+        return sum(_float_bytes(v) for v in value)
+    if isinstance(value, Mapping):
+        return sum(_float_bytes(v) for v in value.values())
+    return 0
+
+
+def _default_forward(model: nn.Module, ids: Tensor) -> Any:
+    """A language model's step: a Hugging Face model's own loss (``labels=``), else a cross-entropy on the logits
+    when ``model(ids)`` returns ``(batch, tokens, vocab)`` scores."""
+    if hasattr(model, "base_model_prefix") and hasattr(model, "config"):
+        return model(input_ids=ids, labels=ids).loss
+    out = model(ids)
+    logits = getattr(out, "logits", out)
+    if isinstance(logits, Tensor) and logits.is_floating_point() and logits.dim() == 3 and \
+            logits.shape[:2] == ids.shape:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+    return out
