@@ -9,6 +9,7 @@ from lightning_tpp.checkpoint import (
     CheckpointMismatchError,
     OptimizerStateLayoutError,
     UnsafeCheckpointError,
+    WeightsMismatchError,
     consolidate,
 )
 from lightning_tpp.core.mesh import MeshDims
@@ -31,6 +32,7 @@ __all__ = [
     "TensorParallelMismatchError",
     "TensorPipeStrategy",
     "UnsafeCheckpointError",
+    "WeightsMismatchError",
     "consolidate",
     "register_schedule",
 ]
