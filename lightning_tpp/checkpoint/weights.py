@@ -53,11 +53,11 @@ class LoadedWeights:
     source: str  # the kind of source
     path: str
     prefix: str  # the module prefix put before each of the file's keys
-    loaded: int  # this rank's tensors filled
+    loaded: int  # this rank's state_dict entries filled (each alias of a tied weight counts)
     files: tuple[str, ...]  # the files whose tensor data this rank read
 
     def describe(self) -> str:
-        return (f"weights from {self.path} ({self.source}) under prefix {self.prefix!r}: {self.loaded} tensors on "
+        return (f"weights from {self.path} ({self.source}) under prefix {self.prefix!r}: {self.loaded} entries on "
                 f"this rank, read from {len(self.files)} file(s)")
 
 
@@ -133,7 +133,11 @@ class SafetensorsSource:
         return source
 
     def read(self, wanted: Mapping[str, Sequence[Box]]) -> tuple[str, ...]:
-        from safetensors import safe_open
+        try:
+            from safetensors import safe_open
+        except ImportError as err:  # pragma: no cover - installed with transformers
+            raise ImportError("reading safetensors weights needs the safetensors package: pip install safetensors"
+                              ) from err
 
         by_file: dict[Path, list[str]] = {}
         for key in wanted:

@@ -82,6 +82,23 @@ def test_a_stage_reads_only_the_files_holding_its_tensors(hf: dict[str, Path]) -
     assert set(report.files) == own and len(own) < len(set(weight_map.values()))
 
 
+def test_every_stage_raises_for_a_key_another_stage_misses(hf: dict[str, Path], tmp_path: Path) -> None:
+    """The decision is the whole model's: a stage without layer 1 raises for layer 1's missing key as the stage
+    holding it does, so no rank goes on to wait in a collective for a rank that raised."""
+    from safetensors.torch import load_file
+
+    state = load_file(hf["one"] / "model.safetensors")
+    del state["model.layers.1.mlp.down_proj.weight"]
+    save_file(state, tmp_path / "model.safetensors")
+    for drop in (0, 1):
+        module = HFHolder()
+        names = ParamNames.of(module)
+        module.model.model.layers[drop] = nn.Identity()
+        with pytest.raises(WeightsMismatchError, match=r"missing \(1\): \['model.model.layers.1.mlp.down_proj.weight'\]"
+                           r"\. Model"):
+            _load(module, tmp_path / "model.safetensors", names=names)
+
+
 class Fused(nn.Module):
     """A fused [q | k | v] projection (GQA: 32 | 16 | 16 rows), a row-parallel output, a vocab-parallel embedding and
     a replicated norm."""
