@@ -276,8 +276,8 @@ def _mismatch_message(path: PathLike, match: KeyMatch, how: str, strict: bool) -
 
 
 def _resolve_prefix(source: Source, path: PathLike, names: ParamNames, prefix: str) -> tuple[str, str]:
-    if prefix != "auto":
-        return prefix, "given"
+    if prefix != "auto":  # a module path: "model" means "model."
+        return (prefix if not prefix or prefix.endswith(".") else prefix + "."), "given"
     if not source.shapes:
         raise WeightsMismatchError(f"weights {path} hold no tensors")
     chosen, count = choose_prefix(list(source.shapes), list(names.shapes))

@@ -232,6 +232,7 @@ def test_prefixes(tmp_path: Path) -> None:
     holder = nn.Module()
     holder.net = Fused()
     assert _load(holder, tmp_path / "w.safetensors").prefix == "net."
+    assert _load(holder, tmp_path / "w.safetensors", prefix="net").prefix == "net."
     with pytest.raises(WeightsMismatchError, match=r"under prefix 'body.' \(given\): missing \(7\)"):
         _load(holder, tmp_path / "w.safetensors", prefix="body.")
     save_file({"something.else": torch.zeros(1)}, tmp_path / "other.safetensors")
