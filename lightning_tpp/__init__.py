@@ -9,6 +9,7 @@ from lightning_tpp.checkpoint import (
     CheckpointMismatchError,
     OptimizerStateLayoutError,
     UnsafeCheckpointError,
+    WeightsMismatchError,
     consolidate,
 )
 from lightning_tpp.core.mesh import MeshDims
@@ -34,6 +35,7 @@ __all__ = [
     "TensorParallelMismatchError",
     "TensorPipeStrategy",
     "UnsafeCheckpointError",
+    "WeightsMismatchError",
     "consolidate",
     "estimate_memory",
     "register_schedule",

@@ -27,6 +27,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,6 +35,7 @@ from typing_extensions import override
 
 from lightning_tpp._compat import StrategyRegistryType, optimizers_to_device
 from lightning_tpp.checkpoint.state import check_state_layout
+from lightning_tpp.checkpoint.weights import load_weights
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.grads import average_gradients, broadcast_module
 from lightning_tpp.core.materialize import has_meta, move_real
@@ -89,6 +91,14 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             with a message naming it (the latter capped at 60 s).
         on_nonfinite: a NaN/inf loss on any rank: ``"raise"`` on every rank, ``"skip"`` the step everywhere, or
             ``"warn"`` and go on. All ranks take the same decision.
+        weights: a file or folder of weights loaded into the model at the end of setup, each rank reading only
+            its own slices: a Hugging Face ``model.safetensors``, a folder with it or with
+            ``model.safetensors.index.json`` (sharded), a consolidated Lightning ``.ckpt``, or a sharded
+            checkpoint folder (model weights only). Missing, unexpected and mis-shaped keys raise one
+            ``WeightsMismatchError`` on every rank (the module's ``strict_loading = False`` skips missing and
+            unexpected ones). ``trainer.fit(ckpt_path=...)`` still restores over them.
+        weights_prefix: the module path put before the file's keys to name the model's parameters
+            (``"model."`` for a Hugging Face model held as ``self.model``); ``"auto"`` finds it.
         start_method: ``"auto"`` (``"fork"`` in notebooks, else ``"popen"``: the script is run again per rank),
             ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
     """
@@ -120,6 +130,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["auto", "popen", "spawn", "fork", "forkserver"] = "auto",
+        weights: Optional[Union[str, "os.PathLike[str]"]] = None,
+        weights_prefix: str = "auto",
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -155,6 +167,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
+        self._weights = None if weights is None else os.fspath(weights)
+        self._weights_prefix = weights_prefix
         self._num_nodes = 1
         self._dims: Optional[MeshDims] = None
         self._mesh: Optional[DeviceMesh] = None
@@ -234,6 +248,11 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         state = build_state(module, config, self.dims, groups, rank=self.global_rank, device=self.root_device,
                             print_plan=self._print_plan, meta=meta)
         state.config = self._config()
+        if self._weights is not None:
+            loaded = load_weights(module, self._weights, names=state.names, shards=state.shards,
+                                  tp_rank=self._tp_group.rank, tp_size=self._tp_group.size,
+                                  prefix=self._weights_prefix, strict=module.strict_loading)
+            rank_zero_info(loaded.describe())
         return state
 
     def _agreed_seed(self) -> int:
@@ -247,7 +266,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         """The arguments that decide how the model is cut and run, as compared across ranks and runs."""
         return {k: repr(getattr(self, k)) for k in ("_tp", "_pp", "_dp_arg", "microbatches", "schedule",
                                                      "virtual_stages", "_tp_plan_arg", "_balance", "_split_points",
-                                                     "_blocks", "_save_sharded", "_on_nonfinite")}
+                                                     "_blocks", "_save_sharded", "_on_nonfinite", "_weights",
+                                                     "_weights_prefix")}
 
     def _fingerprint(self, module: nn.Module) -> dict[str, Any]:
         return {"configuration": self._config(), "model": model_structure(module),

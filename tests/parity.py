@@ -7,7 +7,7 @@ import argparse
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -58,11 +58,15 @@ class Recorder(Callback):
 def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, steps: int = 5, batch_size: int = 4,
           accumulate: int = 1, clip: Optional[float] = None, precision: str = "32-true", lr: float = 0.1,
           optimizer: str = "sgd", accelerator: str = "cpu", in_order_receives: bool = False,
-          meta: bool = False) -> Record:
+          meta: bool = False, prepare: Optional[Callable[[LitLM], None]] = None,
+          after_fit: Optional[Callable[[L.Trainer], None]] = None) -> Record:
     """Train ``name`` for ``steps`` optimizer steps. With ``strategy="auto"`` (one process) each batch is the union of
-    what ``dp`` replicas draw from Lightning's shuffling DistributedSampler (seed 0, epoch 0) at that step."""
+    what ``dp`` replicas draw from Lightning's shuffling DistributedSampler (seed 0, epoch 0) at that step.
+    ``prepare`` sees the module before training (e.g. loads weights), ``after_fit`` the Trainer after it."""
     L.seed_everything(0, verbose=False)
     module = LitLM(name, lr=lr, optimizer=optimizer, build_in_configure_model=meta)  # meta: built in configure_model
+    if prepare is not None:
+        prepare(module)
     data = token_dataset()
     if strategy == "auto":
         perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
@@ -85,6 +89,8 @@ def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, s
                         callbacks=callbacks, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
                         precision=precision, limit_val_batches=0, num_sanity_val_steps=0)
     trainer.fit(module, loader)
+    if after_fit is not None:
+        after_fit(trainer)
     return recorder.record
 
 

@@ -16,13 +16,15 @@ renamed into place, so a save that dies midway leaves the previous checkpoint in
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint import ChunkStorageMetadata, CheckpointException, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.device_mesh import DeviceMesh
@@ -245,3 +247,60 @@ def consolidate(path: Path, out: Path, *, weights_only: Optional[bool] = True) -
                 named["state"].setdefault(name, {})[state_key] = value
         checkpoint["optimizer_states"].append(indexed_optimizer_state(named, order))
     atomic_save(checkpoint, out)
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...], Tensor]  # offsets and sizes in the whole tensor; where the box goes
+
+
+def model_entry_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The model's tensors in a sharded checkpoint (single-device names and shapes), from its ``.metadata`` only."""
+    _require_complete(path)
+    stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    return {k[len("model."):]: tuple(md.size) for k, md in stored.items()
+            if k.startswith("model.") and hasattr(md, "size")}
+
+
+class _BoxPlanner(LoadPlanner):
+    """Reads boxes of whole tensors straight into the tensors (views) that hold them: DCP's own resharding (the
+    overlap of each box with the stored chunks), with no DTensor and no process group."""
+
+    def __init__(self, boxes: dict[str, Sequence[Box]]) -> None:
+        self.boxes = boxes
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        items: list[ReadItem] = []
+        for fqn, boxes in self.boxes.items():
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in boxes]
+            items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], chunks)
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        raise CheckpointMismatchError(f"{read_item.dest_index.fqn} is stored as bytes, not as a tensor")
+
+    def resolve_tensor(self, read_item: ReadItem) -> Tensor:
+        dest = self.boxes[read_item.dest_index.fqn][read_item.dest_index.index][2]
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            dest = dest.narrow(dim, start, length)
+        return dest
+
+    def commit_tensor(self, read_item: ReadItem, tensor: Tensor) -> None:
+        pass  # resolve_tensor handed out a view of the destination: the data is in place
+
+
+def read_model_boxes(path: Path, boxes: dict[str, Sequence[Box]]) -> None:
+    """Fill each box (a view of this rank's tensor, any dtype) from the model entries of a sharded checkpoint, in one
+    process (no collective). DCP reads each stored chunk that overlaps a box (the saving rank's shard, or the whole
+    tensor where it was saved whole) and copies the overlap: memory beyond the destinations is one stored chunk."""
+    planner = _BoxPlanner({f"model.{k}": v for k, v in boxes.items()})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        _dcp_load({k: b[0][2] for k, b in planner.boxes.items()}, path, True, planner=planner, no_dist=True)

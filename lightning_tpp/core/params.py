@@ -4,8 +4,8 @@ and the index of which parameters tensor parallelism cut."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -19,10 +19,16 @@ def params_by_index(optimizer: Optimizer) -> list[nn.Parameter]:
 @dataclass(frozen=True)
 class ParamNames:
     """The single-device model's parameter names: ``order`` as ``parameters()`` yields them (what an optimizer's
-    state indices refer to in an ordinary checkpoint), and ``canonical`` for every alias of a shared weight."""
+    state indices refer to in an ordinary checkpoint), and ``canonical`` for every alias of a shared weight.
+
+    ``shapes`` holds every ``state_dict`` entry of the whole model (parameters under every alias, persistent
+    buffers) with its single-device shape, and ``transient`` the non-persistent buffers: recorded before a pipeline
+    drops other stages' modules, so that every rank can check a weights file against the whole model alike."""
 
     order: tuple[str, ...]
     canonical: dict[str, str]
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    transient: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, module: nn.Module) -> "ParamNames":
@@ -30,7 +36,9 @@ class ParamNames:
         canonical = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             canonical[name] = first.setdefault(id(p), name)
-        return cls(tuple(first.values()), canonical)
+        shapes = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, Tensor)}
+        transient = frozenset(n for n, _ in module.named_buffers(remove_duplicate=False) if n not in shapes)
+        return cls(tuple(first.values()), canonical, shapes, transient)
 
     def local(self, module: nn.Module) -> dict[int, str]:
         """id(parameter) -> canonical name, for this rank's (possibly partial) module."""
