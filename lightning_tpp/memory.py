@@ -46,11 +46,11 @@ from torch.utils.checkpoint import checkpoint
 from lightning_tpp._compat import tree_map
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.mesh import MeshDims
-from lightning_tpp.pipeline.build import prepare_stages
-from lightning_tpp.pipeline.partition import Partition, find_block_sequences, plan_partition
+from lightning_tpp.pipeline.partition import Partition, plan_partition
 from lightning_tpp.pipeline.schedule import ScheduleLike, actions, resolve
 from lightning_tpp.pipeline.stage import meta_twin
-from lightning_tpp.tensor_parallel import TPPlan, apply_plan, check_divisible, detect, hf_plan, overlay
+from lightning_tpp.parallel_state import ParallelConfig, cut
+from lightning_tpp.tensor_parallel import TPPlan, apply_plan
 
 GiB = 1024 ** 3
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}  # states shaped like the parameter
@@ -178,8 +178,8 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
         plan.blocks.update(p.blocks)
     per_stage, saved, recompute = _activations(module, plan, report.partition, dims, mb, seq_len, param_dtype,
                                                activation_checkpointing, forward)
-    for r, (cut, _, _) in enumerate(cuts):
-        params, grads, optim, count = _state_bytes(cut, optimizer, dp if dp_shard else 1)
+    for r, (rank_copy, _, _) in enumerate(cuts):
+        params, grads, optim, count = _state_bytes(rank_copy, optimizer, dp if dp_shard else 1)
         stages = tuple(c * pp + r for c in range(virtual_stages)) if pp > 1 else (0,)
         in_flight, held = _held(spec, r, pp, m, virtual_stages, [per_stage.get(g, 0) for g in stages])
         held_saved = _held(spec, r, pp, m, virtual_stages, [saved.get(g, 0) for g in stages])[1]
@@ -198,21 +198,10 @@ def _cut(module: nn.Module, dims: MeshDims, pp_rank: int, virtual: int, dtype: t
          ) -> tuple[nn.Module, TPPlan, Optional[Partition]]:
     """A meta copy of ``module`` cut for ``pp_rank`` as ``parallel_state.build_state`` cuts it (tp rank 0)."""
     copy = _meta_copy(module, dtype)
-    whole_model = [n for n, _ in copy.named_modules()]
-    remote: frozenset[str] = frozenset()
-    partition = None
-    if dims.pp > 1:
-        prepared = prepare_stages(copy, dims=dims, pp_rank=pp_rank, virtual=virtual, device=torch.device("meta"),
-                                  blocks=blocks, balance=balance, split_points=split_points)
-        remote, partition = prepared.remote_names(), prepared.partition
-    plan = detect(copy, dims.tp, check=False, remote=remote)
-    if dims.tp > 1:
-        overlay(copy, plan, hf_plan(copy), source="Hugging Face tp plan", strict=False, remote=remote)
-        if isinstance(tp_plan, Mapping):
-            overlay(copy, plan, tp_plan, source="tp_plan", strict=True, whole_model=whole_model, remote=remote)
-        check_divisible(plan, dims.tp)
-        apply_plan(copy, plan, TPGroup(None, 0, dims.tp), verify=False)
-    return copy, plan, partition
+    config = ParallelConfig(dims.tp, dims.pp, 1, "1f1b", virtual, balance, split_points, blocks, tp_plan, False)
+    stages, plan, _ = cut(copy, config, dims, pp_rank=pp_rank, device=torch.device("meta"),
+                          tp_group=TPGroup(None, 0, dims.tp))
+    return copy, plan, stages.partition if stages is not None else None
 
 
 def _meta_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -97,11 +97,12 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class Materialization:
     """How a model built on the meta device gets its tensors: on ``device``, initialised per module from
-    ``base_seed`` (the same on every rank), or left for ``load_weights`` when ``initialize`` is False."""
+    ``base_seed`` (the same on every rank), except modules whose tensors all come from a file (``loaded``: their
+    single-device names), which are only allocated."""
 
     device: torch.device
     base_seed: int
-    initialize: bool = True
+    loaded: frozenset[str] = frozenset()
 
 
 def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, groups: ProcessGroups, *, rank: int,
@@ -116,36 +117,47 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
     Everything before the last step works on meta tensors (shapes only), so no rank ever holds the whole model.
     """
     state = ParallelState(dims, groups, ParamNames.of(module))  # names before stages drop modules
-    whole_model = [n for n, _ in module.named_modules()]
     coords = dims.coords(rank)
-    if config.pp > 1:
-        state.stages = prepare_stages(module, dims=dims, pp_rank=coords["pp"], virtual=config.virtual_stages,
-                                      device=device, blocks=config.blocks, balance=config.balance,
-                                      split_points=config.split_points)
-    remote = state.stages.remote_names() if state.stages is not None else frozenset()
-    plan = detect(module, config.tp, check=False, remote={n: state.stages.twins[n] for n in remote}
-                  if state.stages is not None else remote)
-    if config.tp > 1:
-        overlay(module, plan, hf_plan(module), source="Hugging Face tp plan", strict=False, remote=remote)
-        if isinstance(config.tp_plan, Mapping):
-            overlay(module, plan, config.tp_plan, source="tp_plan", strict=True, whole_model=whole_model,
-                    remote=remote)
-        check_divisible(plan, config.tp)
-        state.shards = apply_plan(module, plan, groups.tp, verify=config.verify)
-    state.plan = plan
+    state.stages, state.plan, state.shards = cut(module, config, dims, pp_rank=coords["pp"], device=device,
+                                                 tp_group=groups.tp)
+    plan = state.plan
     if state.stages is not None:
         state.engine = finish_stages(module, state.stages, dims=dims, coords=coords, virtual=config.virtual_stages,
                                      schedule=config.schedule, microbatches=config.microbatches, pp_group=groups.pp)
     if meta is not None:
         materialize(module, device=meta.device, names=state.names, shards=state.shards, tp_rank=groups.tp.rank,
-                    tp_size=groups.tp.size, base_seed=meta.base_seed, initialize=meta.initialize)
-        if state.stages is not None and meta.initialize:
+                    tp_size=groups.tp.size, base_seed=meta.base_seed, loaded=meta.loaded)
+        if state.stages is not None:
             _sync_tied(module, state, dims, coords)
     if print_plan and config.tp > 1:
         rank_zero_info(format_plan(module, plan, config.tp, state.shards))
     if print_plan and state.stages is not None:
         rank_zero_info(format_partition(state.stages.partition, dims.pp))
     return state
+
+
+def cut(module: nn.Module, config: ParallelConfig, dims: MeshDims, *, pp_rank: int, device: torch.device,
+        tp_group: TPGroup) -> tuple[Optional[PreparedStages], TPPlan, ShardIndex]:
+    """This pipeline rank's stage (stand-ins for the others), then the tensor-parallel plan (automatic, Hugging Face,
+    the user's globs) applied to it: the part of ``build_state`` that decides what a rank holds, also run by the memory
+    planner on a meta copy."""
+    whole_model = [n for n, _ in module.named_modules()]
+    stages = None
+    if config.pp > 1:
+        stages = prepare_stages(module, dims=dims, pp_rank=pp_rank, virtual=config.virtual_stages, device=device,
+                                blocks=config.blocks, balance=config.balance, split_points=config.split_points)
+    remote = stages.remote_names() if stages is not None else frozenset()
+    plan = detect(module, config.tp, check=False,
+                  remote={n: stages.twins[n] for n in remote} if stages is not None else remote)
+    shards = ShardIndex()
+    if config.tp > 1:
+        overlay(module, plan, hf_plan(module), source="Hugging Face tp plan", strict=False, remote=remote)
+        if isinstance(config.tp_plan, Mapping):
+            overlay(module, plan, config.tp_plan, source="tp_plan", strict=True, whole_model=whole_model,
+                    remote=remote)
+        check_divisible(plan, config.tp)
+        shards = apply_plan(module, plan, tp_group, verify=config.verify)
+    return stages, plan, shards
 
 
 def _sync_tied(module: nn.Module, state: ParallelState, dims: MeshDims, coords: dict[str, int]) -> None:

@@ -35,7 +35,7 @@ from typing_extensions import override
 
 from lightning_tpp._compat import StrategyRegistryType, optimizers_to_device
 from lightning_tpp.checkpoint.state import check_state_layout
-from lightning_tpp.checkpoint.weights import load_weights
+from lightning_tpp.checkpoint.weights import covered_names, load_weights
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.grads import average_gradients, broadcast_module
 from lightning_tpp.core.materialize import has_meta, move_real
@@ -244,7 +244,11 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         config = ParallelConfig(self._tp, self._pp, self.microbatches, self.schedule, self.virtual_stages,
                                 self._balance, self._split_points, self._blocks, self._tp_plan_arg, self._verify)
         groups = ProcessGroups(self._mesh, self._tp_group, self._pp_group, self._dp_group)
-        meta = Materialization(self.root_device, self._agreed_seed()) if on_meta else None
+        meta = None
+        if on_meta:  # what a weights file fills is only allocated (strict or not, the rest is initialised)
+            loaded = covered_names(self._weights, names=ParamNames.of(module), prefix=self._weights_prefix) \
+                if self._weights is not None else frozenset()
+            meta = Materialization(self.root_device, self._agreed_seed(), loaded)
         state = build_state(module, config, self.dims, groups, rank=self.global_rank, device=self.root_device,
                             print_plan=self._print_plan, meta=meta)
         state.config = self._config()

@@ -289,6 +289,13 @@ def _resolve_prefix(source: Source, path: PathLike, names: ParamNames, prefix: s
     return chosen, f"chosen automatically: {count} of the file's {len(source.shapes)} keys are model names under it"
 
 
+def covered_names(source: PathLike, *, names: ParamNames, prefix: str = "auto") -> frozenset[str]:
+    """The single-device names (every alias) that ``source`` holds a tensor for: a model built on the meta device
+    only initialises what the file will not fill. Reads the files' headers only."""
+    opened = open_source(source)
+    return frozenset(match_keys(opened.shapes, names, _resolve_prefix(opened, source, names, prefix)[0]).key_of)
+
+
 def load_weights(module: nn.Module, source: PathLike, *, names: ParamNames, shards: ShardIndex, tp_rank: int,
                  tp_size: int, prefix: str = "auto", strict: bool = True) -> LoadedWeights:
     """Fill this rank's parameters and persistent buffers (in place, cast to their dtypes) from ``source``: a

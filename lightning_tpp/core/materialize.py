@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from itertools import chain
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 import torch
 from torch import Tensor, nn
@@ -96,10 +96,11 @@ def _hf_roots(module: nn.Module) -> dict[str, nn.Module]:
 
 
 def materialize(module: nn.Module, *, device: torch.device, names: ParamNames, shards: ShardIndex, tp_rank: int,
-                tp_size: int, base_seed: int, initialize: bool = True,
+                tp_size: int, base_seed: int, initialize: bool = True, loaded: Collection[str] = (),
                 on_module: Optional[Callable[[str], None]] = None) -> list[str]:
     """Allocate (and unless ``initialize=False``, initialise) every meta tensor of ``module`` in place; returns the
-    names of the modules initialised. A weight several modules share is initialised by the module of its
+    names of the modules materialised. A module whose own tensors are all ``loaded`` (single-device names a weights
+    file fills afterwards) is only allocated. A weight several modules share is initialised by the module of its
     single-device (first) name when that module is here, else by the first one met."""
     modules = list(module.named_modules())
     owner_of: dict[int, str] = {}
@@ -116,9 +117,11 @@ def materialize(module: nn.Module, *, device: torch.device, names: ParamNames, s
                if t.is_meta and owner_of.get(id(t), name) == name]
         if not own:
             continue
-        shape = (lambda t: shards.full_shape(t)) if initialize else (lambda t: tuple(t.shape))
+        prefix = f"{name}." if name else ""
+        init_here = initialize and not all(prefix + n in loaded for n, _ in own)
+        shape = (lambda t: shards.full_shape(t)) if init_here else (lambda t: tuple(t.shape))
         full = {n: torch.empty(shape(t), dtype=t.dtype, device=device) for n, t in own}
-        if initialize:
+        if init_here:
             view = _scratch_view(m, full)
             init = module_initializer(view, roots.get(name))
             if init is None:
@@ -136,7 +139,7 @@ def materialize(module: nn.Module, *, device: torch.device, names: ParamNames, s
                 unwritten.append(f"{name or '<root>'} ({type(m).__name__}: {', '.join(left)})")
         for n, t in own:
             spec = shards.spec(t)
-            local = full[n] if spec is None or not initialize else shard_tensor(full[n], spec, tp_rank, tp_size)
+            local = full[n] if spec is None or not init_here else shard_tensor(full[n], spec, tp_rank, tp_size)
             torch.utils.swap_tensors(t, nn.Parameter(local, requires_grad=t.requires_grad)
                                      if isinstance(t, nn.Parameter) else local)
         del full

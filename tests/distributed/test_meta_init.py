@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch.nn as nn
 
 from launch import ROOT, run_ranks
 from parity import assert_parity, load_record, merge_stages, train

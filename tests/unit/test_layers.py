@@ -19,7 +19,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_tpp"
 LAYERS = {"_compat": 0, "core": 1, "tensor_parallel": 2, "pipeline": 2, "checkpoint": 2, "reliability": 2,
-          "parallel_state": 3, "memory": 3, "integration": 4, "strategy": 5, "__init__": 6, "__main__": 6}
+          "parallel_state": 3, "memory": 4, "integration": 4, "strategy": 5, "__init__": 6, "__main__": 6}
 
 
 def _unit(module: str) -> str:

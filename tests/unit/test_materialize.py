@@ -90,3 +90,18 @@ def test_uninitialised_allocation_for_loading() -> None:
     materialize(model, device=torch.device("cpu"), names=ParamNames.of(model), shards=ShardIndex(), tp_rank=0,
                 tp_size=1, base_seed=0, initialize=False)  # weights will be loaded: no initialiser needed
     assert not any(p.is_meta for p in model.parameters())
+
+
+def test_what_a_file_fills_is_only_allocated() -> None:
+    """A module without an initialiser is fine when a weights file fills all its tensors (``loaded``); the others
+    are still initialised."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), _NoInit())
+    done = materialize(model, device=torch.device("cpu"), names=ParamNames.of(model), shards=ShardIndex(),
+                       tp_rank=0, tp_size=1, base_seed=0, loaded={"1.scale"})
+    assert set(done) == {"0", "1"} and not torch.isnan(model[0].weight).any()
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), _NoInit())
+    with pytest.raises(UninitializedParametersError, match="_NoInit"):
+        materialize(model, device=torch.device("cpu"), names=ParamNames.of(model), shards=ShardIndex(), tp_rank=0,
+                    tp_size=1, base_seed=0, loaded={"0.weight", "0.bias"})

@@ -54,14 +54,13 @@ def test_tensor_parallelism_halves_the_sharded_parameters() -> None:
 
 
 def test_first_stage_follows_the_strategy_cut() -> None:
-    """As the strategy cuts today: under a pipeline the first stage's embedding has no head beside it to pair with,
-    and stays whole on every tp rank; the blocks' linear layers are halved, their norms replicated."""
+    """As the strategy cuts: under a pipeline the first stage's embedding is paired with the head on the last stage
+    and halved like the blocks' linear layers; norms stay replicated."""
     hf = _meta(lambda: HFCausalLM("llama"))
     whole = estimate_memory(hf, tp=1, pp=2, batch_size=MB, seq_len=SEQ).ranks[0]
     cut = estimate_memory(hf, tp=2, pp=2, batch_size=MB, seq_len=SEQ).ranks[0]
     norms = sum(p.numel() for n, p in hf.named_parameters() if n.startswith("model.model.layers.0.") and "norm" in n)
-    embedding = hf.model.model.embed_tokens.weight.numel()
-    assert cut.param_count == (whole.param_count - norms - embedding) // 2 + norms + embedding
+    assert cut.param_count == (whole.param_count - norms) // 2 + norms
 
 
 def test_dp_sharding_divides_the_states() -> None:
