@@ -147,7 +147,10 @@ def _recompute_blocks(module: nn.Module, stages: Optional[PreparedStages],
         else:
             names = block_modules(module, blocks=blocks)
     except PipelinePartitionError as err:
-        raise ValueError(f"activation_checkpointing=True recomputes each block of the model's repeated block "
-                         f"sequence in backward, and none was found: {err}. Name the container of the blocks with "
-                         f"blocks='<module name>', or use activation_checkpointing=False") from err
+        if blocks is not None:  # the user's containers: the partitioner says what is wrong with them
+            raise
+        raise ValueError(f"activation_checkpointing=True recomputes each block of the model's repeated block sequence "
+                         f"(an nn.ModuleList or nn.Sequential of same-class layers, e.g. transformer layers) in "
+                         f"backward, and none was found in {type(module).__name__}. Name the container of the blocks "
+                         f"with blocks='<module name>', or use activation_checkpointing=False") from err
     return recompute_blocks(module, names)
