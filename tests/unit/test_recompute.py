@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import CheckpointError
 
@@ -173,6 +174,15 @@ class _Flat(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+@pytest.fixture
+def process_group() -> Any:
+    """The strategy starts a one-rank process group; other unit tests expect none (test_compat checks so)."""
+    existed = dist.is_initialized()
+    yield
+    if dist.is_initialized() and not existed:
+        dist.destroy_process_group()
+
+
 def _fit(module: L.LightningModule, **kwargs: Any) -> L.Trainer:
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=TensorPipeStrategy(**kwargs), max_steps=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -181,7 +191,7 @@ def _fit(module: L.LightningModule, **kwargs: Any) -> L.Trainer:
     return trainer
 
 
-def test_strategy_recomputes_the_blocks_in_one_process() -> None:
+def test_strategy_recomputes_the_blocks_in_one_process(process_group: None) -> None:
     module = _Flat(NanoGPT())
     trainer = _fit(module, activation_checkpointing=True, print_plan=False)
     assert trainer.strategy.parallel_state.recomputed == tuple(f"model.{b}" for b in BLOCKS)
@@ -190,7 +200,7 @@ def test_strategy_recomputes_the_blocks_in_one_process() -> None:
         _fit(module, activation_checkpointing=False)
 
 
-def test_strategy_refuses_a_model_without_blocks() -> None:
+def test_strategy_refuses_a_model_without_blocks(process_group: None) -> None:
     module = _Flat(nn.Sequential(nn.Embedding(64, 8)))
     with pytest.raises(ValueError, match="activation_checkpointing=True recomputes each block.*none was found.*"
                                          "blocks='<module name>'"):
