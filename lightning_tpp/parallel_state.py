@@ -27,8 +27,10 @@ from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.materialize import materialize
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.params import ParamNames, ShardIndex
+from lightning_tpp.core.recompute import recompute_blocks
 from lightning_tpp.pipeline.build import PreparedStages, finish_stages, format_partition, prepare_stages
 from lightning_tpp.pipeline.engine import PipelineEngine
+from lightning_tpp.pipeline.partition import PipelinePartitionError, block_modules
 from lightning_tpp.tensor_parallel import TPPlan, apply_plan, check_divisible, detect, format_plan, hf_plan, overlay
 
 _SLOT = "_tpp_state"  # the one attribute lightning_tpp keeps on the user's LightningModule
@@ -53,6 +55,7 @@ class ParallelState:
     shards: ShardIndex = field(default_factory=ShardIndex)
     stages: Optional[PreparedStages] = None
     engine: Optional[PipelineEngine] = None
+    recomputed: tuple[str, ...] = ()  # blocks whose activations are recomputed in backward (activation checkpointing)
     config: dict[str, str] = field(default_factory=dict)
 
     def attach(self, module: nn.Module) -> None:
@@ -92,6 +95,7 @@ class ParallelConfig:
     blocks: Optional[Union[str, Sequence[str]]]
     tp_plan: Union[str, Mapping[str, str]]
     verify: bool
+    activation_checkpointing: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,8 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
 
         single-device names -> pipeline stages (this rank keeps its units; stand-ins for the others)
           -> tensor-parallel plan (automatic, Hugging Face, the user's globs) -> apply (swap and shard)
-          -> finish the stages (dispatchers, tied weights, the engine)
+          -> activation checkpointing (each block of this rank) -> finish the stages (dispatchers, tied weights,
+          the engine)
           -> a model built on the meta device: this rank's shards allocated and initialised (``meta``)
 
     Everything before the last step works on meta tensors (shapes only), so no rank ever holds the whole model.
@@ -121,6 +126,8 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
     state.stages, state.plan, state.shards = cut(module, config, dims, pp_rank=coords["pp"], device=device,
                                                  tp_group=groups.tp)
     plan = state.plan
+    if config.activation_checkpointing:  # inside the pipeline's dispatchers, around the tensor-parallel blocks
+        state.recomputed = _recompute_blocks(module, state.stages, config.blocks)
     if state.stages is not None:
         state.engine = finish_stages(module, state.stages, dims=dims, coords=coords, virtual=config.virtual_stages,
                                      schedule=config.schedule, microbatches=config.microbatches, pp_group=groups.pp)
@@ -133,6 +140,9 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
         rank_zero_info(format_plan(module, plan, config.tp, state.shards))
     if print_plan and state.stages is not None:
         rank_zero_info(format_partition(state.stages.partition, dims.pp))
+    if print_plan and state.recomputed:
+        rank_zero_info(f"Activation checkpointing: {len(state.recomputed)} blocks of this rank recomputed in backward "
+                       f"({state.recomputed[0]}..{state.recomputed[-1]})")
     return state
 
 
@@ -177,3 +187,21 @@ def _sync_tied(module: nn.Module, state: ParallelState, dims: MeshDims, coords: 
         stage = owners[unit] if unit is not None else min(weight.stages)
         src = dims.rank_of(dp=coords["dp"], pp=stage % dims.pp, tp=coords["tp"])
         torch.distributed.broadcast(here.data, src=src, group=groups[id(here)])
+
+
+def _recompute_blocks(module: nn.Module, stages: Optional[PreparedStages],
+                      blocks: Optional[Union[str, Sequence[str]]]) -> tuple[str, ...]:
+    """Activation checkpointing on this rank's blocks: the pipeline partition's, else the model's block sequence."""
+    try:
+        if stages is not None:
+            names = [n for n in block_modules(module, stages.partition.members) if n not in stages.remote_names()]
+        else:
+            names = block_modules(module, blocks=blocks)
+    except PipelinePartitionError as err:
+        if blocks is not None:  # the user's containers: the partitioner says what is wrong with them
+            raise
+        raise ValueError(f"activation_checkpointing=True recomputes each block of the model's repeated block sequence "
+                         f"(an nn.ModuleList or nn.Sequential of same-class layers, e.g. transformer layers) in "
+                         f"backward, and none was found in {type(module).__name__}. Name the container of the blocks "
+                         f"with blocks='<module name>', or use activation_checkpointing=False") from err
+    return recompute_blocks(module, names)

@@ -82,6 +82,10 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         tp_plan: ``"auto"``, or a mapping of module-name globs to styles (``"colwise"``, ``"rowwise"``,
             ``"colwise_gather"``, ``"vocab"``, ``"mha"``, ``"replicate"``) laid over the automatic plan.
         verify: check each parallelised block against the original on its first call.
+        activation_checkpointing: recompute each block's activations in backward instead of keeping them
+            (``torch.utils.checkpoint``, non-reentrant; the blocks are the repeated block sequence the pipeline
+            partitioner finds, or ``blocks``, also without a pipeline). Same results, less activation memory, about
+            one more forward of the blocks per step. See ``docs/pipeline.md``.
         save_distributed_checkpoint: write checkpoints as a folder of shards (torch.distributed.checkpoint, each
             rank writing its own; ``lightning-tpp consolidate`` makes one file of it) instead of one whole-model
             file written by rank 0. Both load into any layout.
@@ -119,6 +123,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         blocks: Optional[Union[str, Sequence[str]]] = None,
         tp_plan: Union[Literal["auto"], dict[str, str]] = "auto",
         verify: bool = True,
+        activation_checkpointing: bool = False,
         print_plan: bool = True,
         save_distributed_checkpoint: bool = True,
         on_nonfinite: Literal["raise", "skip", "warn"] = "raise",
@@ -155,6 +160,9 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         self._state: Optional[ParallelState] = None
         self._tp_plan_arg = tp_plan
         self._verify = verify
+        if not isinstance(activation_checkpointing, bool):
+            raise TypeError(f"activation_checkpointing={activation_checkpointing!r} must be True or False")
+        self._activation_checkpointing = activation_checkpointing
         self._save_sharded = save_distributed_checkpoint
         if on_nonfinite not in ("raise", "skip", "warn"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'raise', 'skip' or 'warn'")
@@ -242,7 +250,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
                                  "(precision='16-mixed'): every stage would have to agree on each step's scale and "
                                  "skip decision. Use precision='bf16-mixed' (no scaler needed) or '32-true'")
         config = ParallelConfig(self._tp, self._pp, self.microbatches, self.schedule, self.virtual_stages,
-                                self._balance, self._split_points, self._blocks, self._tp_plan_arg, self._verify)
+                                self._balance, self._split_points, self._blocks, self._tp_plan_arg, self._verify,
+                                activation_checkpointing=self._activation_checkpointing)
         groups = ProcessGroups(self._mesh, self._tp_group, self._pp_group, self._dp_group)
         meta = None
         if on_meta:  # what a weights file fills is only allocated (strict or not, the rest is initialised)
@@ -271,7 +280,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         return {k: repr(getattr(self, k)) for k in ("_tp", "_pp", "_dp_arg", "microbatches", "schedule",
                                                      "virtual_stages", "_tp_plan_arg", "_balance", "_split_points",
                                                      "_blocks", "_save_sharded", "_on_nonfinite", "_weights",
-                                                     "_weights_prefix")}
+                                                     "_weights_prefix", "_activation_checkpointing")}
 
     def _fingerprint(self, module: nn.Module) -> dict[str, Any]:
         return {"configuration": self._config(), "model": model_structure(module),

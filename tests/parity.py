@@ -142,7 +142,9 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--schedule", default="1f1b")  # a name, or "lists:NAME" for NAME's orders as action lists
+    # a name, or "lists:NAME" for NAME's orders as action lists; several names, comma-separated, train each model
+    # once per schedule (records NAME.SCHEDULE.rankR.pt; --virtual applies to the interleaved ones only)
+    parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--microbatches", type=int, default=None)
     parser.add_argument("--virtual", type=int, default=1)
     parser.add_argument("--blocks", default=None)
@@ -157,24 +159,33 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--in-order-receives", action="store_true")
     parser.add_argument("--meta", action="store_true", help="build the model in configure_model (meta device)")
+    parser.add_argument("--activation-checkpointing", action="store_true")
     args = parser.parse_args()
     from lightning_tpp import TensorPipeStrategy
 
     rank = int(os.environ["LOCAL_RANK"])
-    schedule = args.schedule
-    if schedule.startswith("lists:"):  # a user's per-rank action lists, copied from a built-in schedule's
-        from lightning_tpp.pipeline.schedule import actions
+    schedules = args.schedule.split(",") if not args.schedule.startswith("lists:") else [args.schedule]
+    for schedule_name in schedules:
+        schedule, virtual = schedule_name, args.virtual if "interleaved" in schedule_name or len(schedules) == 1 else 1
+        if schedule.startswith("lists:"):  # a user's per-rank action lists, copied from a built-in schedule's
+            from lightning_tpp.pipeline.schedule import actions
 
-        m = args.microbatches or 2 * args.pp
-        schedule = [actions(schedule[len("lists:"):], r, args.pp, m, args.virtual) for r in range(args.pp)]
-    for name in args.models.split(","):
-        strategy = TensorPipeStrategy(tp=args.tp, pp=args.pp, schedule=schedule, microbatches=args.microbatches,
-                                      virtual_stages=args.virtual, blocks=args.blocks, print_plan=rank == 0 and name == "nanogpt")
-        record = train(name, strategy=strategy, devices=args.tp * args.dp * args.pp, dp=args.dp, steps=args.steps, batch_size=args.batch_size,
-                       accumulate=args.accumulate, clip=args.clip, precision=args.precision,
-                       optimizer=args.optimizer, lr=args.lr, accelerator=args.accelerator,
-                       in_order_receives=args.in_order_receives, meta=args.meta)
-        torch.save(asdict(record), Path(args.out) / f"{name}.rank{rank}.pt")
+            m = args.microbatches or 2 * args.pp
+            schedule = [actions(schedule[len("lists:"):], r, args.pp, m, virtual) for r in range(args.pp)]
+        for name in args.models.split(","):
+            strategy = TensorPipeStrategy(tp=args.tp, pp=args.pp, schedule=schedule, microbatches=args.microbatches,
+                                          virtual_stages=virtual, blocks=args.blocks,
+                                          activation_checkpointing=args.activation_checkpointing,
+                                          print_plan=rank == 0 and name == "nanogpt")
+            record = train(name, strategy=strategy, devices=args.tp * args.dp * args.pp, dp=args.dp,
+                           steps=args.steps, batch_size=args.batch_size, accumulate=args.accumulate, clip=args.clip,
+                           precision=args.precision, optimizer=args.optimizer, lr=args.lr,
+                           accelerator=args.accelerator, in_order_receives=args.in_order_receives,
+                           meta=args.meta)
+            if args.activation_checkpointing and not strategy.parallel_state.recomputed:
+                raise AssertionError(f"{name}: activation_checkpointing=True but no block is recomputed")
+            stem = name if len(schedules) == 1 else f"{name}.{schedule_name}"
+            torch.save(asdict(record), Path(args.out) / f"{stem}.rank{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from lightning_tpp.pipeline.partition import (
     ancestor_parameters,
     describe,
     find_block_sequences,
+    forward_modules,
     plan_partition,
 )
 from lightning_tpp.pipeline.stage import StageRuntime, Unit, _RemoteModule, _set_module, mark_dispatch, meta_twin
@@ -73,21 +74,13 @@ class TiedWeight:
     stages: tuple[int, ...]  # the stages whose modules use it
 
 
-def _expand(module: nn.Module, name: str) -> list[str]:
-    """The modules of a block that its forward calls: the block itself, or for a ModuleList/ModuleDict (a block
-    ``[attn, ff]`` that the forward unpacks) its children."""
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-        return [n for k, child in module.named_children() for n in _expand(child, f"{name}.{k}")]
-    return [name]
-
-
 def _units(module: nn.Module, partition: Partition) -> list[Unit]:
     """Every module with a dispatcher, with its stage."""
     modules = dict(module.named_modules())
     owners = partition.owners()
     units = [Unit(n, owners[n], "pre") for n in partition.pre]
     for i, members in enumerate(partition.members):
-        units += [Unit(n, partition.stage_of_block(i)) for m in members for n in _expand(modules[m], m)]
+        units += [Unit(n, partition.stage_of_block(i)) for m in members for n in forward_modules(modules[m], m)]
     units += [Unit(n, owners[n], "middle") for n, _ in partition.middle]
     units += [Unit(n, owners[n], "post") for n in partition.post]
     return units
@@ -102,7 +95,7 @@ def measure_block_costs(module: nn.Module, members: Sequence[Sequence[str]], exa
     starts: dict[str, float] = {}
     handles = []
     for i, block in enumerate(members):
-        for n in (n for m in block for n in _expand(modules[m], m)):
+        for n in (n for m in block for n in forward_modules(modules[m], m)):
             handles.append(modules[n].register_forward_pre_hook(
                 lambda m, a, n=n: starts.__setitem__(n, time.perf_counter())))
             handles.append(modules[n].register_forward_hook(

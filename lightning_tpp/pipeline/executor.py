@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_tpp._compat import tree_flatten, tree_unflatten
+from lightning_tpp.core.recompute import replay_on_recompute
 from lightning_tpp.pipeline.errors import PipelineError
 from lightning_tpp.pipeline.logging import collected_values, kept_metric_states
 from lightning_tpp.pipeline.partition import Partition
@@ -169,7 +170,7 @@ class Executor:
         self.runtime.ctx = ctx
         result = None
         try:
-            with DeferWeightGrads(state.weight_grads) if split else contextlib.nullcontext():
+            with self._split_backward(state) if split else contextlib.nullcontext():
                 result = step(micro)
         except StageOutput:
             pass
@@ -191,6 +192,15 @@ class Executor:
             if torch.is_grad_enabled() and self.transport.early:  # the gradients will come back: post receives now
                 state.grads[dst] = self.transport.post_grads(mb, g, dst, tensors)
         return result
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _split_backward(state: _MicroBatch) -> Iterator[None]:
+        """Weight products file their weight gradients for ``W``; a block recomputed in backward (activation
+        checkpointing) runs its products the same way, so that it saves what the first forward saved (its filed
+        list is never run: the first forward's autograd nodes do the backward)."""
+        with DeferWeightGrads(state.weight_grads), replay_on_recompute(lambda: DeferWeightGrads(WeightGrads())):
+            yield
 
     def _roots(self, mb: int, chunk: int, state: _MicroBatch, scale: float) -> tuple[list[Tensor], Optional[list]]:
         roots: dict[int, Tensor] = {}

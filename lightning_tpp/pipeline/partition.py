@@ -147,6 +147,27 @@ def describe(model: nn.Module, blocks: "str | Sequence[str]", *, zip_siblings: b
     return tuple(members), tuple(pre), tuple(post), tuple(middle)
 
 
+def forward_modules(module: nn.Module, name: str) -> list[str]:
+    """The modules of a block that its forward calls: the block itself, or for a ModuleList/ModuleDict (a block
+    ``[attn, ff]`` that the forward unpacks) its children."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return [n for k, child in module.named_children() for n in forward_modules(child, f"{name}.{k}")]
+    return [name]
+
+
+def block_modules(model: nn.Module, members: Optional[Sequence[Sequence[str]]] = None, *,
+                  blocks: "str | Sequence[str] | None" = None) -> list[str]:
+    """The modules whose forward the blocks run (each block member, or the children of a member that is a list), in
+    order: of ``members`` (a partition's), else of the block sequence of ``model`` (found, or the ``blocks``
+    containers). Raises :class:`PipelinePartitionError` when the model has no block sequence."""
+    if members is None:
+        containers = find_block_sequences(model) if blocks is None else (
+            (blocks,) if isinstance(blocks, str) else tuple(blocks))
+        members = describe(model, containers, zip_siblings=blocks is None)[0]
+    modules = dict(model.named_modules())
+    return [n for block in members for m in block for n in forward_modules(modules[m], m)]
+
+
 def ancestor_parameters(model: nn.Module, blocks: "str | Sequence[str]") -> tuple[str, ...]:
     """Parameters owned directly by an ancestor of the blocks (a ViT's ``cls_token``/``pos_embed`` on the root):
     the ancestor cannot move to one stage, so they are taken to be used before the blocks (first stage)."""
