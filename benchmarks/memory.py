@@ -10,7 +10,8 @@ strategy takes ``activation_checkpointing``; "n/a" otherwise). Per rank, after t
 
 - states: bytes of the rank's parameters, gradients and optimizer state (its own tensors; a DTensor's local shard);
 - peak: ``ru_maxrss`` at the end minus the resident memory measured at the start of ``fit`` (the callback's
-  ``setup``, before ``configure_model``): everything the rank allocated, the whole model it still builds included;
+  ``setup``, before ``configure_model``, which builds on the meta device): everything the rank allocated;
+- setup: the same, at the start of the first step (after the strategy cut the model and materialised the shards);
 - activations: the most bytes saved for backward alive at once during a step (``saved_tensors_hooks``: each
   storage counted once while autograd holds it, parameters excepted).
 
@@ -135,10 +136,13 @@ class SavedTracker:
 class Measure(L.Callback):
     def __init__(self, out: Path) -> None:
         self.out, self.start_rss, self.hooks, self.tracker = out, 0, None, None
-        self.activations = 0
+        self.activations, self.setup_peak = 0, 0
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.start_rss = _rss()  # before configure_model and the strategy's setup
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.setup_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.start_rss
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         params = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
@@ -156,7 +160,8 @@ class Measure(L.Callback):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.start_rss
         result = dict(params=sum(_nbytes(p) for p in params),
                       grads=sum(_nbytes(p.grad) for p in params if p.grad is not None),
-                      optimizer=state, peak=peak, activations=self.activations, rank=trainer.global_rank)
+                      optimizer=state, peak=peak, setup_peak=self.setup_peak, activations=self.activations,
+                      rank=trainer.global_rank)
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
@@ -226,7 +231,7 @@ def _table(name: str, measured: list[dict], report: Any) -> None:
     mib = 2 ** 20
     print(f"  {name}: ideal share {ideal / mib:.1f} MiB (whole model's params + grads + AdamW state / "
           f"{report.dims.world_size})")
-    print(f"  {'rank':>4} {'pp':>3} {'tp':>3} | {'states':>7} {'x ideal':>7} {'peak':>8} {'x ideal':>7} "
+    print(f"  {'rank':>4} {'pp':>3} {'tp':>3} | {'states':>7} {'x ideal':>7} {'peak':>8} {'x ideal':>7} {'setup':>7} "
           f"{'activ.':>7} | {'est. states':>11} {'est/meas':>8} {'est. activ.':>11} {'est/meas':>8} "
           f"{'est. total':>10} {'x ideal':>7}")
     for m in measured:
@@ -236,7 +241,8 @@ def _table(name: str, measured: list[dict], report: Any) -> None:
         states = m["params"] + m["grads"] + m["optimizer"]
         est_act = est.activations - est.sent - est.recompute
         print(f"  {rank:>4} {coords['pp']:>3} {coords['tp']:>3} | {states / mib:7.1f} {states / ideal:7.2f} "
-              f"{m['peak'] / mib:8.1f} {m['peak'] / ideal:7.2f} {m['activations'] / mib:7.1f} | "
+              f"{m['peak'] / mib:8.1f} {m['peak'] / ideal:7.2f} {m['setup_peak'] / ideal:7.2f} "
+              f"{m['activations'] / mib:7.1f} | "
               f"{est.states / mib:11.1f} {est.states / states:8.3f} {est_act / mib:11.1f} "
               f"{est_act / max(m['activations'], 1):8.3f} {est.total / mib:10.1f} {est.total / ideal:7.2f}")
 
@@ -263,7 +269,8 @@ def main() -> None:
     print(f"Llama-style model of {whole / 1e6:.1f} M parameters built in configure_model, AdamW, fp32, "
           f"{args.steps} step(s), {MICROBATCHES} micro-batches of 1 x {args.seq} tokens per dp replica, 1F1B")
     print("states = params + grads + optimizer state of the rank; peak = ru_maxrss increase over the RSS at the start "
-          "of fit (before configure_model; today every rank still builds the whole model); activ. = most bytes saved "
+          "of fit (before configure_model, which builds on the meta device); setup = the same at the first step's start "
+          "(after the strategy's setup); activ. = most bytes saved "
           "for backward alive at once. est. = estimate_memory (dp replicated, as the strategy does today); est. "
           "activ. leaves out sent outputs and recompute, which the hooks do not see; est. total includes them")
     for name, layout in LAYOUTS:

@@ -89,7 +89,8 @@ def _units(module: nn.Module, partition: Partition) -> list[Unit]:
 def measure_block_costs(module: nn.Module, members: Sequence[Sequence[str]], example: Any, repeats: int = 3
                         ) -> list[float]:
     """Forward + backward seconds of each block (its member modules) on ``example`` (the module's
-    ``example_input_array``)."""
+    ``example_input_array``): its fastest of ``repeats`` runs, so that another process taking the core for a moment
+    does not make a cheap block look expensive."""
     modules = dict(module.named_modules())
     stamps: dict[int, list[float]] = {i: [] for i in range(len(members))}
     starts: dict[str, float] = {}
@@ -100,18 +101,23 @@ def measure_block_costs(module: nn.Module, members: Sequence[Sequence[str]], exa
                 lambda m, a, n=n: starts.__setitem__(n, time.perf_counter())))
             handles.append(modules[n].register_forward_hook(
                 lambda m, a, o, n=n, i=i: stamps[i].append(time.perf_counter() - starts[n])))
+    per_repeat: list[list[float]] = []
     try:
         for _ in range(repeats):
+            for v in stamps.values():
+                v.clear()
             out = module(*example) if isinstance(example, (tuple, list)) else module(example)
             loss = sum(t.float().sum() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
                        and t.requires_grad)
             if isinstance(loss, torch.Tensor):
                 loss.backward()
             module.zero_grad(set_to_none=True)
+            per_repeat.append([sum(v) for v in stamps.values()])
     finally:
         for h in handles:
             h.remove()
-    return [3.0 * sum(v) / repeats for v in stamps.values()]  # backward ~ 2x forward
+    # the fastest repeat of each block: what it costs when nothing else runs (a preempted repeat only adds time)
+    return [3.0 * min(r[i] for r in per_repeat) for i in range(len(members))]  # backward ~ 2x forward
 
 
 def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: int, device: torch.device,
