@@ -28,10 +28,6 @@ import inspect
 import json
 import os
 import resource
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +37,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from pipeline import _launch as launch  # the benchmarks' one way to start ranks (this folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2560, num_hidden_layers=14, num_attention_heads=12,
@@ -162,7 +160,7 @@ class Measure(L.Callback):
                       grads=sum(_nbytes(p.grad) for p in params if p.grad is not None),
                       optimizer=state, peak=peak, setup_peak=self.setup_peak, activations=self.activations,
                       rank=trainer.global_rank)
-        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+        (self.out / f"rank.{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 def run_rank(args: argparse.Namespace) -> None:
@@ -188,32 +186,6 @@ def run_rank(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------------------------------------------
 # the driver
-
-
-def _launch(nprocs: int, out: Path, extra: list[str], timeout: float) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(nprocs):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs), "NODE_RANK": "0", "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--role", "rank", "--out", str(out), *extra],
-                                      env=env, start_new_session=True, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + timeout
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                os.killpg(q.pid, signal.SIGKILL)
-            raise SystemExit(f"ranks timed out after {timeout:.0f}s")
-    if any(p.returncode for p in procs):
-        raise SystemExit("a rank failed:\n" + "\n".join(o[-3000:] for o in outputs))
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 
 def _estimate(config: dict, layout: dict, checkpointing: bool, seq: int) -> Any:
@@ -284,7 +256,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 extra = ["--layout", json.dumps(layout), "--steps", str(args.steps), "--seq", str(args.seq),
                          *(["--quick"] if args.quick else []), *(["--checkpointing"] if checkpointing else [])]
-                measured = _launch(world, Path(tmp), extra, timeout=900)
+                measured = launch("rank", world, Path(tmp), extra, timeout=900, script=__file__)
             report = _estimate(config, layout, checkpointing, args.seq)
             print(f"\n{label} ({time.monotonic() - start:.0f}s)")
             _table(name, measured, report)
