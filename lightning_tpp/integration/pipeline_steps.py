@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -32,10 +34,25 @@ class PipelineSteps:
             with self.precision_plugin.train_step_context():
                 return module.training_step(micro, *args[1:], **kwargs)
 
+        accumulate = module.trainer.accumulate_grad_batches
         with captured_logs(module) as logs:
-            loss = self._engine.train_step(step, args[0], loss_scale=1.0 / module.trainer.accumulate_grad_batches)
+            loss = self._engine.train_step(step, args[0], loss_scale=1.0 / accumulate,
+                                           stale_grads=self._zeroed_after_step(module, args, accumulate))
         replay_logs(self._engine, module, logs)
         return loss
+
+    @staticmethod
+    def _zeroed_after_step(module: Any, args: tuple, accumulate: int) -> bool:
+        """Lightning zeroes the gradients right after this ``training_step`` (the first batch of an accumulation
+        window, ``automatic.py``'s ``_make_zero_grad_fn``) and nobody looks at the old ones in between: no
+        ``optimizer_zero_grad`` or ``on_before_zero_grad`` of the user's. Then the old ones can go before the
+        schedule instead of after it."""
+        batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else None
+        if batch_idx is None or batch_idx % accumulate:
+            return False
+        if any(is_overridden(hook, module) for hook in ("optimizer_zero_grad", "on_before_zero_grad")):
+            return False
+        return not any(is_overridden("on_before_zero_grad", cb, parent=Callback) for cb in module.trainer.callbacks)
 
     def _pipeline_eval(self, hook: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module

@@ -89,13 +89,14 @@ class PipelineEngine:
     def describe_position(self) -> str:
         return self.executor.describe_position()
 
-    def train_step(self, step: Step, batch: Any, *, loss_scale: float) -> Tensor:
-        """Run the schedule over ``batch``; returns the mean micro-batch loss (the same tensor value on every stage)."""
+    def train_step(self, step: Step, batch: Any, *, loss_scale: float, stale_grads: bool = False) -> Tensor:
+        """Run the schedule over ``batch``; returns the mean micro-batch loss (the same tensor value on every stage).
+        ``stale_grads``: the gradients the parameters hold will be zeroed after this step (freed before it)."""
         micro, shares = split_batch(batch, min(self.microbatches, batch_size(batch)))
         order = self._order(len(micro))
         routes = self.executor.routes("training_step", step, micro[0])
         self.transport.post_headers(self.executor.inbound(routes), len(micro))
-        with self.parking.schedule():
+        with self.parking.schedule(stale=stale_grads):
             total = self.executor.run(order, step, micro, routes, shares, loss_scale)
         return self.transport.broadcast_from_last(total)
 
