@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from itertools import chain
-from typing import Callable, Collection, Optional
+from typing import Collection, Optional
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from lightning_tpp._compat import is_hf_pretrained, module_initializer
 from lightning_tpp.core.params import ParamNames, ShardIndex
 from lightning_tpp.core.sharding import shard_tensor
-from lightning_tpp.core.swap import original_class, swap_record
+from lightning_tpp.core.swap import original_attrs, original_class
 
 
 class UninitializedParametersError(ValueError):
@@ -73,9 +73,7 @@ def _scratch_view(module: nn.Module, full: dict[str, Tensor]) -> nn.Module:
     state = dict(module.__dict__)
     for key in ("_parameters", "_buffers", "_modules"):
         state[key] = dict(state[key])
-    record = module.__dict__.get("_tpp_swap")
-    if record is not None:
-        state.update(swap_record(module).saved_attrs)
+    state.update(original_attrs(module))
     view.__dict__.update(state)
     for name, t in full.items():
         bucket = "_parameters" if name in module.__dict__["_parameters"] else "_buffers"
@@ -96,8 +94,7 @@ def _hf_roots(module: nn.Module) -> dict[str, nn.Module]:
 
 
 def materialize(module: nn.Module, *, device: torch.device, names: ParamNames, shards: ShardIndex, tp_rank: int,
-                tp_size: int, base_seed: int, initialize: bool = True, loaded: Collection[str] = (),
-                on_module: Optional[Callable[[str], None]] = None) -> list[str]:
+                tp_size: int, base_seed: int, initialize: bool = True, loaded: Collection[str] = ()) -> list[str]:
     """Allocate (and unless ``initialize=False``, initialise) every meta tensor of ``module`` in place; returns the
     names of the modules materialised. A module whose own tensors are all ``loaded`` (single-device names a weights
     file fills afterwards) is only allocated. A weight several modules share is initialised by the module of its
@@ -144,8 +141,6 @@ def materialize(module: nn.Module, *, device: torch.device, names: ParamNames, s
                                      if isinstance(t, nn.Parameter) else local)
         del full
         done.append(name)
-        if on_module is not None:
-            on_module(name)
     if no_initializer or unwritten:
         parts = []
         if no_initializer:

@@ -46,6 +46,12 @@ def original_class(module: nn.Module) -> type:
     return record.original_class if record is not None else type(module)
 
 
+def original_attrs(module: nn.Module) -> dict[str, Any]:
+    """The attributes a swap made local, with their values before (empty for a module never swapped)."""
+    record = module.__dict__.get(_SWAP)
+    return dict(record.saved_attrs) if record is not None else {}
+
+
 def set_local_attr(module: nn.Module, name: str, value: Any) -> None:
     """Set an attribute to its per-rank value (e.g. ``out_features`` of a shard), remembering the original."""
     swap_record(module).saved_attrs.setdefault(name, getattr(module, name))
