@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 __all__ = [
     "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType", "SubprocessScriptLauncher",
     "SummaryCallbackAdapter", "all_gather_ddp_if_available", "collect_rng_states", "dcp_metadata_path",
-    "default_store", "distributed_is_initialized", "flatten_dense_tensors", "get_layout", "init_dist_connection",
+    "default_store", "distributed_is_initialized", "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_sharded_params", "get_layout", "init_dist_connection",
     "optimizer_to_device", "optimizers_to_device", "requested_weights_only", "set_rank_zero", "set_rng_states",
     "sync_ddp_if_available", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_dense_tensors",
 ]
@@ -159,3 +159,18 @@ def is_hf_pretrained(module: Any) -> bool:
     """A Hugging Face ``PreTrainedModel`` (without importing transformers: it has a config and ``_init_weights``)."""
     return callable(getattr(module, "_init_weights", None)) and hasattr(module, "config") and hasattr(
         module, "post_init")
+
+
+def fsdp_sharded_params(module: Any) -> list[tuple[Any, Any]]:
+    """``(sharded parameter, unsharded parameter or None)`` of one ``fully_shard`` unit (FSDP2 keeps the gathered
+    parameter it swaps in for forward as ``FSDPParam._unsharded_param`` once created)."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return []
+    return [(fp.sharded_param, getattr(fp, "_unsharded_param", None)) for fp in group.fsdp_params]
+
+
+def fsdp_lazy_init(module: Any) -> None:
+    """Make ``module`` (a ``fully_shard`` unit enclosing all others) the root of every unit below it now, rather than
+    the first unit to run forward (the LightningModule's own forward may never run)."""
+    module._get_fsdp_state()._lazy_init()

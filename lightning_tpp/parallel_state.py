@@ -24,6 +24,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.core.dp_shard import DPShards, shard_over_dp, sharded_numel
 from lightning_tpp.core.materialize import materialize
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.params import ParamNames, ShardIndex
@@ -56,6 +57,7 @@ class ParallelState:
     stages: Optional[PreparedStages] = None
     engine: Optional[PipelineEngine] = None
     recomputed: tuple[str, ...] = ()  # blocks whose activations are recomputed in backward (activation checkpointing)
+    dp: Optional[DPShards] = None  # what FSDP2 sharded over dp (None: replicated)
     config: dict[str, str] = field(default_factory=dict)
 
     def attach(self, module: nn.Module) -> None:
@@ -189,14 +191,42 @@ def _sync_tied(module: nn.Module, state: ParallelState, dims: MeshDims, coords: 
         torch.distributed.broadcast(here.data, src=src, group=groups[id(here)])
 
 
+def shard_state_over_dp(module: nn.Module, state: ParallelState, blocks: Optional[Union[str, Sequence[str]]], *,
+                        sharding: str, print_plan: bool) -> None:
+    """FSDP2 over the dp mesh axis, last (after tensor parallelism, the stages, materialising and loading weights):
+    each block of this rank one unit, the other parameters grouped by the module holding them. Everything that held
+    the replaced parameter objects follows them."""
+    assert state.groups.mesh is not None
+    try:
+        names = _local_blocks(module, state.stages, blocks)
+    except PipelinePartitionError:
+        if blocks is not None:
+            raise
+        names = []  # no block sequence: a unit per module holding parameters
+    state.dp = shard_over_dp(module, state.groups.mesh["dp"], blocks=names, sharding=sharding)
+    state.shards.rekey(state.dp.replaced)
+    state.shards.resolve = state.dp.sharded_of
+    if state.engine is not None:
+        state.engine.rekey(state.dp.replaced)
+        units = state.dp.modules
+        state.engine.executor.before_backward = lambda: [m.unshard() for m in units]
+    if print_plan:
+        rank_zero_info(state.dp.describe(*sharded_numel(module)))
+
+
+def _local_blocks(module: nn.Module, stages: Optional[PreparedStages], blocks: Optional[Union[str, Sequence[str]]],
+                  ) -> list[str]:
+    """This rank's blocks: the pipeline partition's, else the model's block sequence (raises if there is none)."""
+    if stages is not None:
+        return [n for n in block_modules(module, stages.partition.members) if n not in stages.remote_names()]
+    return block_modules(module, blocks=blocks)
+
+
 def _recompute_blocks(module: nn.Module, stages: Optional[PreparedStages],
                       blocks: Optional[Union[str, Sequence[str]]]) -> tuple[str, ...]:
     """Activation checkpointing on this rank's blocks: the pipeline partition's, else the model's block sequence."""
     try:
-        if stages is not None:
-            names = [n for n in block_modules(module, stages.partition.members) if n not in stages.remote_names()]
-        else:
-            names = block_modules(module, blocks=blocks)
+        names = _local_blocks(module, stages, blocks)
     except PipelinePartitionError as err:
         if blocks is not None:  # the user's containers: the partitioner says what is wrong with them
             raise

@@ -37,6 +37,7 @@ from lightning_tpp._compat import StrategyRegistryType, optimizers_to_device
 from lightning_tpp.checkpoint.state import check_state_layout
 from lightning_tpp.checkpoint.weights import covered_names, load_weights
 from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.core.dp_shard import DPSharding, normalize_sharding
 from lightning_tpp.core.grads import average_gradients, broadcast_module
 from lightning_tpp.core.materialize import has_meta, move_real
 from lightning_tpp.core.mesh import MeshDims, resolve_dims
@@ -48,7 +49,8 @@ from lightning_tpp.integration.pipeline_steps import PipelineSteps
 from lightning_tpp.integration.precision import GlobalNormClippingStrategy
 from lightning_tpp.integration.summary import count_whole_model
 from lightning_tpp.integration.topology import MeshTopology
-from lightning_tpp.parallel_state import Materialization, ParallelConfig, ParallelState, ProcessGroups, build_state
+from lightning_tpp.parallel_state import (Materialization, ParallelConfig, ParallelState, ProcessGroups, build_state,
+                                         shard_state_over_dp)
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.schedule import ScheduleLike
 from lightning_tpp.pipeline.schedule import normalize as normalize_schedule
@@ -89,6 +91,12 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         save_distributed_checkpoint: write checkpoints as a folder of shards (torch.distributed.checkpoint, each
             rank writing its own; ``lightning-tpp consolidate`` makes one file of it) instead of one whole-model
             file written by rank 0. Both load into any layout.
+        dp_sharding: with dp > 1, how parameters, gradients and optimizer state are spread over the data-parallel
+            ranks (torch's FSDP2, ``fully_shard`` on the dp mesh axis, a unit per block): ``"full_shard"`` (each
+            rank holds 1/dp of them; parameters gathered per block for forward and again for backward),
+            ``"shard_grad_op"`` (the same, parameters kept gathered from forward to backward: one all-gather less
+            per block and step, more memory) or ``"no_shard"`` (replicated, gradients all-reduced). Lightning's
+            spellings (``"FULL_SHARD"``, ...) are accepted. See ``docs/large_models.md``.
         print_plan: print the plan table on global rank 0 at setup.
         process_group_backend: ``"gloo"``/``"nccl"``; default by device.
         timeout: how long a collective may wait, and how long a silent peer is tolerated before every rank stops
@@ -124,6 +132,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         tp_plan: Union[Literal["auto"], dict[str, str]] = "auto",
         verify: bool = True,
         activation_checkpointing: bool = False,
+        dp_sharding: DPSharding = "full_shard",
         print_plan: bool = True,
         save_distributed_checkpoint: bool = True,
         on_nonfinite: Literal["raise", "skip", "warn"] = "raise",
@@ -163,6 +172,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         if not isinstance(activation_checkpointing, bool):
             raise TypeError(f"activation_checkpointing={activation_checkpointing!r} must be True or False")
         self._activation_checkpointing = activation_checkpointing
+        self._dp_sharding = normalize_sharding(dp_sharding)
         self._save_sharded = save_distributed_checkpoint
         if on_nonfinite not in ("raise", "skip", "warn"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'raise', 'skip' or 'warn'")
@@ -266,6 +276,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
                                   tp_rank=self._tp_group.rank, tp_size=self._tp_group.size,
                                   prefix=self._weights_prefix, strict=module.strict_loading)
             rank_zero_info(loaded.describe())
+        if self.dims.dp > 1 and self._dp_sharding != "no_shard":
+            shard_state_over_dp(module, state, self._blocks, sharding=self._dp_sharding, print_plan=self._print_plan)
         return state
 
     def _agreed_seed(self) -> int:
@@ -280,7 +292,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         return {k: repr(getattr(self, k)) for k in ("_tp", "_pp", "_dp_arg", "microbatches", "schedule",
                                                      "virtual_stages", "_tp_plan_arg", "_balance", "_split_points",
                                                      "_blocks", "_save_sharded", "_on_nonfinite", "_weights",
-                                                     "_weights_prefix", "_activation_checkpointing")}
+                                                     "_weights_prefix", "_activation_checkpointing",
+                                                     "_dp_sharding")}
 
     def _fingerprint(self, module: nn.Module) -> dict[str, Any]:
         return {"configuration": self._config(), "model": model_structure(module),

@@ -29,7 +29,9 @@ class Record:
 
 def _full(t: Tensor, p: Tensor, trainer: L.Trainer) -> Tensor:
     from lightning_tpp.core.comm import gather_with_spec
+    from lightning_tpp.core.dp_shard import gather_dp
 
+    t = gather_dp(t)  # a part sharded over dp (FSDP2): the tensor-parallel shard
     state = getattr(trainer.strategy, "_state", None)  # None in the one-process reference run
     spec = state.shards.spec(p) if state is not None else None
     if spec is None:
@@ -160,6 +162,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     parser.add_argument("--in-order-receives", action="store_true")
     parser.add_argument("--meta", action="store_true", help="build the model in configure_model (meta device)")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--dp-sharding", default="full_shard")
     args = parser.parse_args()
     from lightning_tpp import TensorPipeStrategy
 
@@ -176,12 +179,19 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
             strategy = TensorPipeStrategy(tp=args.tp, pp=args.pp, schedule=schedule, microbatches=args.microbatches,
                                           virtual_stages=virtual, blocks=args.blocks,
                                           activation_checkpointing=args.activation_checkpointing,
+                                          dp_sharding=args.dp_sharding,
                                           print_plan=rank == 0 and name == "nanogpt")
             record = train(name, strategy=strategy, devices=args.tp * args.dp * args.pp, dp=args.dp,
                            steps=args.steps, batch_size=args.batch_size, accumulate=args.accumulate, clip=args.clip,
                            precision=args.precision, optimizer=args.optimizer, lr=args.lr,
                            accelerator=args.accelerator, in_order_receives=args.in_order_receives,
                            meta=args.meta)
+            if args.dp > 1 and args.dp_sharding != "no_shard":  # FSDP2 must have sharded (nearly) everything
+                from lightning_tpp.core.dp_shard import sharded_numel
+
+                total, sharded = sharded_numel(strategy.lightning_module)
+                if sharded < 0.9 * total:
+                    raise AssertionError(f"{name}: only {sharded} of {total} parameters are sharded over dp")
             if args.activation_checkpointing and not strategy.parallel_state.recomputed:
                 raise AssertionError(f"{name}: activation_checkpointing=True but no block is recomputed")
             stem = name if len(schedules) == 1 else f"{name}.{schedule_name}"

@@ -21,6 +21,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_tpp._compat import flatten_dense_tensors as _flatten_dense_tensors
 from lightning_tpp._compat import unflatten_dense_tensors as _unflatten_dense_tensors
+from lightning_tpp.core.dp_shard import is_dp_sharded, local
 
 _BUCKET_BYTES = 32 * 2**20
 
@@ -57,7 +58,8 @@ def all_reduce_coalesced(tensors: list[Tensor], group: Optional[ProcessGroup], *
 def average_gradients(params: list[nn.Parameter], group: Optional[ProcessGroup]) -> None:
     """Average gradients over a data-parallel group. A parameter without a gradient on some replicas (a branch not
     taken) gets zeros there, as DDP does; one without a gradient anywhere keeps ``None``."""
-    if group is None or dist.get_world_size(group) == 1:
+    params = [p for p in params if not is_dp_sharded(p)]  # FSDP2 averaged those (reduce-scatter in backward)
+    if group is None or dist.get_world_size(group) == 1 or not params:
         return
     device = params[0].device if params else torch.device("cpu")
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
@@ -71,36 +73,51 @@ def average_gradients(params: list[nn.Parameter], group: Optional[ProcessGroup])
     all_reduce_coalesced(grads, group, average=True)
 
 
+def _norm_power(grads: list[Tensor], norm_type: float, device: torch.device) -> Tensor:
+    grads = [g for g in grads if g.numel()]  # an uneven dp split can leave a rank an empty part
+    if not grads:
+        return torch.zeros((), device=device)
+    if norm_type == float("inf"):
+        return torch.stack([g.detach().abs().max().float() for g in grads]).max()
+    return torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in grads]).sum()
+
+
 def global_grad_norm(params: Iterable[nn.Parameter], *, sharded: Container[Tensor], tp_rank: int, groups: list[Any],
-                     norm_type: float = 2.0) -> Tensor:
+                     norm_type: float = 2.0, dp_group: Optional[ProcessGroup] = None) -> Tensor:
     """Norm of all gradients of the whole (unsharded) model; every rank gets the same value. A shard's gradient counts
-    on every tp rank, a replicated one on tp rank 0 only."""
+    on every tp rank, a replicated one on tp rank 0 only; a gradient sharded over dp (FSDP2) counts each dp rank's
+    part, summed over ``dp_group``."""
     params = [p for p in params if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
+    device = local(params[0].grad).device if params else torch.device("cpu")
     mine = [p.grad for p in params if p in sharded or tp_rank == 0]
     inf = norm_type == float("inf")
-    if not mine:
-        total = torch.zeros((), device=device)
-    elif inf:
-        total = torch.stack([g.detach().abs().max().float() for g in mine]).max()
-    else:
-        total = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in mine]).sum()
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    total = _norm_power([g for g in mine if not is_dp_sharded(g)], norm_type, device)
+    parts = [local(g) for g in mine if is_dp_sharded(g)]
+    if any(is_dp_sharded(p.grad) for p in params):  # the same parameters on every dp rank: all join
+        over_dp = _norm_power(parts, norm_type, device)
+        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(over_dp, op=op, group=dp_group)
+        total = torch.maximum(total, over_dp) if inf else total + over_dp
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(total, op=op, group=group)
     return total if inf else total ** (1.0 / norm_type)
 
 
 def clip_by_global_norm(params: list[nn.Parameter], max_norm: float, *, sharded: Container[Tensor], tp_rank: int,
                         groups: list[Any], norm_type: float = 2.0,
-                        apply_to: Optional[list[nn.Parameter]] = None) -> Tensor:
+                        apply_to: Optional[list[nn.Parameter]] = None,
+                        dp_group: Optional[ProcessGroup] = None) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` with the norm taken over every shard of every stage (``params``: each
     weight once; ``apply_to``: every local copy, e.g. both ends of a tied embedding)."""
-    total = global_grad_norm(params, sharded=sharded, tp_rank=tp_rank, groups=groups, norm_type=norm_type)
+    total = global_grad_norm(params, sharded=sharded, tp_rank=tp_rank, groups=groups, norm_type=norm_type,
+                             dp_group=dp_group)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in apply_to if apply_to is not None else params:
-        if p.grad is not None:
-            p.grad.detach().mul_(coef.to(p.grad.dtype))
+    with torch.no_grad():
+        for p in apply_to if apply_to is not None else params:
+            if p.grad is not None:
+                local(p.grad).mul_(coef.to(p.grad.dtype))
     return total
 
 

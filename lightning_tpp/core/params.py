@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -66,13 +66,32 @@ class ShardIndex:
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[Tensor, ShardInfo]] = {}
+        # another object standing for a parameter -> the parameter (FSDP2's gathered one during forward)
+        self.resolve: Optional[Callable[[Tensor], Optional[Tensor]]] = None
 
     def add(self, p: Tensor, info: ShardInfo) -> None:
         self._by_id[id(p)] = (p, info)
 
     def get(self, p: Tensor) -> Optional[ShardInfo]:
         entry = self._by_id.get(id(p))
+        if entry is None and self.resolve is not None and (stored := self.resolve(p)) is not None:
+            entry = self._by_id.get(id(stored))
+            return entry[1] if entry is not None and entry[0] is stored else None
         return entry[1] if entry is not None and entry[0] is p else None
+
+    def stored(self, p: Tensor) -> Tensor:
+        """The parameter ``p`` stands for (``p`` itself, or the dp-sharded one whose gathered copy ``p`` is)."""
+        if id(p) not in self._by_id and self.resolve is not None:
+            return self.resolve(p) or p
+        return p
+
+    def rekey(self, replaced: Mapping[int, Tensor]) -> None:
+        """Follow parameters that were replaced by new objects (FSDP2 wraps each in a DTensor)."""
+        for key, (p, info) in list(self._by_id.items()):
+            new = replaced.get(key)
+            if new is not None and p is not new:
+                del self._by_id[key]
+                self._by_id[id(new)] = (new, info)
 
     def __contains__(self, p: object) -> bool:
         return isinstance(p, Tensor) and self.get(p) is not None

@@ -58,6 +58,7 @@ class GlobalNormClippingStrategy:
     parallel_state: Any
     _tp_group: TPGroup
     _pp_group: Optional[ProcessGroup]
+    _dp_group: Optional[ProcessGroup]
 
     @property
     @override
@@ -78,4 +79,5 @@ class GlobalNormClippingStrategy:
         elsewhere = {id(p) for p in self.parallel_state.counted_elsewhere(self.lightning_module)}
         clip_by_global_norm([p for p in params if id(p) not in elsewhere], float(clip_val),
                             sharded=self.parallel_state.shards, tp_rank=self._tp_group.rank,
-                            groups=[self._tp_group.group, self._pp_group], apply_to=params)
+                            groups=[self._tp_group.group, self._pp_group], apply_to=params,
+                            dp_group=self._dp_group)

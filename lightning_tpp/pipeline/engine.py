@@ -11,7 +11,7 @@ The logging adapter the strategy wraps around a step (``captured_logs``, ``repla
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -60,6 +60,12 @@ class PipelineEngine:
                                  ancestor_params=ancestor_params)
         self.parking = GradientParking([p for chunk in chunk_params for p in chunk], tied)
         self.order = actions(schedule, rank, pp, microbatches, virtual)
+
+    def rekey(self, replaced: Mapping[int, nn.Parameter]) -> None:
+        """Follow parameters that were replaced by new objects (FSDP2 wraps each in a DTensor)."""
+        self.chunk_params = [[replaced.get(id(p), p) for p in chunk] for chunk in self.chunk_params]
+        self.tied = [(replaced.get(id(p), p), group) for p, group in self.tied]
+        self.parking = GradientParking([p for chunk in self.chunk_params for p in chunk], self.tied)
 
     @property
     def _early(self) -> bool:

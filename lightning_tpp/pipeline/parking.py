@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lightning_tpp.core.dp_shard import local
+
 
 class GradientParking:
     """Args:
@@ -56,7 +58,7 @@ class GradientParking:
             if group is not None:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=group)
+                dist.all_reduce(local(p.grad), group=group)  # a dp-sharded copy: the same part on each holder
 
     def discard(self) -> None:
         self._parked = {}

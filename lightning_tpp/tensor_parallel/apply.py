@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_tpp._compat import MHA_FAST_PATH_FLAG
+from lightning_tpp.core.dp_shard import fsdp_classes_hidden, local, shard_dp_like
 from lightning_tpp.core.comm import TPGroup, TPScope, all_reduce_flag, gather_with_spec
 from lightning_tpp.core.params import ShardIndex, ShardInfo
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
@@ -231,7 +232,8 @@ def reference_copy(block: nn.Module, group: TPGroup, shards: ShardIndex) -> nn.M
         spec = shards.spec(p)
         memo[id(p)] = p if spec is None else nn.Parameter(gather_with_spec(p.detach(), spec, group),
                                                           requires_grad=False)
-    ref = copy.deepcopy(block, memo)
+    with fsdp_classes_hidden(block) as shared:
+        ref = copy.deepcopy(block, {**memo, **shared})
     for m in ref.modules():
         unswap(m)
     return ref
@@ -292,6 +294,10 @@ def _reshard(layer: nn.Module, spec: ShardSpec, group: TPGroup, shards: ShardInd
             continue
         full = gather_with_spec(p.detach(), info.spec, group)
         p.data.copy_(shard_tensor(full, s, group.rank, group.size))
+        stored = shards.stored(p)
+        if stored is not p:  # p is FSDP2's gathered copy for this forward: the dp-sharded parameter follows
+            with torch.no_grad():
+                local(stored).copy_(local(shard_dp_like(p.detach(), stored)))
         info.spec = s
 
 

@@ -1,0 +1,187 @@
+"""Parameters, gradients and optimizer state sharded over the data-parallel ranks with torch's FSDP2 (``fully_shard``).
+
+Applied last, to this rank's stage after tensor parallelism: FSDP2 sees the tensor-parallel shards as ordinary
+parameters and cuts each along dim 0 over the ``dp`` mesh axis (a ``Shard(0)`` DTensor per parameter, its gradient
+and optimizer state alike). Before a module's forward it gathers its parameters, after backward it reduce-scatters
+(averages) the gradients, so no gradient all-reduce over dp is left to do for them.
+
+What is one FSDP unit (one all-gather / reduce-scatter)::
+
+    each block of the repeated block sequence (this rank's)      model.layers.0, model.layers.1, ...
+    for every other parameter: the smallest module holding all   model.embed_tokens, model.norm, lm_head,
+    its aliases (a tied embedding and head: their common parent)  model (tied wte / lm_head)
+
+A unit's hooks run when its ``forward`` is called; the LightningModule's own forward may never be (``training_step``
+calls the model), so parameters held only by the LightningModule itself stay replicated and are averaged over dp as
+before (``replicated``).
+
+``sharding``: ``"full_shard"`` (parameters gathered per unit for forward and again for backward; least memory),
+``"shard_grad_op"`` (kept gathered from forward to backward, ZeRO-2-like: one all-gather less per unit and step),
+``"no_shard"`` (everything replicated, gradients all-reduced).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Literal, Optional, Sequence
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lightning_tpp._compat import fsdp_lazy_init, fsdp_sharded_params
+
+DPSharding = Literal["full_shard", "shard_grad_op", "no_shard"]
+SHARDINGS: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard")
+
+
+def normalize_sharding(value: Any) -> str:
+    """Lightning's FSDPStrategy spellings (``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``) are accepted too."""
+    name = value.lower() if isinstance(value, str) else value
+    if name not in SHARDINGS:
+        raise ValueError(f"dp_sharding={value!r} must be one of {SHARDINGS}: 'full_shard' (parameters, gradients and "
+                         f"optimizer state sharded over dp), 'shard_grad_op' (the same, parameters kept gathered "
+                         f"between forward and backward) or 'no_shard' (replicated)")
+    return name
+
+
+def is_dp_sharded(t: Any) -> bool:
+    return isinstance(t, DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """This rank's part of a dp-sharded tensor (the tensor itself otherwise)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def gather_dp(t: Tensor) -> Tensor:
+    """The tensor-parallel shard this dp-sharded tensor is a part of (collective over dp); others as they are."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def shard_dp_like(value: Tensor, like: Tensor) -> Tensor:
+    """``value`` (what ``gather_dp(like)`` returns) cut as ``like`` is: this rank's part as a DTensor; no collective."""
+    if not isinstance(like, DTensor):
+        return value
+    return distribute_tensor(value.to(device=like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+@dataclass
+class DPShards:
+    """What ``shard_over_dp`` did: the FSDP units (module names), the parameters left replicated (names) and the
+    mapping from each replaced parameter object to its sharded one."""
+
+    sharding: str
+    units: list[str] = field(default_factory=list)
+    replicated: list[str] = field(default_factory=list)
+    replaced: dict[int, nn.Parameter] = field(default_factory=dict)
+    modules: list[nn.Module] = field(default_factory=list)
+
+    def sharded_of(self, p: Tensor) -> Optional[Tensor]:
+        """The sharded parameter whose gathered copy (swapped in during forward) ``p`` is."""
+        for m in self.modules:
+            for sharded, unsharded in fsdp_sharded_params(m):
+                if unsharded is p:
+                    return sharded
+        return None
+
+    def describe(self, total: int, sharded: int) -> str:
+        lines = [f"Data-parallel sharding ({self.sharding}, FSDP2): {len(self.units)} units, "
+                 f"{sharded / max(total, 1):.0%} of this rank's parameters sharded over dp"]
+        if self.replicated:
+            lines.append(f"  replicated (held by the LightningModule itself, whose forward the step may not call): "
+                         f"{', '.join(self.replicated)}")
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def fsdp_classes_hidden(module: nn.Module) -> Iterator[dict[int, Any]]:
+    """``fully_shard`` makes each unit an instance of a generated ``FSDP<Class>``, which refuses ``deepcopy``: for
+    the duration, the units are instances of their own class again (e.g. to copy a block for a numerical check).
+    Yields a ``deepcopy`` memo that shares (does not copy) the units' FSDP states, which hold process groups."""
+    from torch.distributed.fsdp import FSDPModule
+
+    swapped, memo = [], {}
+    for m in module.modules():
+        cls = type(m)
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            memo[id(state)] = state
+            m.__class__ = next(b for b in cls.__bases__ if b is not FSDPModule)
+            swapped.append((m, cls))
+    try:
+        yield memo
+    finally:
+        for m, cls in swapped:
+            m.__class__ = cls
+
+
+def _inside(name: str, outer: str) -> bool:
+    return outer == "" or name == outer or name.startswith(outer + ".")
+
+
+def _common_parent(names: Iterable[str]) -> str:
+    parts = [n.split(".") if n else [] for n in names]
+    common: list[str] = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def fsdp_units(module: nn.Module, blocks: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The modules to wrap (children before parents) and the parameters that stay replicated (by name)."""
+    holders: dict[int, list[str]] = {}
+    first_name: dict[int, str] = {}
+    for mname, m in module.named_modules(remove_duplicate=False):
+        for pname, p in m._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append(mname)
+                first_name.setdefault(id(p), f"{mname}.{pname}" if mname else pname)
+    units = set(blocks)
+    replicated = []
+    for pid, names in holders.items():
+        parent = _common_parent(names)
+        if any(_inside(parent, b) for b in blocks):
+            continue
+        if parent == "":
+            replicated.append(first_name[pid])
+        else:
+            units.add(parent)
+    ordered = sorted(units, key=lambda n: (-n.count("."), n))  # children before the parents that enclose them
+    return ordered, replicated
+
+
+def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str], sharding: str) -> DPShards:
+    """``fully_shard`` each unit of ``module`` (this rank's stage, tensor-parallel shards as plain parameters) over the
+    1-d ``mesh``. Returns what was done, with old parameter -> new parameter (FSDP2 replaces the objects)."""
+    from torch.distributed.fsdp import fully_shard
+
+    units, replicated = fsdp_units(module, blocks)
+    before = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
+    ignored = {module.get_parameter(n) for n in replicated}
+    modules = dict(module.named_modules())
+    for name in units:
+        fully_shard(modules[name], mesh=mesh, reshard_after_forward=sharding == "full_shard",
+                    ignored_params=ignored or None)
+    # one root enclosing every unit (FSDP2 shares its per-step state through the root): the LightningModule, with its
+    # own parameters ignored, made the root now; it keeps the user's class (no method of FSDP's is called on it)
+    cls = type(module)
+    fully_shard(module, mesh=mesh, reshard_after_forward=sharding == "full_shard", ignored_params=ignored or None)
+    fsdp_lazy_init(module)
+    module.__class__ = cls
+    replaced = {id(p): m._parameters[name] for m, name, p in before if m._parameters[name] is not p}
+    return DPShards(sharding, units, replicated, replaced, [modules[n] for n in units])
+
+
+def sharded_numel(module: nn.Module) -> tuple[int, int]:
+    """(this rank's parameters, those sharded over dp), counted as tensor-parallel shards."""
+    params = list(module.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if isinstance(p, DTensor))
+
+
+def remap(params: Iterable[Any], replaced: dict[int, nn.Parameter]) -> list[Any]:
+    return [replaced.get(id(p), p) for p in params]
+
