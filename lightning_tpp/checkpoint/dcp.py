@@ -33,6 +33,7 @@ from lightning_tpp.checkpoint.files import atomic_save, publish
 from lightning_tpp.checkpoint.safe_load import CheckpointMismatchError, SafeFileSystemReader, classify, torch_load
 from lightning_tpp.checkpoint.state import check_state_layout, cut_like_param, indexed_optimizer_state
 from lightning_tpp.core.comm import TPGroup, gather_with_spec
+from lightning_tpp.core.dp_shard import gather_dp, shard_dp_like
 from lightning_tpp.core.params import ParamNames, ShardIndex, params_by_index
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
 
@@ -68,13 +69,30 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class Layout:
-    """How this rank's tensors map to whole tensors (the tp mesh and group, and which parameters are cut how): wrap
-    for DCP, and unwrap what DCP loaded."""
+    """How this rank's tensors map to whole tensors (the mesh, the tp group, and which parameters are cut how): wrap
+    for DCP, and unwrap what DCP loaded.
 
-    def __init__(self, tp_mesh: Optional[DeviceMesh], group: TPGroup, shards: ShardIndex) -> None:
-        self.mesh, self.group, self.shards = tp_mesh, group, shards
+    A tensor also sharded over dp (FSDP2: ``Shard(0)`` of this rank's tp shard) is saved as what it is, a box of the
+    whole tensor: ``Shard(0)`` over dp alone when tp did not cut it; ``Shard(dim)`` over tp and ``Shard(0)`` over dp
+    (on the ``(dp, tp)`` mesh) for a row-parallel shard; dim 0 split by tp, then each tp part split by dp (two
+    ``Shard(0)`` on the ``(tp, dp)`` mesh, tp outermost) for a column-parallel or vocab shard."""
+
+    def __init__(self, mesh: Optional[DeviceMesh], group: TPGroup, shards: ShardIndex,
+                 tp_dp_mesh: Optional[DeviceMesh] = None) -> None:
+        self.full_mesh, self.group, self.shards, self.tp_dp_mesh = mesh, group, shards, tp_dp_mesh
+        self.mesh = mesh["tp"] if mesh is not None else None
 
     def wrap(self, t: Tensor, spec: Optional[ShardSpec], full_shape: tuple[int, ...]) -> Any:
+        if isinstance(t, DTensor):  # sharded over dp
+            if spec is None or self.group.size == 1:
+                return t
+            if spec.parts is None:
+                assert self.full_mesh is not None
+                mesh = self.tp_dp_mesh if spec.dim == 0 else self.full_mesh["dp", "tp"]
+                placements = [Shard(0), Shard(0)] if spec.dim == 0 else [Shard(0), Shard(spec.dim)]
+                return DTensor.from_local(t.to_local(), mesh, placements, run_check=False,
+                                          shape=torch.Size(full_shape), stride=_contiguous_stride(full_shape))
+            t = gather_dp(t)
         if spec is None or self.group.size == 1:
             return t
         if spec.parts is None:
@@ -82,12 +100,27 @@ class Layout:
                                       shape=torch.Size(full_shape), stride=_contiguous_stride(full_shape))
         return gather_with_spec(t, spec, self.group)
 
-    def unwrap(self, loaded: Any, spec: Optional[ShardSpec]) -> Tensor:
-        if isinstance(loaded, DTensor):
-            return loaded.to_local()
+    def unwrap(self, loaded: Any, spec: Optional[ShardSpec], like: Tensor) -> Tensor:
+        """This rank's part of what was loaded into ``wrap``'s result, shaped as ``like`` (what was wrapped)."""
+        if isinstance(loaded, DTensor):  # this rank's box of the whole tensor
+            return _as_part(loaded.to_local(), like) if isinstance(like, DTensor) else loaded.to_local()
         if spec is not None and self.group.size > 1:
-            return shard_tensor(loaded, spec, self.group.rank, self.group.size)
-        return loaded
+            loaded = shard_tensor(loaded, spec, self.group.rank, self.group.size)
+        return shard_dp_like(loaded, like) if isinstance(like, DTensor) else loaded
+
+
+def tp_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ``(tp, dp)`` mesh (tp outermost) of this rank's pipeline stage: a ``("dp", "pp", "tp")`` mesh cannot be
+    sliced out of order, so a ``("pp", "tp", "dp")`` one is built over the same ranks (collective: every rank calls)."""
+    order = [mesh.mesh_dim_names.index(a) for a in ("pp", "tp", "dp")]
+    return DeviceMesh(mesh.device_type, mesh.mesh.permute(*order), mesh_dim_names=("pp", "tp", "dp"))["tp", "dp"]
+
+
+def _as_part(part: Tensor, like: Tensor) -> Tensor:
+    """A loaded box of this rank (plain) as the dp-sharded tensor it belongs to."""
+    assert isinstance(like, DTensor)
+    return DTensor.from_local(part.to(like.dtype), like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
 
 
 def _model_entries(module: nn.Module, shards: ShardIndex) -> dict[str, tuple[Tensor, Optional[ShardSpec],
@@ -172,9 +205,9 @@ def load_sharded(path: Path, module: nn.Module, optimizers: list[Any], names: Pa
     with torch.no_grad():
         for key, (value, spec, _) in entries.items():
             if key in targets:
-                value.copy_(layout.unwrap(targets[key], spec))
+                value.copy_(layout.unwrap(targets[key], spec, value))
     _restore_optimizers(optimizers, module, names, meta["tpp"]["param_groups"],
-                        {k: layout.unwrap(targets[k], v[1]) for k, v in opt_entries.items()})
+                        {k: layout.unwrap(targets[k], v[1], v[0]) for k, v in opt_entries.items()})
     return meta
 
 
@@ -195,7 +228,8 @@ def _expected_optimizer_entries(optimizers: list[Any], module: nn.Module, names:
                         if info is not None else shape == tuple(full)
                     local_shape = tuple(p.shape) if sharded else shape
                     dtype = md.properties.dtype if hasattr(md, "properties") else torch.float32
-                    buf = torch.empty(local_shape, dtype=dtype, device=p.device if sharded else "cpu")
+                    buf = torch.empty_like(p, dtype=dtype) if sharded and isinstance(p, DTensor) else \
+                        torch.empty(local_shape, dtype=dtype, device=p.device if sharded else "cpu")
                     out[key] = (buf, spec if sharded else None, full if sharded else shape)
     return out
 

@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 
 from lightning_tpp.checkpoint.safe_load import CheckpointMismatchError
 from lightning_tpp.core.comm import TPGroup, gather_with_spec
+from lightning_tpp.core.dp_shard import gather_dp, is_dp_sharded, shard_dp_like
 from lightning_tpp.core.params import ParamNames, ShardIndex, ShardInfo, params_by_index
 from lightning_tpp.core.sharding import shard_tensor
 
@@ -23,7 +24,7 @@ def _sharded_params(module: nn.Module, shards: ShardIndex) -> dict[str, ShardInf
 
 def full_state_dict(module: nn.Module, group: TPGroup, shards: ShardIndex) -> dict[str, Tensor]:
     """``module.state_dict()`` with every shard replaced by the whole tensor (collective over the tp group)."""
-    state = module.state_dict()
+    state = {k: gather_dp(v) if isinstance(v, Tensor) else v for k, v in module.state_dict().items()}
     for name, info in _sharded_params(module, shards).items():
         if name in state:
             state[name] = gather_with_spec(state[name], info.spec, group)
@@ -47,6 +48,8 @@ def load_full_state_dict(module: nn.Module, state: Mapping[str, Any], group: TPG
         elif name in own and isinstance(value, Tensor) and value.shape != own[name].shape:
             wrong_shape.append(f"{name}: checkpoint {tuple(value.shape)} vs model {tuple(own[name].shape)}")
             continue
+        if name in own and isinstance(value, Tensor) and is_dp_sharded(own[name]):
+            value = shard_dp_like(value, own[name])
         local[name] = value
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
@@ -95,6 +98,7 @@ def named_optimizer_state(optimizer: Optimizer, module: nn.Module, names: ParamN
     for idx, per_param in sd["state"].items():
         p = params[idx]
         spec = shards.spec(p)
+        per_param = {k: gather_dp(v) if isinstance(v, Tensor) else v for k, v in per_param.items()}
         state[local[id(p)]] = {k: gather_with_spec(v, spec, group) if spec is not None and isinstance(v, Tensor)
                                and v.shape == p.shape else v for k, v in per_param.items()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [local[id(params[i])] for i in g["params"]]}
@@ -141,7 +145,8 @@ def load_indexed_optimizer_state(optimizer: Optimizer, module: nn.Module, state:
             if by_index and name not in position:
                 missing.append(name)
             continue
-        local_state[i] = {k: shard_state(v, shards.get(p), name, k, group) for k, v in saved.items()}
+        local_state[i] = {k: shard_dp_like(v, p) if is_dp_sharded(p) and isinstance(v, Tensor) and v.dim() > 0 else v
+                          for k, v in ((k, shard_state(v, shards.get(p), name, k, group)) for k, v in saved.items())}
     if missing:
         raise CheckpointMismatchError(f"optimizer state for parameters the checkpoint does not know: {missing}")
     groups, start = [], 0

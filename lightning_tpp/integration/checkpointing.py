@@ -17,6 +17,7 @@ from typing_extensions import override
 from lightning_tpp._compat import optimizer_to_device, requested_weights_only
 from lightning_tpp.checkpoint.dcp import (
     Layout,
+    tp_dp_mesh,
     is_sharded_checkpoint,
     load_sharded,
     merge_param_groups,
@@ -135,7 +136,10 @@ class CheckpointMixin:
         atomic_save(checkpoint, Path(filepath))
 
     def _layout(self) -> Layout:
-        return Layout(self._mesh["tp"], self._tp_group, self.parallel_state.shards)
+        state = self.parallel_state
+        if state.dp is not None and self._tp_group.size > 1 and getattr(self, "_tp_dp_mesh", None) is None:
+            self._tp_dp_mesh = tp_dp_mesh(self._mesh)  # column-parallel shards split again over dp
+        return Layout(self._mesh, self._tp_group, state.shards, getattr(self, "_tp_dp_mesh", None))
 
     def _save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
         assert self.lightning_module is not None

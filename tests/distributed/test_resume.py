@@ -19,14 +19,14 @@ SCRIPT = ROOT / "tests" / "distributed" / "worker_resume.py"
 
 
 def _phase(out: Path, phase: str, tp: int, pp: int, ckpt: Path, sharded: bool = False,
-           optimizer: str = "sgdm") -> Record:
+           optimizer: str = "sgdm", dp: int = 1) -> Record:
     if tp * pp == 0:  # one process, no strategy
         from worker_resume import run
 
         run(out, phase, 0, 0, ckpt, optimizer=optimizer)
         return load_record(out / f"{phase}.rank0.pt")
-    run_ranks(SCRIPT, tp * pp, [str(out), phase, str(tp), str(pp), str(ckpt), "sharded" if sharded else "whole",
-                                optimizer], timeout=300).check()
+    run_ranks(SCRIPT, tp * pp * dp, [str(out), phase, str(tp), str(pp), str(ckpt),
+                                     "sharded" if sharded else "whole", optimizer, str(dp)], timeout=400).check()
     # tp rank 0 of every stage
     return merge_stages([load_record(out / f"{phase}.rank{s * tp}.pt") for s in range(pp)])
 
@@ -83,6 +83,23 @@ def test_sharded_checkpoint_resumes_in_any_layout(tmp_path: Path, reference, loa
         ckpt = single
     second = _phase(tmp_path, "second", *load, ckpt, sharded=True)
     assert_parity(second, ref_second, rtol=1e-5, atol=1e-5, where=f"sharded tp2pp2 -> {load}")
+    torch.testing.assert_close(second.logged["val_loss"], ref_second.logged["val_loss"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("save", "load", "sharded"), [
+    ((2, 1, 2), (2, 2, 1), True), ((2, 2, 1), (2, 1, 2), True), ((1, 2, 2), (0, 0, 1), False),
+    pytest.param((2, 2, 2), (2, 1, 2), True, marks=pytest.mark.slow)],
+    ids=["tp2dp2-to-tp2pp2", "tp2pp2-to-tp2dp2", "pp2dp2-whole-to-one-process", "tp2pp2dp2-to-tp2dp2"])
+def test_dp_sharded_resumes_across_layouts(tmp_path: Path, reference, save: tuple[int, int, int],
+                                           load: tuple[int, int, int], sharded: bool) -> None:
+    """Parameters and optimizer state sharded over dp (FSDP2, the default) save and resume layout-free: dp replicas
+    read the same batches here, so every layout's step equals one process's."""
+    ref_first, ref_second = reference
+    ckpt = tmp_path / "run.ckpt"
+    first = _phase(tmp_path, "first", *save[:2], ckpt, sharded, dp=save[2])
+    assert_parity(first, ref_first, where=f"first phase (tp, pp, dp) = {save}")
+    second = _phase(tmp_path, "second", *load[:2], ckpt, sharded, dp=load[2])
+    assert_parity(second, ref_second, rtol=1e-5, atol=1e-5, where=f"resumed {save} -> {load}")
     torch.testing.assert_close(second.logged["val_loss"], ref_second.logged["val_loss"], rtol=1e-5, atol=1e-6)
 
 

@@ -2,7 +2,8 @@
 
     python worker_resume.py OUT first  TP PP CKPT   # 1 epoch (3 steps), then save CKPT
     python worker_resume.py OUT second TP PP CKPT   # resume from CKPT for a second epoch (steps 4-6)
-    ... [sharded|whole] [OPTIMIZER]                 # save as a torch.distributed.checkpoint folder; sgdm or adafactor
+    ... [sharded|whole] [OPTIMIZER] [DP]            # save as a torch.distributed.checkpoint folder; sgdm or adafactor;
+                                                    # DP replicas (FSDP2-sharded), each reading every batch
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ from parity import Recorder
 
 
 def run(out: Path, phase: str, tp: int, pp: int, ckpt: Path, model: str = "nanogpt4", sharded: bool = False,
-        optimizer: str = "sgdm") -> None:
+        optimizer: str = "sgdm", dp: int = 1) -> None:
     from lightning_tpp import TensorPipeStrategy
 
     L.seed_everything(0, verbose=False)
     module = LitLM(model, lr=0.05, optimizer=optimizer)
-    strategy = TensorPipeStrategy(tp=tp, pp=pp, microbatches=2, print_plan=False,
+    strategy = TensorPipeStrategy(tp=tp, pp=pp, dp=dp, microbatches=2, print_plan=False,
                                   save_distributed_checkpoint=sharded) if tp * pp else "auto"
     recorder = Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=max(tp * pp, 1), strategy=strategy,
+    trainer = L.Trainer(accelerator="cpu", devices=max(tp * pp * dp, 1), strategy=strategy,
                         max_steps=3 if phase == "first" else 6, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         callbacks=[recorder])
@@ -43,4 +44,4 @@ def run(out: Path, phase: str, tp: int, pp: int, ckpt: Path, model: str = "nanog
 if __name__ == "__main__":
     out, phase, tp, pp, ckpt = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
     run(out, phase, tp, pp, ckpt, sharded=len(sys.argv) > 6 and sys.argv[6] == "sharded",
-        optimizer=sys.argv[7] if len(sys.argv) > 7 else "sgdm")
+        optimizer=sys.argv[7] if len(sys.argv) > 7 else "sgdm", dp=int(sys.argv[8]) if len(sys.argv) > 8 else 1)
