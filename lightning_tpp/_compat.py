@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 __all__ = [
     "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType", "SubprocessScriptLauncher",
     "SummaryCallbackAdapter", "all_gather_ddp_if_available", "collect_rng_states", "dcp_metadata_path",
-    "default_store", "distributed_is_initialized", "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_sharded_params", "get_layout", "init_dist_connection",
+    "default_store", "distributed_is_initialized", "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now", "fsdp_sharded_params", "get_layout", "init_dist_connection",
     "optimizer_to_device", "optimizers_to_device", "requested_weights_only", "set_rank_zero", "set_rng_states",
     "sync_ddp_if_available", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_dense_tensors",
 ]
@@ -174,3 +174,15 @@ def fsdp_lazy_init(module: Any) -> None:
     """Make ``module`` (a ``fully_shard`` unit enclosing all others) the root of every unit below it now, rather than
     the first unit to run forward (the LightningModule's own forward may never run)."""
     module._get_fsdp_state()._lazy_init()
+
+
+def fsdp_reduce_now(root: Any) -> None:
+    """Reduce-scatter the gradients every unit under ``root`` accumulated unsharded, outside a backward: what
+    ``torch.distributed.pipelining``'s ``perform_reduce_grad`` does after a schedule that splits backward."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(root)
+    for unit_state in state._state_ctx.all_states:
+        for group in unit_state._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()

@@ -31,6 +31,7 @@ from lightning_tpp.core.params import ParamNames, ShardIndex
 from lightning_tpp.core.recompute import recompute_blocks
 from lightning_tpp.pipeline.build import PreparedStages, finish_stages, format_partition, prepare_stages
 from lightning_tpp.pipeline.engine import PipelineEngine
+from lightning_tpp.pipeline.stage import end_stage_forward_last
 from lightning_tpp.pipeline.partition import PipelinePartitionError, block_modules
 from lightning_tpp.tensor_parallel import TPPlan, apply_plan, check_divisible, detect, format_plan, hf_plan, overlay
 
@@ -208,8 +209,10 @@ def shard_state_over_dp(module: nn.Module, state: ParallelState, blocks: Optiona
     state.shards.resolve = state.dp.sharded_of
     if state.engine is not None:
         state.engine.rekey(state.dp.replaced)
-        units = state.dp.modules
-        state.engine.executor.before_backward = lambda: [m.unshard() for m in units]
+        end_stage_forward_last(module)  # FSDP2's post-forward hooks run before a stage's forward is cut short
+        dp = state.dp
+        if state.engine.splits_backward:
+            state.engine.reduction = lambda: dp.reduce_at_end(module)
     if print_plan:
         rank_zero_info(state.dp.describe(*sharded_numel(module)))
 

@@ -191,7 +191,8 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
 
                 total, sharded = sharded_numel(strategy.lightning_module)
                 if sharded < 0.9 * total:
-                    raise AssertionError(f"{name}: only {sharded} of {total} parameters are sharded over dp")
+                    raise AssertionError(f"{name}: only {sharded} of {total} parameters are sharded over dp: "
+                                         f"{strategy.parallel_state.dp}")
             if args.activation_checkpointing and not strategy.parallel_state.recomputed:
                 raise AssertionError(f"{name}: activation_checkpointing=True but no block is recomputed")
             stem = name if len(schedules) == 1 else f"{name}.{schedule_name}"

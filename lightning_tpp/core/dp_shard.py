@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_tpp._compat import fsdp_lazy_init, fsdp_sharded_params
+from lightning_tpp._compat import fsdp_lazy_init, fsdp_reduce_now, fsdp_sharded_params
 
 DPSharding = Literal["full_shard", "shard_grad_op", "no_shard"]
 SHARDINGS: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard")
@@ -77,6 +77,22 @@ class DPShards:
     replicated: list[str] = field(default_factory=list)
     replaced: dict[int, nn.Parameter] = field(default_factory=dict)
     modules: list[nn.Module] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def reduce_at_end(self, root: nn.Module) -> Iterator[None]:
+        """Gradients kept unsharded through a pipeline schedule and reduce-scattered once after it, parameters kept
+        gathered from their first backward on (``torch.distributed.pipelining``'s way with FSDP2): needed where
+        weight gradients are added after their backward (zero-bubble's ``W``), when FSDP2 has already reduced."""
+        for m in self.modules:
+            m.set_requires_gradient_sync(False, recurse=False)
+            m.set_reshard_after_backward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in self.modules:
+                m.set_requires_gradient_sync(True, recurse=False)
+                m.set_reshard_after_backward(True, recurse=False)
+        fsdp_reduce_now(root)
 
     def sharded_of(self, p: Tensor) -> Optional[Tensor]:
         """The sharded parameter whose gathered copy (swapped in during forward) ``p`` is."""

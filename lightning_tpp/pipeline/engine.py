@@ -11,7 +11,8 @@ The logging adapter the strategy wraps around a step (``captured_logs``, ``repla
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+import contextlib
+from typing import Any, Callable, ContextManager, Mapping, Optional
 
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -60,6 +61,13 @@ class PipelineEngine:
                                  ancestor_params=ancestor_params)
         self.parking = GradientParking([p for chunk in chunk_params for p in chunk], tied)
         self.order = actions(schedule, rank, pp, microbatches, virtual)
+        # around a schedule: how gradients sharded over dp are reduced (FSDP2: per backward, or once at the end)
+        self.reduction: Callable[[], ContextManager[None]] = contextlib.nullcontext
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule adds weight gradients after their backward (zero-bubble ``I``/``W``)."""
+        return any(kind in ("I", "W") for kind, _, _ in self.order)
 
     def rekey(self, replaced: Mapping[int, nn.Parameter]) -> None:
         """Follow parameters that were replaced by new objects (FSDP2 wraps each in a DTensor)."""
@@ -102,7 +110,7 @@ class PipelineEngine:
         order = self._order(len(micro))
         routes = self.executor.routes("training_step", step, micro[0])
         self.transport.post_headers(self.executor.inbound(routes), len(micro))
-        with self.parking.schedule(stale=stale_grads):
+        with self.parking.schedule(stale=stale_grads), self.reduction():
             total = self.executor.run(order, step, micro, routes, shares, loss_scale)
         return self.transport.broadcast_from_last(total)
 

@@ -101,7 +101,6 @@ class Executor:
         self.rank, self.pp, self.virtual, self.ancestor_params = rank, pp, virtual, ancestor_params
         self._route_cache: dict[Any, list[Route]] = {}
         self.trace: Optional[Trace] = None  # (kind, microbatch, chunk, start, end, seconds waiting for peers)
-        self.before_backward: Optional[Callable[[], None]] = None  # e.g. gather dp-sharded parameters (FSDP2)
         self.position: Optional[Action] = None
 
     def stage(self, chunk: int) -> int:
@@ -222,8 +221,6 @@ class Executor:
             if kind == "I" and not (inputs and roots):
                 state.deferred = (roots, grads)  # nothing to send upstream: the whole backward is weight work
             elif roots:
-                if self.before_backward is not None:
-                    self.before_backward()
                 torch.autograd.backward(roots, grads)
             sent = {} if state.deferred is not None else {id(t): t.grad for t in inputs}
             for src, tensors in state.inputs.items():

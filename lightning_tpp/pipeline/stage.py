@@ -70,6 +70,7 @@ class RunContext:
     kept: dict[Key, list[Any]] = field(default_factory=dict)
     tracer: Optional["_Taint"] = None
     trace: list[tuple[Key, frozenset]] = field(default_factory=list)
+    stopping: bool = False  # the stage's last own call returned: its forward hook ends the stage's forward
 
 
 def meta_twin(module: nn.Module) -> nn.Module:
@@ -175,7 +176,7 @@ class StageRuntime:
             if key in ctx.route.keep:
                 ctx.kept[key] = tree_flatten(out)[0]
             if key == ctx.route.stop_after:
-                raise StageOutput()
+                ctx.stopping = True  # raised by _end_stage_forward, after the module's other forward hooks
             return out
         out = self.zeros(self.meta_output(module.__dict__[BINDING].twin, args, kwargs))
         wanted = ctx.route.incoming.get(key)
@@ -321,3 +322,26 @@ def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
 def mark_dispatch(module: nn.Module, runtime: StageRuntime, *, unit: int, twin: nn.Module) -> None:
     module.__dict__[BINDING] = UnitBinding(runtime, twin, unit)
     swap_class(module, _PipelineDispatch)
+    end_stage_forward_last(module)
+
+
+_STOP_HOOK = "_tpp_stop_hook"
+
+
+def _end_stage_forward(module: nn.Module, args: Any, output: Any) -> None:
+    ctx = module.__dict__[BINDING].runtime.ctx
+    if ctx is not None and ctx.stopping:
+        ctx.stopping = False
+        raise StageOutput()
+
+
+def end_stage_forward_last(module: nn.Module) -> None:
+    """(Re-)register the hook that ends a stage's forward after its last own unit returns, as the unit's last
+    forward hook: hooks added since (FSDP2's post-forward: reshard, pre-backward hook) run before the forward is cut
+    short. ``module``: a unit, or the model (every unit in it)."""
+    for m in module.modules():
+        handle = m.__dict__.pop(_STOP_HOOK, None)
+        if handle is not None or m is module and BINDING in m.__dict__:
+            if handle is not None:
+                handle.remove()
+            m.__dict__[_STOP_HOOK] = m.register_forward_hook(_end_stage_forward)
