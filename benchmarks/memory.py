@@ -16,7 +16,7 @@ strategy takes ``activation_checkpointing``; "n/a" otherwise). Per rank, after t
   storage counted once while autograd holds it, parameters excepted).
 
 Each is shown as a ratio to the ideal share (whole model's params + grads + AdamW state / world size), beside
-``estimate_memory``'s figures for the same layout (states replicated over dp, as the strategy does today) and their
+``estimate_memory``'s figures for the same layout (states sharded over dp with FSDP2, the strategy's default) and their
 ratio to the measurement. The estimate's activations are compared without the outputs a stage holds for the next
 one and without checkpointing's recompute, which the hooks do not see.
 """
@@ -110,6 +110,8 @@ class SavedTracker:
         self.params, self.refs, self.size, self.now, self.peak = params, {}, {}, 0, 0
 
     def pack(self, t: Tensor) -> Any:
+        if isinstance(t, nn.Parameter):  # FSDP2's gathered parameters included
+            return t
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key in self.params or key == 0:
@@ -143,7 +145,8 @@ class Measure(L.Callback):
         self.setup_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.start_rss
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
-        params = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
+        params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+                  for p in pl_module.parameters()}
         self.tracker = SavedTracker(params)
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.tracker.pack, SavedTracker.unpack)
         self.hooks.__enter__()
@@ -195,7 +198,7 @@ def _estimate(config: dict, layout: dict, checkpointing: bool, seq: int) -> Any:
         module = LlamaLM(config)
         module.configure_model()
     return estimate_memory(module, **layout, microbatches=MICROBATCHES, batch_size=LOCAL_BATCH * layout["dp"],
-                           seq_len=seq, activation_checkpointing=checkpointing, dp_shard=False)
+                           seq_len=seq, activation_checkpointing=checkpointing, dp_shard=True)
 
 
 def _table(name: str, measured: list[dict], report: Any) -> None:
@@ -243,7 +246,7 @@ def main() -> None:
     print("states = params + grads + optimizer state of the rank; peak = ru_maxrss increase over the RSS at the start "
           "of fit (before configure_model, which builds on the meta device); setup = the same at the first step's start "
           "(after the strategy's setup); activ. = most bytes saved "
-          "for backward alive at once. est. = estimate_memory (dp replicated, as the strategy does today); est. "
+          "for backward alive at once. est. = estimate_memory (states sharded over dp, FSDP2); est. "
           "activ. leaves out sent outputs and recompute, which the hooks do not see; est. total includes them")
     for name, layout in LAYOUTS:
         for checkpointing in (False, True):

@@ -49,8 +49,10 @@ def test_nonfinite_raise_is_one_decision(tmp_path: Path) -> None:
         assert re.search(r"NonFiniteLossError: non-finite loss at step 2 on ranks \[1\]", out), out[-2000:]
 
 
-def test_nonfinite_skip_keeps_replicas_identical(tmp_path: Path) -> None:
-    result = _run("nan_skip", tmp_path)
+@pytest.mark.parametrize("scenario", ["nan_skip", "nan_skip_replicated"], ids=["dp-sharded", "replicated"])
+def test_nonfinite_skip_keeps_replicas_identical(tmp_path: Path, scenario: str) -> None:
+    """Parameters sharded over dp (the default) or replicated (dp_sharding='no_shard'): no rank applies the step."""
+    result = _run(scenario, tmp_path)
     assert result.returncodes == [0, 0], result.outputs[1][-3000:]
     a, b = (torch.load(tmp_path / f"done.rank{r}.pt") for r in range(2))
     assert a["step"] == b["step"] == 5  # the step counter advances; the NaN batch updates nothing anywhere

@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_tpp import TensorPipeStrategy
+from lightning_tpp.core.dp_shard import gather_dp
 from models import LitLM, token_dataset
 
 RANK = int(os.environ.get("LOCAL_RANK", "0"))
@@ -44,6 +45,8 @@ def main() -> None:
         kwargs.update(tp=2)
     elif scenario.startswith("nan"):
         kwargs.update(on_nonfinite=scenario.split("_")[1])  # dp=2
+        if scenario.endswith("_replicated"):
+            kwargs.update(dp_sharding="no_shard")
     elif scenario == "disagree":
         kwargs.update(tp=2, tp_plan={"*.mlp": "replicate"} if RANK == 1 else "auto")
     L.seed_everything(0, verbose=False)
@@ -52,7 +55,7 @@ def main() -> None:
                         logger=False, enable_progress_bar=False, callbacks=[ckpt])
     model = Faulty(scenario)
     trainer.fit(model, torch.utils.data.DataLoader(token_dataset(40), batch_size=4))
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = {n: gather_dp(p.detach()).clone() for n, p in model.named_parameters()}  # whole, if dp-sharded
     torch.save({"params": params, "step": trainer.global_step}, out / f"done.rank{RANK}.pt")
 
 

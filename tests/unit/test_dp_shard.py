@@ -1,0 +1,56 @@
+"""Which modules become FSDP2 units (``core.dp_shard.fsdp_units``), and the dp_sharding argument."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from lightning_tpp.core.dp_shard import fsdp_units, normalize_sharding
+
+
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed = nn.Embedding(10, 4)
+        self.model.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.model.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 10, bias=False)
+
+
+def test_blocks_and_holders_are_units_children_first() -> None:
+    m = TiedLM()
+    units, replicated = fsdp_units(m, ["model.layers.0", "model.layers.1"])
+    assert units == ["model.layers.0", "model.layers.1", "model.embed", "model.norm", "head"]
+    assert replicated == []
+
+
+def test_a_tied_weight_is_grouped_by_the_module_holding_both_ends() -> None:
+    m = TiedLM()
+    m.model.head = nn.Linear(4, 10, bias=False)
+    m.model.head.weight = m.model.embed.weight  # tied inside model: model is their unit
+    del m.head
+    units, replicated = fsdp_units(m, ["model.layers.0", "model.layers.1"])
+    assert units == ["model.layers.0", "model.layers.1", "model.norm", "model"]
+    assert replicated == []
+
+
+def test_parameters_of_the_root_and_weights_tied_across_it_stay_replicated() -> None:
+    m = TiedLM()
+    m.head.weight = m.model.embed.weight  # ends under the root only: the LightningModule's forward may never run
+    m.pos = nn.Parameter(m.model.norm.weight.detach().clone())
+    units, replicated = fsdp_units(m, ["model.layers.0", "model.layers.1"])
+    assert "model.embed" not in units and "head" not in units
+    assert sorted(replicated) == ["model.embed.weight", "pos"]
+
+
+def test_no_blocks_each_holder_is_a_unit() -> None:
+    units, _ = fsdp_units(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)), [])
+    assert units == ["0", "2"]
+
+
+def test_sharding_names() -> None:
+    assert normalize_sharding("FULL_SHARD") == "full_shard"
+    assert normalize_sharding("shard_grad_op") == "shard_grad_op"
+    with pytest.raises(ValueError, match=r"dp_sharding='zero3' must be one of .*'full_shard'"):
+        normalize_sharding("zero3")
