@@ -62,7 +62,7 @@ def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, s
           optimizer: str = "sgd", accelerator: str = "cpu", in_order_receives: bool = False,
           meta: bool = False, prepare: Optional[Callable[[LitLM], None]] = None,
           after_fit: Optional[Callable[[L.Trainer], None]] = None) -> Record:
-    """Train ``name`` for ``steps`` optimizer steps. With ``strategy="auto"`` (one process) each batch is the union of
+    """Train ``name`` for ``steps`` optimizer steps. In one process (with or without a strategy) each batch is the union of
     what ``dp`` replicas draw from Lightning's shuffling DistributedSampler (seed 0, epoch 0) at that step.
     ``prepare`` sees the module before training (e.g. loads weights), ``after_fit`` the Trainer after it."""
     L.seed_everything(0, verbose=False)
@@ -70,7 +70,8 @@ def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, s
     if prepare is not None:
         prepare(module)
     data = token_dataset()
-    if strategy == "auto":
+    one_process = devices == 1  # with or without the strategy: reads what the dp replicas read together
+    if one_process:
         perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
         per_replica = [perm[r::dp] for r in range(dp)]
         batches = [[i for r in range(dp) for i in per_replica[r][s * batch_size:(s + 1) * batch_size]]
@@ -89,7 +90,8 @@ def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, s
     trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=callbacks, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
-                        precision=precision, limit_val_batches=0, num_sanity_val_steps=0)
+                        precision=precision, limit_val_batches=0, num_sanity_val_steps=0,
+                        use_distributed_sampler=not one_process)
     trainer.fit(module, loader)
     if after_fit is not None:
         after_fit(trainer)

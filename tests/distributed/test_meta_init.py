@@ -15,7 +15,7 @@ MODELS = ["llama", "hf_llama", "encoder", "hf_gpt2"]  # hand-written (reset_para
 # layers (MultiheadAttention's _reset_parameters), a tied embedding/head (initialised once, then shared)
 
 
-def _reference(name: str):
+def _reference(name: str, dp: int = 1):
     """One process with the strategy (it builds on meta too). Lightning leaves the one-rank process group it starts;
     it is destroyed so that later tests in this process find none."""
     import torch.distributed as dist
@@ -23,7 +23,7 @@ def _reference(name: str):
     from lightning_tpp import TensorPipeStrategy
 
     try:
-        return train(name, strategy=TensorPipeStrategy(print_plan=False), meta=True, steps=3)
+        return train(name, strategy=TensorPipeStrategy(print_plan=False), meta=True, steps=3, dp=dp)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -40,6 +40,22 @@ def test_meta_built_parity(tmp_path: Path, tp: int, pp: int) -> None:
         for tp_rank in range(tp):  # each tp rank's pipeline holds the whole model between its stages
             got = merge_stages([records[pp_rank * tp + tp_rank] for pp_rank in range(pp)])
             assert_parity(got, ref, where=f"meta-built {name} tp={tp} pp={pp} tp rank {tp_rank}")
+
+
+def test_meta_built_parity_tp2_pp2_dp2_sharded_with_activation_checkpointing(tmp_path: Path) -> None:
+    """8 ranks: built on meta, each rank initialises its tp shard of its stage, FSDP2 cuts it over dp; blocks
+    recomputed in backward. Llama (rotary side inputs) and GPT-2 (tied embedding/head on the first and last stage)."""
+    models = ["llama", "hf_gpt2"]
+    args = ["--models", ",".join(models), "--tp", "2", "--pp", "2", "--dp", "2", "--meta", "--steps", "3",
+            "--activation-checkpointing", "--out", str(tmp_path)]
+    run_ranks(ROOT / "tests" / "parity.py", 8, args, timeout=500).check()
+    for name in models:
+        ref = _reference(name, dp=2)
+        records = [load_record(tmp_path / f"{name}.rank{r}.pt") for r in range(8)]
+        for dp_rank in range(2):
+            for tp_rank in range(2):
+                got = merge_stages([records[(dp_rank * 2 + pp_rank) * 2 + tp_rank] for pp_rank in range(2)])
+                assert_parity(got, ref, where=f"meta-built {name} tp2 x pp2 x dp2 dp rank {dp_rank} tp rank {tp_rank}")
 
 
 def test_setup_allocates_only_the_share(tmp_path: Path) -> None:
