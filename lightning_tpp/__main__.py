@@ -158,7 +158,7 @@ def _plan_parser(sub: Any) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="parameter dtype (gradients and optimizer state follow it, as in torch.optim)")
     p.add_argument("--no-dp-shard", dest="dp_shard", action="store_false",
-                   help="states replicated over dp (today's strategy) instead of FSDP2-sharded")
+                   help="states replicated over dp (dp_sharding=\"no_shard\") instead of FSDP2-sharded (the default)")
     p.add_argument("--device-memory", default="80GB", help="e.g. 80GB (10^9 bytes) or 80GiB (2^30 bytes)")
 
 

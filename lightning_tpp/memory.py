@@ -24,10 +24,12 @@ until their gradients come back. With activation checkpointing every block runs 
 recomputes. How many micro-batches a rank holds comes from the schedule's own action lists (``pipeline.schedule``):
 a micro-batch is held from its ``F`` until its ``B`` (or its ``W`` when the backward is split; an upper bound).
 
-``dp_shard=True`` assumes FSDP2 over dp (``fully_shard``: every parameter's dim 0 cut into dp pieces, padded), so
-parameters, gradients and optimizer state are divided by dp; ``dp_shard=False`` is replication over dp (what the
-strategy does today). Not counted: framework and allocator overhead, communication buffers, FSDP2's gathered
-parameters of the block in flight, temporaries that are not saved for backward (e.g. the loss's gradient).
+``dp_shard=True`` is the strategy's default with dp > 1, FSDP2 over dp (``fully_shard``: every parameter's dim 0 cut
+into dp pieces, padded): parameters, gradients and optimizer state are divided by dp, and ``gathered`` counts what
+FSDP2 holds whole beside them (a block's parameters gathered, the next one's prefetched, its unsharded gradient; the
+whole stage's parameters and gradients under zero-bubble schedules). ``dp_shard=False`` is ``dp_sharding="no_shard"``
+(replication over dp). Not counted: framework and allocator overhead, communication buffers, temporaries that are
+not saved for backward (e.g. the loss's gradient).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class RankMemory:
     in_flight: int  # the most micro-batches it holds at once
     sent: int = 0  # of which: outputs sent to the next stage, held until their gradients come back
     recompute: int = 0  # of which: one block's activations while it recomputes (activation checkpointing)
+    gathered: int = 0  # FSDP2's gathered parameters and unsharded gradients in flight (dp-sharded states)
 
     @property
     def states(self) -> int:
@@ -80,7 +83,7 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return self.states + self.activations
+        return self.states + self.activations + self.gathered
 
 
 @dataclass
@@ -122,14 +125,14 @@ class MemoryReport:
         unit, scale = ("GiB", GiB) if self.largest.total >= GiB else ("MiB", 1024 ** 2)
         lines = [f"Memory per rank ({unit}): {layout}; whole model {self.whole_params / 1e6:,.1f} M parameters",
                  f"{'pp':>3} {'tp':>5} {'stages':>8} {'params':>9} {'grads':>9} {'optimizer':>10} "
-                 f"{'activations':>12} {'in flight':>9} {'total':>9}"]
+                 f"{'activations':>12} {'in flight':>9} {'gathered':>9} {'total':>9}"]
         for r in self.ranks:
             if r.tp_rank:
                 continue  # the tp ranks of one pipeline rank hold the same
             tps = f"0-{d.tp - 1}" if d.tp > 1 else "0"
             lines.append(f"{r.pp_rank:>3} {tps:>5} {','.join(map(str, r.stages)):>8} {r.params / scale:9.2f} "
                          f"{r.grads / scale:9.2f} {r.optimizer / scale:10.2f} {r.activations / scale:12.2f} "
-                         f"{r.in_flight:>9} {r.total / scale:9.2f}")
+                         f"{r.in_flight:>9} {r.gathered / scale:9.2f} {r.total / scale:9.2f}")
         lines.append(f"largest rank: {self.largest.total / scale:.2f} {unit} (pp rank {self.largest.pp_rank}); "
                      f"ideal share of params+grads+optimizer: {self.ideal_share() / scale:.2f} {unit}")
         lines += [f"note: {n}" for n in self.notes]
@@ -176,6 +179,7 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     for _, p, _ in cuts:
         plan.styles.update(p.styles)
         plan.blocks.update(p.blocks)
+    splits = pp > 1 and any(kind in ("I", "W") for kind, _, _ in spec.orders(0, pp, m, virtual_stages))
     per_stage, saved, recompute = _activations(module, plan, report.partition, dims, mb, seq_len, param_dtype,
                                                activation_checkpointing, forward)
     for r, (rank_copy, _, _) in enumerate(cuts):
@@ -184,12 +188,21 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
         in_flight, held = _held(spec, r, pp, m, virtual_stages, [per_stage.get(g, 0) for g in stages])
         held_saved = _held(spec, r, pp, m, virtual_stages, [saved.get(g, 0) for g in stages])[1]
         extra = max((recompute.get(g, 0) for g in stages), default=0)
+        gathered = _gathered(rank_copy, report.partition, splits) if dp_shard and dp > 1 else 0
         report.ranks += [RankMemory(r, t, stages, count, params, grads, optim, held + extra, in_flight,
-                                    held - held_saved, extra) for t in range(tp)]
-    if dp_shard and dp > 1:
-        report.notes.append("dp_shard assumes FSDP2 over dp (parameters, gradients and optimizer state / dp); the "
-                            "strategy does not shard over dp yet (pass dp_shard=False for today's replication)")
+                                    held - held_saved, extra, gathered) for t in range(tp)]
     return report
+
+
+def _gathered(cut: nn.Module, partition: Optional[Partition], splits_backward: bool) -> int:
+    """What FSDP2 holds whole beside the dp shards: a block's parameters gathered, the next one's prefetched and the
+    block's unsharded gradient before its reduce-scatter; under a schedule that splits backward (zero-bubble), the
+    stage's parameters and gradients stay whole until the schedule ends (``core.dp_shard``)."""
+    blocks = set(_block_names(cut, partition))
+    sizes = [sum(p.numel() * p.element_size() for p in m.parameters()) for n, m in cut.named_modules() if n in blocks]
+    if splits_backward:
+        return 2 * sum(p.numel() * p.element_size() for p in {id(p): p for p in cut.parameters()}.values())
+    return 3 * max(sizes, default=0)
 
 
 def _cut(module: nn.Module, dims: MeshDims, pp_rank: int, virtual: int, dtype: torch.dtype, *,

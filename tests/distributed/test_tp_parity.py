@@ -38,11 +38,13 @@ def test_parity_fp32(tmp_path: Path, tp: int, dp: int, models: list[str]) -> Non
                                                                                          f"rank {rank}")
 
 
-@pytest.mark.parametrize(("models", "optimizer", "lr", "param_atol"),
-                         [(["nanogpt", "llama"], "sgd", 0.1, None), (["llama"], "adamw", 0.01, 1e-4)])
+@pytest.mark.parametrize(("models", "optimizer", "lr", "param_atol", "dp_sharding"),
+                         [(["nanogpt", "llama"], "sgd", 0.1, None, "no_shard"),
+                          (["llama"], "adamw", 0.01, 1e-4, "full_shard")])
 def test_parity_clipping_accumulation(tmp_path: Path, models: list[str], optimizer: str, lr: float,
-                                      param_atol: float | None) -> None:
-    """Global-norm clipping over shards and replicas, 2 micro-batches accumulated; AdamW keeps state per shard.
+                                      param_atol: float | None, dp_sharding: str) -> None:
+    """Global-norm clipping over shards and replicas, 2 micro-batches accumulated; AdamW keeps state per shard (and,
+    sharded over dp by FSDP2, per dp part); SGD with replicas over dp (dp_sharding='no_shard').
 
     AdamW: losses and gradients keep the fp32 tolerance, updated parameters get atol 1e-4 (= lr / 100). Adam's step
     m / (sqrt(v) + eps) has size ~lr whatever the gradient's size, so an element whose gradient is at rounding level
@@ -50,7 +52,7 @@ def test_parity_clipping_accumulation(tmp_path: Path, models: list[str], optimiz
     bias-free Llama to keep such elements few."""
     opts = dict(accumulate=2, clip=0.1, optimizer=optimizer, steps=3, lr=lr)
     _run(tmp_path, models, 2, 2, ["--accumulate", "2", "--clip", "0.1", "--optimizer", optimizer, "--steps", "3",
-                                  "--lr", str(lr)])
+                                  "--lr", str(lr), "--dp-sharding", dp_sharding])
     for name in models:
         ref = train(name, dp=2, **opts)
         assert len(ref.grads) == 3 and len(ref.losses) == 6
