@@ -28,7 +28,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 __all__ = [
     "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType", "SubprocessScriptLauncher",
     "SummaryCallbackAdapter", "all_gather_ddp_if_available", "collect_rng_states", "dcp_metadata_path",
-    "default_store", "distributed_is_initialized", "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now", "fsdp_sharded_params", "get_layout", "init_dist_connection",
+    "default_store", "distributed_is_initialized", "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now",
+    "fsdp_sharded_params", "fsdp_state", "get_layout", "init_dist_connection",
     "optimizer_to_device", "optimizers_to_device", "requested_weights_only", "set_rank_zero", "set_rng_states",
     "sync_ddp_if_available", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_dense_tensors",
 ]
@@ -159,6 +160,11 @@ def is_hf_pretrained(module: Any) -> bool:
     """A Hugging Face ``PreTrainedModel`` (without importing transformers: it has a config and ``_init_weights``)."""
     return callable(getattr(module, "_init_weights", None)) and hasattr(module, "config") and hasattr(
         module, "post_init")
+
+
+def fsdp_state(module: Any) -> Any:
+    """The FSDP2 state of a ``fully_shard`` unit (what a ``deepcopy`` of the unit must share, not copy)."""
+    return module._get_fsdp_state()
 
 
 def fsdp_sharded_params(module: Any) -> list[tuple[Any, Any]]:

@@ -62,8 +62,8 @@ def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, s
           optimizer: str = "sgd", accelerator: str = "cpu", in_order_receives: bool = False,
           meta: bool = False, prepare: Optional[Callable[[LitLM], None]] = None,
           after_fit: Optional[Callable[[L.Trainer], None]] = None) -> Record:
-    """Train ``name`` for ``steps`` optimizer steps. In one process (with or without a strategy) each batch is the union of
-    what ``dp`` replicas draw from Lightning's shuffling DistributedSampler (seed 0, epoch 0) at that step.
+    """Train ``name`` for ``steps`` optimizer steps. In one process (with or without a strategy) each batch is the
+    union of what ``dp`` replicas draw from Lightning's shuffling DistributedSampler (seed 0, epoch 0) at that step.
     ``prepare`` sees the module before training (e.g. loads weights), ``after_fit`` the Trainer after it."""
     L.seed_everything(0, verbose=False)
     module = LitLM(name, lr=lr, optimizer=optimizer, build_in_configure_model=meta)  # meta: built in configure_model

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_tpp._compat import fsdp_lazy_init, fsdp_reduce_now, fsdp_sharded_params
+from lightning_tpp._compat import fsdp_lazy_init, fsdp_reduce_now, fsdp_sharded_params, fsdp_state
 
 DPSharding = Literal["full_shard", "shard_grad_op", "no_shard"]
 SHARDINGS: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard")
@@ -122,7 +122,7 @@ def fsdp_classes_hidden(module: nn.Module) -> Iterator[dict[int, Any]]:
     for m in module.modules():
         cls = type(m)
         if isinstance(m, FSDPModule):
-            state = m._get_fsdp_state()
+            state = fsdp_state(m)
             memo[id(state)] = state
             m.__class__ = next(b for b in cls.__bases__ if b is not FSDPModule)
             swapped.append((m, cls))

@@ -183,6 +183,39 @@ def test_torch_dcp_metadata_names() -> None:
     assert _params(FileSystemReader._get_metadata_path) == ["self", "rank"]
 
 
+def test_fsdp2_internals(tmp_path: Path) -> None:
+    """FSDP2's state, its parameters (sharded and gathered), explicit root initialisation and a reduce-scatter run
+    outside backward: what ``core.dp_shard`` and the pipeline rely on (one-rank process group, destroyed after)."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        _compat.fsdp_lazy_init(model)
+        assert _compat.fsdp_state(model[0]) is not _compat.fsdp_state(model[1])
+        for layer in model:
+            layer.set_requires_gradient_sync(False, recurse=False)
+        model(torch.ones(3, 4)).sum().backward()
+        pairs = _compat.fsdp_sharded_params(model[0])
+        assert [tuple(s.shape) for s, _ in pairs] == [(4, 4), (4,)] and all(isinstance(s, DTensor) for s, _ in pairs)
+        assert all(u is not None and not isinstance(u, DTensor) for _, u in pairs)  # the gathered parameters
+        assert all(s.grad is None for s, _ in pairs)  # kept unsharded: no reduce-scatter yet
+        for layer in model:
+            layer.set_requires_gradient_sync(True, recurse=False)
+        _compat.fsdp_reduce_now(model)
+        assert all(isinstance(s.grad, DTensor) for s, _ in _compat.fsdp_sharded_params(model[0]))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_precision_plugin_is_assigned_through_the_strategy_property() -> None:
     """The connector hands the plugin to the strategy through the public ``precision_plugin`` setter, which
     TensorPipeStrategy overrides (lightning_tpp.integration.precision)."""
