@@ -26,8 +26,8 @@ a micro-batch is held from its ``F`` until its ``B`` (or its ``W`` when the back
 
 ``dp_shard=True`` is the strategy's default with dp > 1, FSDP2 over dp (``fully_shard``: every parameter's dim 0 cut
 into dp pieces, padded): parameters, gradients and optimizer state are divided by dp, and ``gathered`` counts what
-FSDP2 holds whole beside them (a block's parameters gathered, the next one's prefetched, its unsharded gradient; the
-whole stage's parameters and gradients under zero-bubble schedules). ``dp_shard=False`` is ``dp_sharding="no_shard"``
+FSDP2 holds whole beside them (the largest unit's gathered parameters, unsharded gradient and reduce-scatter input,
+the next block prefetched; the whole stage's parameters and gradients under zero-bubble schedules). ``dp_shard=False`` is ``dp_sharding="no_shard"``
 (replication over dp). Not counted: framework and allocator overhead, communication buffers, temporaries that are
 not saved for backward (e.g. the loss's gradient).
 """
@@ -47,6 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_tpp._compat import tree_map
 from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.core.dp_shard import fsdp_units
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.pipeline.partition import Partition, plan_partition
 from lightning_tpp.pipeline.schedule import ScheduleLike, actions, resolve
@@ -195,14 +196,24 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
 
 
 def _gathered(cut: nn.Module, partition: Optional[Partition], splits_backward: bool) -> int:
-    """What FSDP2 holds whole beside the dp shards: a block's parameters gathered, the next one's prefetched and the
-    block's unsharded gradient before its reduce-scatter; under a schedule that splits backward (zero-bubble), the
-    stage's parameters and gradients stay whole until the schedule ends (``core.dp_shard``)."""
-    blocks = set(_block_names(cut, partition))
-    sizes = [sum(p.numel() * p.element_size() for p in m.parameters()) for n, m in cut.named_modules() if n in blocks]
+    """What FSDP2 holds whole beside the dp shards, at its most: during the backward of the largest unit (often the
+    vocabulary matrix, an embedding or head, not a block) its gathered parameters, its unsharded gradient and the
+    reduce-scatter's input copy of it, with the next block prefetched; under a schedule that splits backward
+    (zero-bubble) the stage's parameters and gradients, which stay whole until the schedule ends
+    (``core.dp_shard``)."""
     if splits_backward:
         return 2 * sum(p.numel() * p.element_size() for p in {id(p): p for p in cut.parameters()}.values())
-    return 3 * max(sizes, default=0)
+    blocks = _block_names(cut, partition)
+    units, _ = fsdp_units(cut, blocks)
+    modules = dict(cut.named_modules())
+    claimed: set[int] = set()
+    sizes = {}
+    for name in units:  # children first: a unit holds what no unit inside it holds
+        own = {id(p): p for p in modules[name].parameters() if id(p) not in claimed}
+        claimed |= own.keys()
+        sizes[name] = sum(p.numel() * p.element_size() for p in own.values())
+    largest_block = max((sizes.get(n, 0) for n in blocks), default=0)
+    return 3 * max(sizes.values(), default=0) + largest_block
 
 
 def _cut(module: nn.Module, dims: MeshDims, pp_rank: int, virtual: int, dtype: torch.dtype, *,
