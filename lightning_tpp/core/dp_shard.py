@@ -197,3 +197,7 @@ def sharded_numel(module: nn.Module) -> tuple[int, int]:
     params = list(module.parameters())
     return sum(p.numel() for p in params), sum(p.numel() for p in params if isinstance(p, DTensor))
 
+
+def remap(params: Iterable[Any], replaced: dict[int, nn.Parameter]) -> list[Any]:
+    return [replaced.get(id(p), p) for p in params]
+

@@ -73,9 +73,11 @@ class ShardIndex:
         self._by_id[id(p)] = (p, info)
 
     def get(self, p: Tensor) -> Optional[ShardInfo]:
-        stored = self.stored(p)
-        entry = self._by_id.get(id(stored))
-        return entry[1] if entry is not None and entry[0] is stored else None
+        entry = self._by_id.get(id(p))
+        if entry is None and self.resolve is not None and (stored := self.resolve(p)) is not None:
+            entry = self._by_id.get(id(stored))
+            return entry[1] if entry is not None and entry[0] is stored else None
+        return entry[1] if entry is not None and entry[0] is p else None
 
     def stored(self, p: Tensor) -> Tensor:
         """The parameter ``p`` stands for (``p`` itself, or the dp-sharded one whose gathered copy ``p`` is)."""
