@@ -82,7 +82,8 @@ class ShardIndex:
     def stored(self, p: Tensor) -> Tensor:
         """The parameter ``p`` stands for (``p`` itself, or the dp-sharded one whose gathered copy ``p`` is)."""
         if id(p) not in self._by_id and self.resolve is not None:
-            return self.resolve(p) or p
+            stored = self.resolve(p)  # a tensor: not ``or``, whose truth value a tensor refuses
+            return stored if stored is not None else p
         return p
 
     def rekey(self, replaced: Mapping[int, Tensor]) -> None:

@@ -54,3 +54,19 @@ def test_sharding_names() -> None:
     assert normalize_sharding("shard_grad_op") == "shard_grad_op"
     with pytest.raises(ValueError, match=r"dp_sharding='zero3' must be one of .*'full_shard'"):
         normalize_sharding("zero3")
+
+
+def test_shard_index_follows_a_stand_in_to_the_parameter_it_stands_for() -> None:
+    """FSDP2 swaps a gathered copy in for forward: the index finds the sharded parameter's entry through ``resolve``."""
+    import torch
+
+    from lightning_tpp.core.params import ShardIndex, ShardInfo
+    from lightning_tpp.core.sharding import ShardSpec
+
+    sharded, gathered, other = (nn.Parameter(torch.ones(4, 2)) for _ in range(3))
+    index = ShardIndex()
+    index.add(sharded, ShardInfo(ShardSpec(0), (8, 2)))
+    assert index.stored(gathered) is gathered and index.get(gathered) is None
+    index.resolve = lambda p: sharded if p is gathered else None
+    assert index.stored(gathered) is sharded and index.stored(other) is other and index.stored(sharded) is sharded
+    assert index.spec(sharded) == ShardSpec(0) and index.get(other) is None
