@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
@@ -192,3 +193,44 @@ def fsdp_reduce_now(root: Any) -> None:
         for group in unit_state._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def in_place_reduce_scatter() -> Any:
+    """An FSDP2 reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) for gloo, which has no reduce-scatter of its
+    own: gloo's ``reduce_scatter_tensor`` clones the whole input and all-reduces the clone. This one all-reduces
+    FSDP2's input buffer in place (FSDP2 never reads it again), copies out this rank's part and frees the buffer
+    (FSDP2 keeps it alive until the next unit's reduction, for stream safety that a CPU does not need). The same
+    bytes on the wire; two gradient-sized buffers less at the peak of every unit's reduction. None where torch's
+    interface is missing (the default is kept)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    except ImportError:  # pragma: no cover - an older or newer torch
+        return None
+
+    class InPlaceReduceScatter(ReduceScatter):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                     async_op: bool = False) -> None:
+            if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                raise ValueError(f"reduce-scatter over gloo: reduce op {op} is not supported (SUM or AVG)")
+            dist.all_reduce(input_tensor, group=group)
+            output_tensor.copy_(input_tensor.view(dist.get_world_size(group), -1)[dist.get_rank(group)])
+            if op == dist.ReduceOp.AVG:
+                output_tensor.div_(dist.get_world_size(group))
+            input_tensor.untyped_storage().resize_(0)
+
+    return InPlaceReduceScatter()
+
+
+def fsdp_drop_gather_keepalive(unit: Any) -> None:
+    """After FSDP2 gathers ``unit``'s parameters for its forward, drop the flat all-gather buffer it keeps alive until
+    the next unit's gather (so that a GPU's copy-out may overlap the next collective). On a CPU the copy-out is done
+    when the forward starts: the buffer, the size of the unit's gathered parameters, is dead weight at the peak."""
+    from torch.distributed.fsdp import fully_shard
+
+    def drop(module: Any, args: Any) -> None:
+        fully_shard.state(module)._comm_ctx.all_gather_state = None
+
+    unit.register_forward_pre_hook(drop)

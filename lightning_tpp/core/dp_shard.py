@@ -26,11 +26,19 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Literal, Optional, Sequence
 
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_tpp._compat import fsdp_lazy_init, fsdp_reduce_now, fsdp_sharded_params, fsdp_state
+from lightning_tpp._compat import (
+    fsdp_drop_gather_keepalive,
+    fsdp_lazy_init,
+    fsdp_reduce_now,
+    fsdp_sharded_params,
+    fsdp_state,
+    in_place_reduce_scatter,
+)
 
 DPSharding = Literal["full_shard", "shard_grad_op", "no_shard"]
 SHARDINGS: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard")
@@ -179,9 +187,16 @@ def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str],
     before = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
     ignored = {module.get_parameter(n) for n in replicated}
     modules = dict(module.named_modules())
+    # gloo (CPU): a reduce-scatter that neither clones its input nor keeps it, no all-gather buffer kept for overlap
+    cpu = dist.get_backend(mesh.get_group()) == "gloo"
+    reduce_scatter = in_place_reduce_scatter() if cpu else None
     for name in units:
         fully_shard(modules[name], mesh=mesh, reshard_after_forward=sharding == "full_shard",
                     ignored_params=ignored or None)
+        if reduce_scatter is not None:
+            modules[name].set_custom_reduce_scatter(reduce_scatter)
+        if cpu:
+            fsdp_drop_gather_keepalive(modules[name])
     # one root enclosing every unit (FSDP2 shares its per-step state through the root): the LightningModule, with its
     # own parameters ignored, made the root now; it keeps the user's class (no method of FSDP's is called on it)
     cls = type(module)

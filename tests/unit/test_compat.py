@@ -216,6 +216,42 @@ def test_fsdp2_internals(tmp_path: Path) -> None:
         dist.destroy_process_group()
 
 
+def test_fsdp2_custom_comms_on_gloo(tmp_path: Path) -> None:
+    """The in-place reduce-scatter and the dropped all-gather buffer that ``core.dp_shard`` installs over gloo: FSDP2
+    still takes them (its interface is private), and gradients come out as with its own (one-rank group)."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        grads = []
+        for custom in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+            for layer in model:
+                fully_shard(layer, mesh=mesh)
+                if custom:
+                    comm = _compat.in_place_reduce_scatter()
+                    assert comm is not None
+                    layer.set_custom_reduce_scatter(comm)
+                    _compat.fsdp_drop_gather_keepalive(layer)
+            fully_shard(model, mesh=mesh)
+            model(torch.ones(3, 4)).sum().backward()
+            grads.append([p.grad.full_tensor() for p in model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+        buffer = torch.ones(6)
+        out = torch.empty(6)
+        comm(out, buffer, dist.group.WORLD, dist.ReduceOp.AVG)
+        assert torch.equal(out, torch.ones(6)) and buffer.untyped_storage().nbytes() == 0  # the input is freed
+        with pytest.raises(ValueError, match="reduce op"):
+            comm(out, torch.ones(6), dist.group.WORLD, dist.ReduceOp.MAX)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_precision_plugin_is_assigned_through_the_strategy_property() -> None:
     """The connector hands the plugin to the strategy through the public ``precision_plugin`` setter, which
     TensorPipeStrategy overrides (lightning_tpp.integration.precision)."""
