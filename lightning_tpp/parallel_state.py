@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,7 +33,16 @@ from lightning_tpp.pipeline.build import PreparedStages, finish_stages, format_p
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.stage import end_stage_forward_last
 from lightning_tpp.pipeline.partition import PipelinePartitionError, block_modules
-from lightning_tpp.tensor_parallel import TPPlan, apply_plan, check_divisible, detect, format_plan, hf_plan, overlay
+from lightning_tpp.tensor_parallel import (
+    TPPlan,
+    apply_plan,
+    check_divisible,
+    coverage_warning,
+    detect,
+    format_plan,
+    hf_plan,
+    overlay,
+)
 
 _SLOT = "_tpp_state"  # the one attribute lightning_tpp keeps on the user's LightningModule
 
@@ -170,6 +179,13 @@ def cut(module: nn.Module, config: ParallelConfig, dims: MeshDims, *, pp_rank: i
                     remote=remote)
         check_divisible(plan, config.tp)
         shards = apply_plan(module, plan, tp_group, verify=config.verify)
+        try:
+            blocks = _local_blocks(module, stages, config.blocks)
+        except PipelinePartitionError:  # no repeated blocks: the model's linear and embedding layers are its blocks
+            blocks = [n for n, m in module.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+        warning = coverage_warning(module, plan, config.tp, shards, blocks)
+        if warning:
+            rank_zero_warn(warning)
     return stages, plan, shards
 
 

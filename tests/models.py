@@ -368,7 +368,7 @@ class HFCausalLM(nn.Module):
 
 class HFCausalLMFamily(nn.Module):
     """Other Hugging Face decoder-only families, tiny random configs: fused per-head qkv (GPT-NeoX), fused qkv and
-    gate/up projections (Phi-3), GQA with rotary and qkv biases (Qwen2)."""
+    gate/up projections (Phi-3), GQA with rotary and qkv biases (Qwen2), tied and scaled embeddings (Gemma)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -379,6 +379,10 @@ class HFCausalLMFamily(nn.Module):
         if kind == "neox":
             cfg = transformers.GPTNeoXConfig(**common, rotary_pct=0.5, use_parallel_residual=True)
             self.model = transformers.GPTNeoXForCausalLM(cfg)
+        elif kind == "gemma":  # tied, and a scaled embedding (a subclass with its own forward)
+            cfg = transformers.GemmaConfig(**{**common, "tie_word_embeddings": True}, num_key_value_heads=2,
+                                           head_dim=DIM // HEADS)
+            self.model = transformers.GemmaForCausalLM(cfg)
         elif kind == "phi3":
             cfg = transformers.Phi3Config(**common, num_key_value_heads=2, pad_token_id=0)
             self.model = transformers.Phi3ForCausalLM(cfg)
@@ -389,6 +393,78 @@ class HFCausalLMFamily(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=idx).logits
+
+
+# ---- a hand-written GPT whose block holds its projections directly; heads only in view(B, S, -1, head_dim) -------
+class FlatBlock(nn.Module):
+    def __init__(self, dim: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        h = self.ln1(x)
+        q = self.q(h).view(B, S, -1, self.head_dim).transpose(1, 2)
+        k = self.k(h).view(B, S, -1, self.head_dim).transpose(1, 2)
+        v = self.v(h).view(B, S, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(B, S, -1))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+# ---- attention spread over siblings: q/k/v in one child, the attention maths in another, the output at the block --
+class QKV(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.to_q(x), self.to_k(x), self.to_v(x)
+
+
+class Attend(nn.Module):
+    def __init__(self, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, S, D = q.shape
+        q, k, v = (t.reshape(B, S, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(D // self.n_head)
+        att = att.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        return (att.softmax(-1) @ v).transpose(1, 2).reshape(B, S, D)
+
+
+class SplitBlock(nn.Module):
+    def __init__(self, dim: int, n_head: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.attend, self.proj = QKV(dim), Attend(n_head), nn.Linear(dim, dim)
+        self.fc_in, self.fc_out = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.proj(self.attend(*self.qkv(self.norm1(x))))
+        return x + self.fc_out(torch.relu(self.fc_in(self.norm2(x))))
+
+
+class BlockGPT(nn.Module):
+    """Learned positions, a list of blocks of any of the classes above, a final norm and a separate head."""
+
+    def __init__(self, block: Callable[[], nn.Module], vocab: int = VOCAB, dim: int = DIM, n_layers: int = LAYERS
+                 ) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(SEQ, dim)
+        self.blocks = nn.ModuleList([block() for _ in range(n_layers)])
+        self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
@@ -412,8 +488,11 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "hf_neox": lambda: HFCausalLMFamily("neox"),
     "hf_phi3": lambda: HFCausalLMFamily("phi3"),
     "hf_qwen2": lambda: HFCausalLMFamily("qwen2"),
+    "hf_gemma": lambda: HFCausalLMFamily("gemma"),
     "nanogpt4": lambda: NanoGPT(n_layer=4),
     "llama4": lambda: TinyLlama(n_layers=4),
+    "flat_gpt": lambda: BlockGPT(lambda: FlatBlock(DIM, DIM // HEADS)),
+    "split_gpt": lambda: BlockGPT(lambda: SplitBlock(DIM, HEADS)),
 }
 
 

@@ -25,6 +25,7 @@ class Record:
     grads: list[dict[str, Tensor]] = field(default_factory=list)
     params: dict[str, Tensor] = field(default_factory=dict)
     logged: dict[str, float] = field(default_factory=dict)
+    local_fraction: float = 1.0  # this rank's parameter elements / the whole model's (tensor-parallel shards)
 
 
 def _full(t: Tensor, p: Tensor, trainer: L.Trainer) -> Tensor:
@@ -195,6 +196,10 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
                 if sharded < 0.9 * total:
                     raise AssertionError(f"{name}: only {sharded} of {total} parameters are sharded over dp: "
                                          f"{strategy.parallel_state.dp}")
+            if args.tp > 1 and args.pp == 1 and args.dp == 1:
+                shards = strategy.parallel_state.shards
+                params = list(strategy.lightning_module.parameters())
+                record.local_fraction = sum(p.numel() for p in params) / sum(shards.full_numel(p) for p in params)
             if args.activation_checkpointing and not strategy.parallel_state.recomputed:
                 raise AssertionError(f"{name}: activation_checkpointing=True but no block is recomputed")
             stem = name if len(schedules) == 1 else f"{name}.{schedule_name}"

@@ -25,11 +25,10 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from lightning_tpp._compat import tree_flatten, tree_map, tree_unflatten
 from lightning_tpp.core.swap import swap_class
-from lightning_tpp.core.walk import VERIFYING, tensors_in
+from lightning_tpp.core.walk import VERIFYING, Taint, tensors_in
 
 Key = tuple[int, int]  # (unit, how many times it was called before in this forward)
 
@@ -68,7 +67,7 @@ class RunContext:
     fetch: Callable[[int], list[Tensor]]  # producer stage -> the tensors it sent this stage (received once)
     calls: dict[int, int] = field(default_factory=dict)
     kept: dict[Key, list[Any]] = field(default_factory=dict)
-    tracer: Optional["_Taint"] = None
+    tracer: Optional[Taint] = None
     trace: list[tuple[Key, frozenset]] = field(default_factory=list)
     stopping: bool = False  # the stage's last own call returned: its forward hook ends the stage's forward
 
@@ -100,39 +99,6 @@ def _signature(obj: Any, depth: int = 0) -> Any:
 def _to_meta(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     memo = {id(t): torch.empty_like(t.detach(), device="meta") for t in tensors_in((args, kwargs), set())}
     return copy.deepcopy((args, kwargs), memo)
-
-
-class _Taint(TorchFunctionMode):
-    """Tags each tensor with the unit outputs ``(call, leaf)`` it was computed from (see :func:`trace`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tags: dict[int, tuple[Tensor, frozenset]] = {}
-        self.paused = False
-
-    def tag(self, t: Tensor, tags: frozenset) -> None:
-        old = self.tags.get(id(t))
-        self.tags[id(t)] = (t, tags | old[1] if old is not None and old[0] is t else tags)
-
-    def of(self, obj: Any) -> frozenset:
-        out: set = set()
-        for t in tensors_in(obj, set()):
-            entry = self.tags.get(id(t))
-            if entry is not None and entry[0] is t:
-                out |= entry[1]
-        return frozenset(out)
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not self.paused:
-            tags = self.of((args, kwargs))
-            if tags:
-                for t in tensors_in(out, set()):
-                    self.tag(t, tags)
-                if args and isinstance(args[0], Tensor) and (out is None or getattr(func, "__name__", "")[-1:] == "_"):
-                    self.tag(args[0], tags)  # in place (x[i] = y, x.add_(y))
-        return out
 
 
 class StageRuntime:
@@ -207,7 +173,7 @@ def trace(runtime: StageRuntime, run: Callable[[], Any], sources: dict[str, Tens
     """Run ``run`` (the user's step, which returns what the last stage consumes) with every unit returning zeros and
     each tensor tagged with the unit outputs it depends on. Returns ``(call, tags of its inputs)`` per unit call in
     order, and the tags of the result. ``sources`` are tensors tagged ``("param", name)`` (root-level parameters)."""
-    tracer = _Taint()
+    tracer = Taint()
     runtime.ctx = RunContext(-1, Route(), lambda s: [], tracer=tracer)
     for name, t in sources.items():
         tracer.tag(t, frozenset([(("param", name), 0)]))

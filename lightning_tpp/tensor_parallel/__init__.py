@@ -12,7 +12,7 @@ from lightning_tpp.tensor_parallel.plan import (
     hf_plan,
     overlay,
 )
-from lightning_tpp.tensor_parallel.report import format_plan
+from lightning_tpp.tensor_parallel.report import coverage_warning, format_plan
 
 __all__ = ["STYLES", "TPPlan", "TensorParallelConfigError", "TensorParallelMismatchError", "apply_plan",
-           "check_divisible", "detect", "format_plan", "hf_plan", "overlay", "verify_block"]
+           "check_divisible", "coverage_warning", "detect", "format_plan", "hf_plan", "overlay", "verify_block"]

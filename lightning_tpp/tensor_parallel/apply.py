@@ -28,7 +28,7 @@ from lightning_tpp.core.dp_shard import fsdp_classes_hidden, local, shard_dp_lik
 from lightning_tpp.core.comm import TPGroup, TPScope, all_reduce_flag, gather_with_spec
 from lightning_tpp.core.params import ShardIndex, ShardInfo
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
-from lightning_tpp.core.swap import set_local_attr, slots, swap_class, unswap
+from lightning_tpp.core.swap import original_class, set_local_attr, slots, swap_class, unswap
 from lightning_tpp.core.walk import VERIFYING, tensors_in
 from lightning_tpp.tensor_parallel.layers import (
     _ColumnParallel,
@@ -137,15 +137,18 @@ class _TPMultiheadAttentionBlock(_TPBlock, _ParallelMultiheadAttention):
 
 
 def _localize_attrs(owner: nn.Module, info: BlockInfo, tp: int) -> None:
-    """Make head counts and widths that the block's forward reads local (on the block, its children, its config)."""
+    """Make head counts and widths that the block's forward reads local (on the block, its children, its config).
+    A module that also holds an MLP (projections that are a block's direct children) keeps its widths, which other
+    parts of its forward may read; ``_LocalShapes`` repairs the reshapes that use them."""
     q_width, kv_width = info.heads * info.head_dim, info.kv_heads * info.head_dim
+    alone = len(info.row_layers()) == 1
 
     def local_value(name: str, value: Any) -> Optional[int]:
         if not isinstance(value, int) or isinstance(value, bool) or name in HEAD_DIM_NAMES:
             return None
         if name in HEAD_NAMES and value == info.heads or name in KV_NAMES and value == info.kv_heads:
             return value // tp
-        if any(h in name.lower() for h in WIDTH_HINTS) and value in (q_width, kv_width):
+        if alone and any(h in name.lower() for h in WIDTH_HINTS) and value in (q_width, kv_width):
             return value // tp
         return None
 
@@ -199,7 +202,8 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
             spec = fused[0] if fused else ShardSpec(1 if is_transposed_linear(m) else 0)
             _set_shard(m, "weight", spec, group, done, shards)
             _set_shard(m, "bias", ShardSpec(0, spec.parts), group, done, shards)
-            m._tpp_layer = LayerTP(group, scope=scopes.get(name), gather=style == "colwise_gather")
+            m._tpp_layer = LayerTP(group, scope=scopes.get(name), gather=style == "colwise_gather",
+                                   check=layer_check(name, shards) if verify and style == "colwise_gather" else None)
             set_local_attr(m, "nf" if is_transposed_linear(m) else "out_features", m.weight.shape[spec.dim])
             swap_class(m, _ColumnParallel)
         elif style == "rowwise":
@@ -215,7 +219,8 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
             local = vocab // group.size
             start, pad = group.rank * local, m.padding_idx
             m._tpp_layer = LayerTP(group, vocab_start=start,
-                                   padding_idx=pad - start if pad is not None and 0 <= pad - start < local else None)
+                                   padding_idx=pad - start if pad is not None and 0 <= pad - start < local else None,
+                                   check=layer_check(name, shards) if verify else None)
             set_local_attr(m, "num_embeddings", local)
             swap_class(m, _VocabParallelEmbedding)
     return shards
@@ -301,6 +306,30 @@ def _reshard(layer: nn.Module, spec: ShardSpec, group: TPGroup, shards: ShardInd
         info.spec = s
 
 
+def layer_check(name: str, shards: ShardIndex) -> Any:
+    """The first-call check of a layer outside the blocks (a vocab-parallel embedding, an LM head whose output is
+    gathered): its output against the original class's forward with the whole weight, on the same inputs."""
+
+    def check(layer: nn.Module, args: tuple, kwargs: dict, got: Any) -> None:
+        group = layer._tpp_layer.group  # type: ignore[union-attr]
+        token = VERIFYING.set(True)
+        try:
+            with torch.no_grad():
+                a, k = _isolated(args, kwargs)
+                want = reference_copy(layer, group, shards).forward(*a, **k)
+                problem = _close(got.detach() if isinstance(got, Tensor) else got, want, group)
+        finally:
+            VERIFYING.reset(token)
+        if not all_reduce_flag(problem is None, group.group):
+            raise TensorParallelMismatchError(
+                f"tensor-parallel layer {name!r} ({original_class(layer).__name__}) does not match the original "
+                f"model on this rank: {problem or 'another tp rank differs'}. Its forward probably does something "
+                f"the parallel layer does not model; keep it replicated with tp_plan={{'{name}': 'replicate'}}, or "
+                f"pass verify=False to skip this check")
+
+    return check
+
+
 def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:
     """Compare the parallel block with its original on this call's inputs; pick the fused layout that matches."""
     st: BlockState = block._tpp_block  # type: ignore[assignment]
@@ -325,7 +354,8 @@ def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:
                 a, k = _isolated(args, kwargs)
                 try:
                     problem = _close(block.forward(*a, **k), want, group)
-                except RuntimeError as err:  # local shapes that the forward cannot take (e.g. a misread layer order)
+                except Exception as err:  # noqa: BLE001 - local shapes the forward cannot take (a misread layer order,
+                    # an index over the whole width): any error of the parallel forward is a mismatch
                     problem = f"the parallel forward raised {type(err).__name__}: {err}"
                 if all_reduce_flag(problem is None, group.group):
                     return

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_tpp.core.comm import TPGroup, TPScope, copy_to_tp, gather_from_tp, reduce_from_tp
 from lightning_tpp.core.swap import original_class
@@ -33,6 +34,7 @@ class LayerTP:
     heads: int = 0  # nn.MultiheadAttention: the global number of heads
     vocab_start: int = 0  # vocab-parallel embedding: the first id of this rank's range
     padding_idx: Optional[int] = None  # ... and the padding id within it, if it falls there
+    check: Optional[Callable[[nn.Module, tuple, dict, Any], None]] = None  # numerical check at the first call
 
 
 def is_transposed_linear(module: nn.Module) -> bool:
@@ -55,7 +57,10 @@ class _ColumnParallel:
         tp = self._tpp_layer
         x = tp.scope.copy(x) if tp.scope is not None else copy_to_tp(x, tp.group)
         y = super().forward(x, *args, **kwargs)  # type: ignore[misc]
-        return gather_from_tp(y, tp.group) if tp.gather else y
+        if tp.gather:
+            y = gather_from_tp(y, tp.group)
+            _first_call_check(self, (x, *args), kwargs, y)
+        return y
 
 
 class _RowParallel:
@@ -75,14 +80,24 @@ class _RowParallel:
 
 
 class _VocabParallelEmbedding:
-    """Rows of the table split by vocabulary range; out-of-range ids contribute zeros before the all-reduce."""
+    """Rows of the table split by vocabulary range; out-of-range ids contribute zeros before the all-reduce. A
+    subclass's own forward (Gemma's scaled embedding) runs as written, its lookup made vocab-parallel."""
 
     _tpp_layer: LayerTP
     weight: Tensor
     max_norm: Optional[float]
     norm_type: float
 
-    def forward(self, ids: Tensor) -> Tensor:
+    def forward(self, ids: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if original_class(self).forward is nn.Embedding.forward:  # type: ignore[arg-type]
+            out = self.vocab_lookup(ids)
+        else:
+            with _LookupOf(self):
+                out = super().forward(ids, *args, **kwargs)  # type: ignore[misc]
+        _first_call_check(self, (ids, *args), kwargs, out)
+        return out
+
+    def vocab_lookup(self, ids: Tensor) -> Tensor:
         local_vocab = self.weight.shape[0]
         shifted = ids - self._tpp_layer.vocab_start
         outside = (shifted < 0) | (shifted >= local_vocab)
@@ -90,6 +105,28 @@ class _VocabParallelEmbedding:
                           self.norm_type)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self._tpp_layer.group)
+
+
+class _LookupOf(TorchFunctionMode):
+    """Inside a vocab-parallel embedding's own forward: ``F.embedding`` on its weight is the vocab-parallel lookup."""
+
+    def __init__(self, layer: _VocabParallelEmbedding) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        if func is F.embedding and weight is self.layer.weight:
+            return self.layer.vocab_lookup(args[0] if args else kwargs["input"])
+        return func(*args, **kwargs)
+
+
+def _first_call_check(layer: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+    tp: LayerTP = layer._tpp_layer  # type: ignore[assignment]
+    if tp.check is not None:
+        check, tp.check = tp.check, None
+        check(layer, args, kwargs, out)
 
 
 def _float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:

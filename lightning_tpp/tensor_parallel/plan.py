@@ -20,9 +20,11 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping, Optional, Sequence, Union
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from lightning_tpp.core.sharding import ShardSpec
+from lightning_tpp.core.walk import VERIFYING, Taint, tensors_in
 from lightning_tpp.tensor_parallel.layers import is_transposed_linear, linear_dims
 
 STYLES = ("colwise", "rowwise", "colwise_gather", "vocab", "mha", "replicate")
@@ -56,6 +58,10 @@ class BlockInfo:
     head_dim: int = 0
     fused: dict[str, list[ShardSpec]] = field(default_factory=dict)  # layer FQN -> candidate layouts, first = default
     sizes: dict[str, int] = field(default_factory=dict)  # what tp must divide, e.g. {"num_heads": 16}
+    rows: list[str] = field(default_factory=list)  # the row-parallel layers (default: the last one of ``layers``)
+
+    def row_layers(self) -> list[str]:
+        return self.rows or self.layers[-1:]
 
 
 @dataclass
@@ -65,6 +71,7 @@ class TPPlan:
     styles: dict[str, str] = field(default_factory=dict)
     blocks: dict[str, BlockInfo] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    whole: dict[str, str] = field(default_factory=dict)  # module with linear layers left whole -> why
 
     def block_of(self, layer: str) -> Optional[str]:
         for name, block in self.blocks.items():
@@ -130,12 +137,13 @@ def check_divisible(plan: TPPlan, tp: int) -> None:
                                             f"or pass tp_plan={{'{fqn}': 'replicate'}}")
 
 
-def _attention(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]],
-               blocks: frozenset[int]) -> Optional[BlockInfo]:
-    heads = _find_int(module, HEAD_NAMES, blocks)
+def _attention(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], blocks: frozenset[int],
+               traced: Optional[tuple[int, Optional[int]]] = None) -> Optional[BlockInfo]:
+    """``traced``: (heads, kv heads) seen in the forward, used when no attribute holds them."""
+    heads = _find_int(module, HEAD_NAMES, blocks) or (traced[0] if traced else None)
     if heads is None or len(lins) < 2:
         return None
-    kv_heads = _find_int(module, KV_NAMES, blocks)
+    kv_heads = _find_int(module, KV_NAMES, blocks) or (traced[1] if traced else None)
     (_, out), inputs = lins[-1], lins[:-1]
     q_width, _ = linear_dims(out)
     if q_width % heads:
@@ -184,6 +192,157 @@ def _mlp(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]]) -> Opti
         if any(any(True for _ in m.parameters()) for m in between if not _is_linear(m)):
             return None
     return BlockInfo("mlp", [n for n, _ in lins], sizes={"hidden": first[1]})
+
+
+# functions that combine two projections' outputs (attention scores, attention-weighted values)
+_MIXING = frozenset({"matmul", "__matmul__", "bmm", "baddbmm", "einsum", "scaled_dot_product_attention"})
+_RESHAPES = frozenset({"view", "reshape", "unflatten"})
+# functions that combine the features of one value (not element-wise): an MLP whose hidden features pass through
+# one cannot be cut by features (a norm over the hidden width, NormFormer's; a centring)
+_ACROSS = frozenset({"layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm", "softmax", "log_softmax",
+                     "mean", "sum", "var", "std", "var_mean", "std_mean", "norm", "amax", "amin", "max", "min",
+                     "logsumexp", "cumsum", "cumprod", "sort", "topk", "flip", "roll", "argmax", "argmin",
+                     "normalize"})
+
+
+class _LinearFlow(Taint):
+    """Tags every value of a forward with the linear layers whose outputs it was computed from (the nearest ones: a
+    layer's output carries only its own name), and notes which layers' outputs meet in a matrix product (attention)
+    and how a layer's output is split into heads (``view(B, S, heads, head_dim)``)."""
+
+    def __init__(self, widths: Mapping[str, int]) -> None:
+        super().__init__()
+        self.widths, self.mixed, self.across, self.heads = widths, set(), set(), {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        out = super().__torch_function__(func, types, args, kwargs)
+        name = getattr(func, "__name__", "")
+        if name in _MIXING:
+            tags = [self.of(t) for t in tensors_in((args, kwargs or {}), set())]
+            if sum(1 for t in tags if t) >= 2:
+                self.mixed.update(*tags)
+        elif name in _ACROSS and args and isinstance(args[0], Tensor):
+            self.across.update(self.of(args[0]))
+        elif name in _RESHAPES and args and isinstance(args[0], Tensor) and isinstance(out, Tensor):
+            src = self.of(args[0])
+            width = self.widths.get(next(iter(src))) if len(src) == 1 else None
+            if (width and out.dim() > args[0].dim() and args[0].shape[-1] == width
+                    and out.shape[-2] * out.shape[-1] == width):
+                self.heads.setdefault(next(iter(src)), (out.shape[-2], out.shape[-1]))
+        return out
+
+
+def _trace_flow(module: nn.Module, lins: list[tuple[str, nn.Module]]
+                ) -> tuple[list[tuple[str, frozenset]], _LinearFlow]:
+    """Run ``module`` once on a small input (on its weights' device: the meta device computes nothing) and return
+    ``(layer, layers its input came from)`` per linear call in order, and the flow. The input is ``(1, 8, width)``,
+    width the layers' most common input width; eval mode, no gradients, a private random generator (the run leaves
+    no trace in the model or the global random state)."""
+    widths = [linear_dims(m)[0] for _, m in lins]
+    width = max(set(widths), key=widths.count)
+    weight = lins[0][1].weight
+    flow = _LinearFlow({n: linear_dims(m)[1] for n, m in lins})
+    calls: list[tuple[str, frozenset]] = []
+    hooks = []
+    for n, m in lins:
+        hooks.append(m.register_forward_pre_hook(lambda _m, a, n=n: calls.append((n, flow.of(a)))))
+        hooks.append(m.register_forward_hook(  # a layer's output carries only its own name
+            lambda _m, a, out, n=n: flow.tags.__setitem__(id(out), (out, frozenset([n])))))
+    modes = {m: m.training for m in module.modules()}
+    x = torch.randn(1, 8, width, generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    token = VERIFYING.set(True)  # a pipeline stage's dispatchers run the real modules
+    try:
+        module.eval()
+        with torch.no_grad(), flow:
+            module(x)
+    finally:
+        VERIFYING.reset(token)
+        for h in hooks:
+            h.remove()
+        for m, mode in modes.items():
+            m.training = mode
+    return calls, flow
+
+
+_UNTRACED = BlockInfo("untraced")  # what _traced returns when the module's forward could not run
+
+
+def _traced(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], blocks: frozenset[int],
+            whole: dict[str, str]) -> Optional[BlockInfo]:
+    """Group ``lins`` (unclaimed linear layers at most two levels below ``module``: an attention's or MLP's own
+    projections, projections that are a block's direct children, or spread over sibling modules) by the module's
+    dataflow, whatever their names, order or nesting: a row-parallel layer is one whose input was computed from
+    exactly the outputs of some not yet grouped layers (its columns), which feed no other layer. Columns whose
+    outputs meet in a matrix product are attention (heads from an attribute or the forward's
+    ``view(..., heads, head_dim)``); the others an MLP, if their features meet in no norm or reduction before the
+    row layer. The block is checked numerically at its first call like any other. ``whole``
+    receives why a module stays whole. Returns ``_UNTRACED`` when the forward does not run on one made-up input
+    (e.g. it needs a mask or rotary tables): the caller falls back to recognising the layout."""
+    names = [n for n, _ in lins]
+    try:
+        calls, flow = _trace_flow(module, lins)
+    except Exception as err:  # noqa: BLE001 - any forward may refuse a made-up input
+        whole[fqn] = (f"no known layout, and its forward could not be traced with one (1, 8, width) input "
+                      f"({type(err).__name__}: {str(err)[:120]})")
+        return _UNTRACED
+    called = [n for n, _ in calls]
+    if any(called.count(n) > 1 for n in names):
+        whole[fqn] = f"a linear layer runs more than once in its forward ({[n for n in names if called.count(n) > 1]})"
+        return None
+    inputs = dict(calls)
+    used: set[str] = set()
+    groups: list[tuple[list[str], str]] = []
+    for row, src in calls:
+        cols = [n for n in called if n in src]
+        if not cols or src - set(cols) or used & {row, *cols}:
+            continue
+        if any(src & t for n, t in inputs.items() if n != row):
+            continue  # a column's output also feeds another layer: it must stay whole
+        groups.append((cols, row))
+        used.update({row, *cols})
+    if not groups:
+        whole[fqn] = (f"no linear layer's input comes only from other linear layers' outputs in its forward "
+                      f"({', '.join(n.rpartition('.')[2] for n in called)} traced)")
+        return None
+    layers: list[str] = []
+    rows: list[str] = []
+    attn: Optional[BlockInfo] = None
+    sizes: dict[str, int] = {}
+    for cols, row in groups:
+        if flow.mixed & set(cols):
+            info = _attention(fqn, module, [(n, dict(lins)[n]) for n in (*cols, row)], blocks,
+                              _head_split(cols, flow.heads))
+            if info is None or attn is not None:
+                whole[f"{fqn} ({row.rpartition('.')[2]})"] = (
+                    "attention whose head count was not found (no head-count attribute, no view into heads)"
+                    if info is None else "a second attention in one module")
+                continue
+            attn = info
+            sizes.update(info.sizes)
+        else:
+            hidden = linear_dims(dict(lins)[row])[0]
+            if any(linear_dims(dict(lins)[n])[1] != hidden for n in cols) or flow.across & set(cols):
+                whole[f"{fqn} ({row.rpartition('.')[2]})"] = ("its hidden features meet in a norm or reduction, or "
+                                                              "come from layers of different widths")
+                continue  # not an MLP that can be cut by features
+            sizes["hidden" if "hidden" not in sizes else f"hidden of {row}"] = hidden
+        layers.extend((*cols, row))
+        rows.append(row)
+    if not layers:
+        return None
+    info = attn or BlockInfo("mlp")
+    info.layers, info.rows, info.sizes = sorted(layers, key=names.index), rows, sizes
+    return info
+
+
+def _head_split(cols: list[str], heads: Mapping[str, tuple[int, int]]) -> Optional[tuple[int, Optional[int]]]:
+    """(heads, kv heads) from how the forward viewed the columns' outputs, when it did."""
+    seen = [heads[n] for n in cols if n in heads]
+    if not seen:
+        return None
+    q = seen[0][0]
+    kv = seen[1][0] if len(seen) > 1 else None
+    return q, kv
 
 
 def _mha(fqn: str, m: nn.MultiheadAttention, notes: list[str]) -> Optional[BlockInfo]:
@@ -257,15 +416,22 @@ def detect(model: nn.Module, tp: int, *, check: bool = True,
             continue
         if fqn in spanning:
             continue  # spans pipeline stages: part of it runs elsewhere, so it cannot be one parallel block here
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            continue  # no forward of its own: never a block (its layers would never be checked)
         lins = _child_linears(module, fqn, claimed)
+        if len(lins) < 2:
+            continue
         blocks = frozenset(id(modules[b]) for b in plan.blocks)
-        info = _attention(fqn, module, lins, blocks) or _mlp(fqn, module, lins)
+        info = _traced(fqn, module, lins, blocks, plan.whole)
+        if info is _UNTRACED:  # its forward needs more than one input: the layout decides
+            info = _attention(fqn, module, lins, blocks) or _mlp(fqn, module, lins)
         if info is None:
             continue
+        plan.whole.pop(fqn, None)
         plan.blocks[fqn] = info
-        for name in info.layers[:-1]:
-            plan.styles[name] = "colwise"
-        plan.styles[info.layers[-1]] = "rowwise"
+        rows = info.row_layers()
+        for name in info.layers:
+            plan.styles[name] = "rowwise" if name in rows else "colwise"
         claimed.update(info.layers)
     _vocab(model, claimed, tp, plan, remote if isinstance(remote, Mapping) else {})
     plan = _ordered(plan, model)

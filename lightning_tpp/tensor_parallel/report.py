@@ -1,13 +1,21 @@
-"""The tensor-parallel plan as a table: what each module became and what it holds per rank."""
+"""The tensor-parallel plan as a table: what each module became and what it holds per rank; and the warning when it
+shards less than half of the blocks."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 from torch import nn
 
 from lightning_tpp.core.params import ShardIndex
 from lightning_tpp.core.swap import original_class
+from lightning_tpp.tensor_parallel.layers import is_transposed_linear
 from lightning_tpp.tensor_parallel.plan import TPPlan
+
+# the usual names of projections that return to the model width (row-parallel); any other linear layer: colwise
+_ROW_NAMES = ("o", "wo", "o_proj", "out_proj", "out", "proj", "c_proj", "dense", "down", "down_proj", "fc2", "w2",
+              "to_out", "dense_4h_to_h", "linear2")
 
 
 def format_plan(model: nn.Module, plan: TPPlan, tp: int, shards: ShardIndex) -> str:
@@ -31,3 +39,39 @@ def format_plan(model: nn.Module, plan: TPPlan, tp: int, shards: ShardIndex) -> 
                  f"({local / max(total, 1):.1%})")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def coverage_warning(model: nn.Module, plan: TPPlan, tp: int, shards: ShardIndex, blocks: list[str]) -> Optional[str]:
+    """A warning when the plan shards less than half of the parameters of ``blocks`` (this rank's repeated blocks):
+    which blocks stay whole, why, and the ``tp_plan`` that would shard them (to check and adjust). None otherwise."""
+    modules = dict(model.named_modules())
+    total = sharded = 0
+    whole: list[str] = []
+    for name in blocks:
+        params = list(modules[name].parameters())
+        numel = [shards.full_numel(p) for p in params]
+        total += sum(numel)
+        sharded += sum(n for p, n in zip(params, numel) if p in shards)
+        if not any(p in shards for p in params):
+            whole.append(name)
+    if not total or sharded >= total / 2:
+        return None
+    first = whole[0]
+    reasons = [f"  {n or '<root>'}: {why}" for n, why in plan.whole.items() if n == first or n.startswith(f"{first}.")]
+    linears = [n for n, m in modules[first].named_modules()
+               if isinstance(m, nn.Linear) or is_transposed_linear(m)]
+    pattern = lambda n: f"{_glob(first)}.{n}"  # noqa: E731
+    suggestion = {pattern(n): "rowwise" if n.rpartition(".")[2] in _ROW_NAMES else "colwise" for n in linears}
+    listed = ", ".join(whole[:4]) + (f" and {len(whole) - 4} more" if len(whole) > 4 else "")
+    return (f"tensor parallelism (tp={tp}) shards only {sharded / total:.0%} of the block parameters: "
+            f"{len(whole)} of {len(blocks)} blocks stay whole on every tp rank ({listed}). Why, for "
+            f"{first} ({original_class(modules[first]).__name__}):\n" + ("\n".join(reasons) or
+                                                                       "  no attention or MLP layout recognised") +
+            f"\nTo shard them, pass tp_plan= with the block's projections, e.g. (check which layers read the block's "
+            f"input and which return to its width):\n  {suggestion}")
+
+
+def _glob(name: str) -> str:
+    """``blocks.3`` -> ``blocks.*`` (every block of the list)."""
+    parts = name.split(".")
+    return ".".join("*" if p.isdigit() else p for p in parts)

@@ -13,7 +13,9 @@ SCRIPT = ROOT / "tests" / "distributed" / "worker_errors.py"
     ("heads", 2, r"TensorParallelConfigError: tp=2 must divide num_heads=3 of model\.layers\.0\.attention "
                  r"\(heads=3, kv_heads=3\); choose tp in \[1, 3\]"),
     ("mismatch", 2, r"TensorParallelMismatchError: tensor-parallel mlp block 'model\.transformer\.h\.0\.mlp' "
-                    r"\(TPBlock\[CenteredMLP\]\) does not match the original model"),
+                    r"\(TPBlock\[ShuffledMLP\]\) does not match the original model"),
+    ("embedding", 2, r"TensorParallelMismatchError: tensor-parallel layer 'model\.tok_embeddings' "
+                     r"\(MeanShiftedEmbedding\) does not match the original model"),
     ("world", 3, r"ValueError: world size 3 is not divisible by tp\*pp = 2\*1 = 2; with 3 processes choose "
                  r"\(tp, pp\) from \[\(1, 1\), \(1, 3\), \(3, 1\)\]"),
     ("pp_stages", 2, r"PipelinePartitionError: pp=4 stages \(x virtual stages\) but 'model\.transformer\.h' has "
@@ -28,7 +30,7 @@ SCRIPT = ROOT / "tests" / "distributed" / "worker_errors.py"
     ("pp_trace", 2, r"PipelineError: training_step could not be traced to find which values cross pipeline stages: "
                     r"it runs once with zeros in place of every layer's output, and raised RuntimeError: .*"
                     r"cannot be pipelined automatically"),
-], ids=["heads", "mismatch", "world", "pp_stages", "pp_encdec", "pp_manual", "pp_fp16", "pp_trace"])
+], ids=["heads", "mismatch", "embedding", "world", "pp_stages", "pp_encdec", "pp_manual", "pp_fp16", "pp_trace"])
 def test_error_on_every_rank(scenario: str, devices: int, message: str) -> None:
     import re
 

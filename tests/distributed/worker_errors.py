@@ -13,16 +13,25 @@ from lightning_tpp import TensorPipeStrategy
 from models import LitLM, token_dataset
 
 
-class CenteredMLP(nn.Module):
-    """fc1 -> subtract the mean over the hidden features -> fc2: looks like an MLP, is not elementwise in between."""
+class ShuffledMLP(nn.Module):
+    """fc1 -> a fixed permutation of the hidden features (an index, which no trace tells from a gather of rows) -> fc2:
+    looks like an MLP, is not element-wise in between."""
 
     def __init__(self, dim: int = 32) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.register_buffer("order", torch.arange(2 * dim).flip(0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
-        return self.fc2(h - h.mean(-1, keepdim=True))
+        return self.fc2(h[..., self.order[: h.shape[-1]]])
+
+
+class MeanShiftedEmbedding(nn.Embedding):
+    """An embedding subclass whose forward reads its whole table beyond the lookup (the mean over the vocabulary)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) - self.weight.mean(0)
 
 
 class EncoderDecoder(LitLM):
@@ -58,16 +67,19 @@ class Manual(LitLM):
 
 class Scenario(LitLM):
     def __init__(self, scenario: str) -> None:
-        super().__init__("nanogpt" if scenario != "heads" else "llama")
+        super().__init__("llama" if scenario in ("heads", "embedding") else "nanogpt")
         if scenario == "heads":
             self.model = type(self.model)(n_heads=3, n_kv_heads=3, dim=48)
         if scenario == "mismatch":
-            self.model.transformer.h[0].mlp = CenteredMLP()
+            self.model.transformer.h[0].mlp = ShuffledMLP()
+        if scenario == "embedding":
+            self.model.tok_embeddings = MeanShiftedEmbedding(64, 32)
 
 
 SCENARIOS = {  # name -> (module, strategy kwargs, batch size)
     "heads": (lambda: Scenario("heads"), dict(tp=2), 4),
     "mismatch": (lambda: Scenario("mismatch"), dict(tp=2), 4),
+    "embedding": (lambda: Scenario("embedding"), dict(tp=2), 4),
     "world": (lambda: Scenario("world"), dict(tp=2), 4),
     "pp_stages": (lambda: LitLM("nanogpt"), dict(pp=2, virtual_stages=2, schedule="interleaved-1f1b",
                                                   microbatches=2), 4),

@@ -6,7 +6,9 @@ import re
 import warnings
 
 import pytest
-from models import EncoderLM, FusedGQAModel, HFCausalLM, NanoGPT, TinyLlama
+import torch
+import torch.nn.functional as F
+from models import MODELS, EncoderLM, FusedGQAModel, HFCausalLM, NanoGPT, TinyLlama
 from torch import nn
 
 from lightning_tpp.core.sharding import ShardSpec
@@ -512,3 +514,119 @@ def test_embeddings_sharing_a_weight_are_cut_alike() -> None:
     model.add_module("second_embeddings", second)
     plan = detect(model, 2)
     assert plan.styles["tok_embeddings"] == plan.styles["second_embeddings"] == "vocab"
+
+
+# ---- blocks found from the forward's dataflow ------------------------------------------------------------------
+def test_projections_that_are_direct_children_of_the_block() -> None:
+    """q, k, v, o, up, down as the block's own children; heads only in ``view(B, S, -1, head_dim)``."""
+    plan = detect(MODELS["flat_gpt"](), 2)
+    for i in (0, 1):
+        b = f"blocks.{i}"
+        info = plan.blocks[b]
+        assert (info.kind, info.heads, info.kv_heads, info.head_dim) == ("attention", 4, 4, 8)
+        assert info.layers == [f"{b}.{n}" for n in ("q", "k", "v", "o", "up", "down")]
+        assert info.row_layers() == [f"{b}.o", f"{b}.down"]
+        assert {n: plan.styles[f"{b}.{n}"] for n in ("q", "k", "v", "o", "up", "down")} == {
+            "q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise", "up": "colwise", "down": "rowwise"}
+        assert info.sizes == {"num_heads": 4, "num_kv_heads": 4, "hidden": 128}
+
+
+def test_attention_spread_over_sibling_modules() -> None:
+    """q/k/v in one child (which alone looks like a d -> d -> d MLP), the maths in another, the output projection
+    and the MLP at the block: one block, grouped by what feeds what."""
+    plan = detect(MODELS["split_gpt"](), 2)
+    assert set(plan.blocks) == {"blocks.0", "blocks.1"}  # not the q/k/v child, not the ModuleList
+    info = plan.blocks["blocks.0"]
+    assert info.row_layers() == ["blocks.0.proj", "blocks.0.fc_out"]
+    assert [plan.styles[n] for n in info.layers] == ["colwise"] * 3 + ["rowwise", "colwise", "rowwise"]
+    assert info.heads == 4
+
+
+def test_a_module_list_is_never_a_block() -> None:
+    """A list has no forward: layers grouped under it would never be checked numerically."""
+    plan = detect(MODELS["split_gpt"](), 2)
+    assert not any(isinstance(dict(MODELS["split_gpt"]().named_modules())[b], nn.ModuleList) for b in plan.blocks)
+
+
+def test_dataflow_trace_leaves_no_trace() -> None:
+    model = MODELS["flat_gpt"]()
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(123)
+    expected = torch.rand(1)
+    torch.manual_seed(123)
+    detect(model, 2)
+    assert torch.rand(1) == expected  # the global random state is untouched
+    assert all(m.training for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_dataflow_on_the_meta_device() -> None:
+    with torch.device("meta"):
+        model = MODELS["flat_gpt"]()
+    assert detect(model, 2).styles == detect(MODELS["flat_gpt"](), 2).styles
+
+
+class _MaskedFlatBlock(nn.Module):
+    """Projections as direct children, and a forward that needs a mask: neither a layout nor a trace finds it."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        q, k, v = (f(x).view(B, S, 4, D // 4).transpose(1, 2) for f in (self.q, self.k, self.v))
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B, S, D))
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_warning_when_less_than_half_of_the_blocks_is_sharded() -> None:
+    from lightning_tpp.core.params import ShardIndex
+    from lightning_tpp.tensor_parallel import coverage_warning
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList([_MaskedFlatBlock() for _ in range(3)])
+    plan = detect(model, 2)
+    assert not plan.blocks
+    message = coverage_warning(model, plan, 2, ShardIndex(), ["blocks.0", "blocks.1", "blocks.2"])
+    assert message is not None
+    assert "shards only 0% of the block parameters" in message and "3 of 3 blocks" in message
+    assert "blocks.0: no known layout, and its forward could not be traced" in message and "mask" in message
+    assert ("{'blocks.*.q': 'colwise', 'blocks.*.k': 'colwise', 'blocks.*.v': 'colwise', 'blocks.*.o': 'rowwise', "
+            "'blocks.*.fc1': 'colwise', 'blocks.*.fc2': 'rowwise'}") in message
+
+
+def test_no_warning_when_the_blocks_are_sharded() -> None:
+    from lightning_tpp.core.params import ShardIndex, ShardInfo
+    from lightning_tpp.tensor_parallel import coverage_warning
+
+    model = MODELS["flat_gpt"]()
+    plan = detect(model, 2)
+    shards = ShardIndex()
+    for name in plan.styles:
+        for p in dict(model.named_modules())[name].parameters(recurse=False):
+            shards.add(p, ShardInfo(ShardSpec(0), tuple(p.shape)))
+    assert coverage_warning(model, plan, 2, shards, ["blocks.0", "blocks.1"]) is None
+
+
+class _CenteredMLP(nn.Module):
+    """fc1 -> subtract the mean over the hidden features -> fc2: two linears, not an MLP that can be cut by features."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(h - h.mean(-1, keepdim=True))
+
+
+def test_hidden_features_that_meet_in_a_reduction_stay_whole() -> None:
+    model = nn.Sequential(_CenteredMLP(), nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 32)))
+    plan = detect(model, 2)
+    assert not plan.blocks and not plan.styles
+    assert "meet in a norm or reduction" in plan.whole["0 (fc2)"]
+
