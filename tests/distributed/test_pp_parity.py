@@ -85,10 +85,11 @@ def test_pp2_interleaved(tmp_path: Path) -> None:
 
 def test_tp2_pp2(tmp_path: Path) -> None:
     """Also: an nn.Sequential whose MLP pair straddles the stage boundary (kept replicated), zipped lists, a Hugging
-    Face tp plan naming a head that the other stage holds, a loss computed inside the HF forward, and GPT-NeoX
-    (per-head fused qkv), Phi-3 (fused qkv and gate/up, o_proj registered first) and Qwen2 (GQA, qkv biases)."""
+    Face tp plan naming a head that the other stage holds, a loss computed inside the HF forward, GPT-NeoX
+    (per-head fused qkv), Phi-3 (fused qkv and gate/up, o_proj registered first), Qwen2 (GQA, qkv biases), and a
+    block whose projections are its direct children (found by tracing the block on its stage)."""
     run_and_compare(tmp_path, ["nanogpt", "llama", "hf_gpt2", "sequential", "fused_gqa", "hf_llama", "encoder",
-                               "hf_llama_labels", "hf_neox", "hf_phi3", "hf_qwen2"], tp=2)
+                               "hf_llama_labels", "hf_neox", "hf_phi3", "hf_qwen2", "flat_gpt"], tp=2)
 
 
 def test_tp2_pp2_zero_bubble(tmp_path: Path) -> None:
