@@ -368,7 +368,8 @@ class HFCausalLM(nn.Module):
 
 class HFCausalLMFamily(nn.Module):
     """Other Hugging Face decoder-only families, tiny random configs: fused per-head qkv (GPT-NeoX), fused qkv and
-    gate/up projections (Phi-3), GQA with rotary and qkv biases (Qwen2), tied and scaled embeddings (Gemma)."""
+    gate/up projections (Phi-3), GQA with rotary and qkv biases (Qwen2), tied and scaled embeddings (Gemma); and an
+    encoder-only masked LM (BERT), trained here on the same next-token targets."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -383,6 +384,10 @@ class HFCausalLMFamily(nn.Module):
             cfg = transformers.GemmaConfig(**{**common, "tie_word_embeddings": True}, num_key_value_heads=2,
                                            head_dim=DIM // HEADS)
             self.model = transformers.GemmaForCausalLM(cfg)
+        elif kind == "bert":  # an encoder-only masked LM: attention spread over self/output children, tied decoder
+            cfg = transformers.BertConfig(**{**common, "tie_word_embeddings": True}, hidden_dropout_prob=0.0,
+                                          attention_probs_dropout_prob=0.0)
+            self.model = transformers.BertForMaskedLM(cfg)
         elif kind == "phi3":
             cfg = transformers.Phi3Config(**common, num_key_value_heads=2, pad_token_id=0)
             self.model = transformers.Phi3ForCausalLM(cfg)
@@ -489,6 +494,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "hf_phi3": lambda: HFCausalLMFamily("phi3"),
     "hf_qwen2": lambda: HFCausalLMFamily("qwen2"),
     "hf_gemma": lambda: HFCausalLMFamily("gemma"),
+    "hf_bert": lambda: HFCausalLMFamily("bert"),
     "nanogpt4": lambda: NanoGPT(n_layer=4),
     "llama4": lambda: TinyLlama(n_layers=4),
     "flat_gpt": lambda: BlockGPT(lambda: FlatBlock(DIM, DIM // HEADS)),

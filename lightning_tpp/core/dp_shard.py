@@ -211,8 +211,3 @@ def sharded_numel(module: nn.Module) -> tuple[int, int]:
     """(this rank's parameters, those sharded over dp), counted as tensor-parallel shards."""
     params = list(module.parameters())
     return sum(p.numel() for p in params), sum(p.numel() for p in params if isinstance(p, DTensor))
-
-
-def remap(params: Iterable[Any], replaced: dict[int, nn.Parameter]) -> list[Any]:
-    return [replaced.get(id(p), p) for p in params]
-

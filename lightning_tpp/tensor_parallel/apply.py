@@ -49,13 +49,14 @@ class TensorParallelMismatchError(RuntimeError):
 # shards <-> full tensors
 
 
-def _set_shard(module: nn.Module, attr: str, spec: ShardSpec, group: TPGroup, done: dict[int, nn.Parameter],
+def _set_shard(module: nn.Module, attr: str, spec: ShardSpec, group: TPGroup,
+               done: dict[int, tuple[nn.Parameter, nn.Parameter]],
                shards: ShardIndex) -> None:
     old = getattr(module, attr)
     if old is None:
         return
     if id(old) in done:
-        new = done[id(old)]
+        new = done[id(old)][1]
         if shards.spec(new) != spec:
             raise ValueError(f"parameter {attr} of {type(module).__name__} is shared with another layer that is split "
                              f"differently ({shards.spec(new)} vs {spec}); replicate one of them in tp_plan")
@@ -63,7 +64,7 @@ def _set_shard(module: nn.Module, attr: str, spec: ShardSpec, group: TPGroup, do
         spec.check(old.shape[spec.dim], group.size, f"{type(module).__name__}.{attr}")
         new = nn.Parameter(shard_tensor(old.data, spec, group.rank, group.size), requires_grad=old.requires_grad)
         shards.add(new, ShardInfo(spec, tuple(old.shape)))
-        done[id(old)] = new
+        done[id(old)] = (old, new)  # the old one kept alive: its id is not reused while ``done`` is consulted
     setattr(module, attr, new)
 
 
@@ -172,7 +173,7 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
     """Shard the parameters named by ``plan`` and swap in the parallel classes (in place); returns which parameters
     were cut and how."""
     modules = dict(model.named_modules())
-    done: dict[int, nn.Parameter] = {}
+    done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     shards = ShardIndex()
     scopes: dict[str, TPScope] = {}
     for bname, info in plan.blocks.items():
@@ -223,6 +224,12 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
                                    check=layer_check(name, shards) if verify else None)
             set_local_attr(m, "num_embeddings", local)
             swap_class(m, _VocabParallelEmbedding)
+    # the same parameter registered on another module too (BERT's cls.predictions.bias is its decoder's bias): that
+    # name follows the shard, or the tie would silently break (the alias stays whole and is never updated)
+    for module in modules.values():
+        for attr, p in list(module._parameters.items()):
+            if p is not None and id(p) in done and done[id(p)][0] is p:
+                module._parameters[attr] = done[id(p)][1]
     return shards
 
 

@@ -15,7 +15,7 @@ from launch import ROOT, run_ranks
 from parity import assert_parity, load_record, train
 
 ALL = ["nanogpt", "llama", "fused_gqa", "encoder", "seq2seq", "hf_gpt2", "hf_llama", "flat_gpt", "split_gpt",
-       "hf_gemma"]
+       "hf_gemma", "hf_bert"]
 # blocks whose projections are direct children or spread over siblings: found from the forward's dataflow
 FOUND_BY_DATAFLOW = {"flat_gpt", "split_gpt"}
 

@@ -630,3 +630,24 @@ def test_hidden_features_that_meet_in_a_reduction_stay_whole() -> None:
     assert not plan.blocks and not plan.styles
     assert "meet in a norm or reduction" in plan.whole["0 (fc2)"]
 
+
+
+def test_a_parameter_registered_twice_follows_its_shard() -> None:
+    """BERT registers its decoder's bias on the decoder and on its parent (``cls.predictions.bias``): both names must
+    hold the shard, or the tie breaks silently (the parent's name keeps the whole tensor, never updated)."""
+    from lightning_tpp.core.comm import TPGroup
+    from lightning_tpp.tensor_parallel import apply_plan
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = nn.Linear(32, 64)
+            self.bias = self.decoder.bias
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.decoder(x)
+
+    model = nn.Sequential(nn.Embedding(64, 32), Head())
+    plan = TPPlan(styles={"0": "vocab", "1.decoder": "colwise_gather"})
+    shards = apply_plan(model, plan, TPGroup(None, 0, 1), verify=False)
+    assert model[1].bias is model[1].decoder.bias and model[1].bias in shards
