@@ -18,10 +18,14 @@ cross from stage to stage is not decided here: the stages trace it (see ``_pp_st
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
+import torch
 from torch import nn
+
+from lightning_tpp._compat import tree_map
 
 
 class PipelinePartitionError(ValueError):
@@ -112,10 +116,13 @@ def _groups(model: nn.Module, containers: Sequence[str], zip_siblings: bool) -> 
     return groups
 
 
-def describe(model: nn.Module, blocks: "str | Sequence[str]", *, zip_siblings: bool = True
+def describe(model: nn.Module, blocks: "str | Sequence[str]", *, zip_siblings: bool = True,
+             order: Optional[Mapping[str, int]] = None
              ) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...], tuple[str, ...], tuple[tuple[str, int], ...]]:
     """(members of each block, pre modules, post modules, middle modules with the number of blocks before them).
-    ``zip_siblings=False`` (containers named by the user) runs the containers one after the other."""
+    ``zip_siblings=False`` (containers named by the user) runs the containers one after the other. ``order`` (see
+    :func:`forward_order`) places a module the forward was seen to call by when it is first called; the others by
+    where they are registered."""
     containers = [blocks] if isinstance(blocks, str) else list(blocks)
     modules = dict(model.named_modules())
     for c in containers:
@@ -129,6 +136,8 @@ def describe(model: nn.Module, blocks: "str | Sequence[str]", *, zip_siblings: b
         members += list(zip(*kids))
         done_after[group[-1]] = len(members)
     position = {n: i for i, n in enumerate(modules)}
+    block_starts = [min((order[n] for m in block for n in forward_modules(modules[m], m) if n in order),
+                        default=float("inf")) for block in members] if order else []
     pre, post, middle = [], [], []
     chosen: list[str] = []
     for i, (n, m) in enumerate(modules.items()):
@@ -138,6 +147,8 @@ def describe(model: nn.Module, blocks: "str | Sequence[str]", *, zip_siblings: b
             continue  # inside a module already placed; modules without parameters run on every stage
         chosen.append(n)
         before = max((k for c, k in done_after.items() if position[c] < i and not _inside(n, c)), default=0)
+        if order and n in order:  # blocks whose forward started before this module's first call
+            before = sum(1 for t in block_starts if t < order[n])
         if before == 0:
             pre.append(n)
         elif before == len(members):
@@ -145,6 +156,56 @@ def describe(model: nn.Module, blocks: "str | Sequence[str]", *, zip_siblings: b
         else:
             middle.append((n, before))
     return tuple(members), tuple(pre), tuple(post), tuple(middle)
+
+
+def forward_order(model: nn.Module, containers: Sequence[str]) -> dict[str, int]:
+    """Module name -> when the forward first calls it, from one forward of a meta copy (no memory, no data, no effect
+    on the model or the random generators): of the LightningModule on its ``example_input_array``, else of the
+    smallest module holding the blocks and the modules with parameters on token ids of shape ``(1, 8)`` when it holds
+    an ``nn.Embedding``. A head registered before the blocks (litgpt's ``lm_head``) then goes with the last stage.
+    Modules the forward did not reach (it needs other inputs, or fails on the meta device) are left out, and are
+    placed by where they are registered; ``{}`` when there is nothing to run."""
+    example = getattr(model, "example_input_array", None) if hasattr(type(model), "example_input_array") else None
+    if example is not None:
+        root = ""
+    else:
+        modules = dict(model.named_modules())
+        held = [n for n, m in modules.items() if n and any(True for _ in m.parameters(recurse=False))]
+        held += list(containers)
+        parts = [n.split(".") for n in held]
+        common = []
+        for column in zip(*parts):
+            if len(set(column)) > 1:
+                break
+            common.append(column[0])
+        root = ".".join(common)
+        if not any(isinstance(m, nn.Embedding) for m in modules[root].modules()):
+            return {}
+        example = torch.zeros(1, 8, dtype=torch.long)
+    target = model.get_submodule(root)
+    memo: dict[int, Any] = {id(t): torch.empty_like(t, device="meta") for t in target.buffers()}
+    memo.update({id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                 for p in target.parameters()})
+    trainer = target.__dict__.get("_trainer")
+    if trainer is not None:
+        memo[id(trainer)] = None  # a LightningModule's Trainer is not copied
+    order: dict[str, int] = {}
+    prefix = f"{root}." if root else ""
+    try:
+        twin = copy.deepcopy(target, memo)
+        for n, m in twin.named_modules():
+            m.register_forward_pre_hook(lambda mod, args, n=prefix + n if n else root: _first_call(order, n))
+        inputs = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, example)
+        with torch.random.fork_rng(devices=[]), torch.device("meta"), torch.no_grad():
+            twin.eval()
+            twin(*inputs) if isinstance(inputs, tuple) else twin(inputs)
+    except Exception:  # noqa: BLE001 - what ran before the failure is still in order; the rest by registration
+        pass
+    return order
+
+
+def _first_call(order: dict[str, int], name: str) -> None:
+    order.setdefault(name, len(order))
 
 
 def forward_modules(module: nn.Module, name: str) -> list[str]:
@@ -252,7 +313,8 @@ def plan_partition(model: nn.Module, stages: int, *, blocks: "str | Sequence[str
     """Choose the stage bounds: ``split_points`` > explicit ``balance`` counts > costs (parameters or measured)."""
     containers = find_block_sequences(model) if blocks is None else (
         (blocks,) if isinstance(blocks, str) else tuple(blocks))
-    members, pre, post, middle = describe(model, containers, zip_siblings=blocks is None)
+    members, pre, post, middle = describe(model, containers, zip_siblings=blocks is None,
+                                          order=forward_order(model, containers))
     label = ", ".join(repr(c) for c in containers)
     modules = dict(model.named_modules())
     if stages > len(members):

@@ -35,7 +35,9 @@ class MeanShiftedEmbedding(nn.Embedding):
 
 
 class EncoderDecoder(LitLM):
-    """The embedding is assigned after the transformer (so after its blocks) but used before them."""
+    """The embedding is assigned after the transformer (so after its blocks) but used before them, and the forward
+    checks its input's values, so it cannot be run on the meta device to see the order in which it calls its layers
+    (placement then follows registration)."""
 
     def __init__(self) -> None:
         super().__init__("nanogpt")
@@ -45,6 +47,8 @@ class EncoderDecoder(LitLM):
         self.head = nn.Linear(32, 64)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if not bool((idx >= 0).all()):
+            raise ValueError("negative token ids")
         h = self.embed(idx)
         return self.head(self.model(h, h))
 
@@ -86,6 +90,8 @@ SCENARIOS = {  # name -> (module, strategy kwargs, batch size)
     "pp_encdec": (EncoderDecoder, dict(pp=2), 4),
     "pp_manual": (Manual, dict(pp=2), 4),
     "pp_trace": (Sampling, dict(pp=2), 4),
+    # the tied embedding (stage 0) vocab-parallel, the head sharing its weight (stage 1) replicated by the user
+    "pp_tied_cut": (lambda: LitLM("nanogpt"), dict(tp=2, pp=2, tp_plan={"model.lm_head": "replicate"}), 4),
     "pp_fp16": (lambda: LitLM("nanogpt"), dict(pp=2, precision_plugin=MixedPrecision(
         "16-mixed", "cpu", torch.amp.GradScaler("cpu"))), 4),
 }

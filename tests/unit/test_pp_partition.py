@@ -20,7 +20,7 @@ from lightning_tpp.pipeline.partition import (
     find_block_sequences,
     plan_partition,
 )
-from models import EncoderLM, FusedGQAModel, HFT5, LitLM, NanoGPT, NestedListLM, Seq2Seq, TinyLlama
+from models import VOCAB, EncoderLM, FusedGQAModel, HFT5, LitLM, NanoGPT, NestedListLM, Seq2Seq, TinyLlama
 
 
 def _mlp() -> nn.Sequential:
@@ -408,3 +408,72 @@ def test_measured_block_costs_follow_the_work() -> None:
     costs = measure_block_costs(Net(), [(f"layers.{i}",) for i in range(4)], torch.randn(64, 256), repeats=5)
     assert len(costs) == 4 and max(costs) == costs[3]
     assert balance(costs, 2) == [(0, 3), (3, 4)]
+
+
+class _HeadFirstGPT(nn.Module):
+    """litgpt's layout: the head registered before the module holding the embedding, the blocks and the final norm."""
+
+    def __init__(self, n_layers: int = 4) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(8, VOCAB, bias=False)
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(VOCAB, 8),
+                                              h=nn.ModuleList([nn.Linear(8, 8) for _ in range(n_layers)]),
+                                              ln_f=nn.LayerNorm(8)))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.transformer.wte(idx)
+        for block in self.transformer.h:
+            x = torch.relu(block(x))
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def test_a_head_registered_before_the_blocks_goes_with_the_last_stage() -> None:
+    """Placed by when the forward first calls it (one forward of a meta copy), not by registration order; the model
+    and the random generators are untouched."""
+    model = _HeadFirstGPT()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    part = plan_partition(model, 2)
+    assert part.pre == ("transformer.wte",) and set(part.post) == {"lm_head", "transformer.ln_f"}
+    assert part.owners()["lm_head"] == 1
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(t, before[n]) and t.device.type == "cpu" for n, t in model.state_dict().items())
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_lightning_module_is_run_on_its_example_input() -> None:
+    class Lit(LitLM):
+        def __init__(self) -> None:
+            super().__init__("nanogpt")
+            self.model = _HeadFirstGPT()
+            self.example_input_array = torch.zeros(2, 8, dtype=torch.long)
+
+    part = plan_partition(Lit(), 2)
+    assert part.owners()["model.lm_head"] == 1
+
+
+def test_a_forward_that_cannot_be_run_keeps_registration_order() -> None:
+    """A forward that needs more than token ids: placed by registration, as before (the stage trace then explains)."""
+    class TwoInputs(_HeadFirstGPT):
+        def forward(self, idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return super().forward(idx) * mask
+
+    part = plan_partition(TwoInputs(), 2)
+    assert part.owners()["lm_head"] == 0 and part.owners()["transformer.ln_f"] == 1
+
+
+def test_an_embedding_registered_after_the_blocks_goes_with_the_first_stage() -> None:
+    class EmbeddingLast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+            self.head, self.emb = nn.Linear(8, VOCAB), nn.Embedding(VOCAB, 8)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.emb(idx)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    part = plan_partition(EmbeddingLast(), 2)
+    assert part.pre == ("emb",) and part.post == ("head",)

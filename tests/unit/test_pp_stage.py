@@ -105,3 +105,12 @@ def test_tracing_leaves_the_model_callable_and_exact():
     want = model(idx)
     routes_of(model, 2)
     torch.testing.assert_close(model(idx), want, rtol=0, atol=0)
+
+
+def test_a_head_registered_before_the_blocks_receives_the_last_hidden_state():
+    from test_pp_partition import _HeadFirstGPT
+
+    runtime = dispatching(_HeadFirstGPT(), 2)
+    assert {u.name: u.stage for u in runtime.units}["lm_head"] == 1
+    routes, received, names = routes_of(_HeadFirstGPT(), 2)
+    assert received == [[], [("transformer.h.1", 0, 0)]]
