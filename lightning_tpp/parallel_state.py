@@ -34,6 +34,7 @@ from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.stage import end_stage_forward_last
 from lightning_tpp.pipeline.partition import PipelinePartitionError, block_modules
 from lightning_tpp.tensor_parallel import (
+    TensorParallelConfigError,
     TPPlan,
     apply_plan,
     check_divisible,
@@ -143,6 +144,8 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
     if state.stages is not None:
         state.engine = finish_stages(module, state.stages, dims=dims, coords=coords, virtual=config.virtual_stages,
                                      schedule=config.schedule, microbatches=config.microbatches, pp_group=groups.pp)
+        if config.tp > 1:
+            _check_tied(module, state, device)
     if meta is not None:
         materialize(module, device=meta.device, names=state.names, shards=state.shards, tp_rank=groups.tp.rank,
                     tp_size=groups.tp.size, base_seed=meta.base_seed, loaded=meta.loaded)
@@ -169,8 +172,7 @@ def cut(module: nn.Module, config: ParallelConfig, dims: MeshDims, *, pp_rank: i
         stages = prepare_stages(module, dims=dims, pp_rank=pp_rank, virtual=config.virtual_stages, device=device,
                                 blocks=config.blocks, balance=config.balance, split_points=config.split_points)
     remote = stages.remote_names() if stages is not None else frozenset()
-    plan = detect(module, config.tp, check=False,
-                  remote={n: stages.twins[n] for n in remote} if stages is not None else remote)
+    plan = detect(module, config.tp, check=False, remote=stages.remote_twins() if stages is not None else remote)
     shards = ShardIndex()
     if config.tp > 1:
         overlay(module, plan, hf_plan(module), source="Hugging Face tp plan", strict=False, remote=remote)
@@ -206,6 +208,32 @@ def _sync_tied(module: nn.Module, state: ParallelState, dims: MeshDims, coords: 
         stage = owners[unit] if unit is not None else min(weight.stages)
         src = dims.rank_of(dp=coords["dp"], pp=stage % dims.pp, tp=coords["tp"])
         torch.distributed.broadcast(here.data, src=src, group=groups[id(here)])
+
+
+def _check_tied(module: nn.Module, state: ParallelState, device: torch.device) -> None:
+    """A weight that several stages hold must be cut alike on each (its gradients are summed, and a whole-model load
+    gives it to each): the same clear error on every rank otherwise, instead of collectives of mismatched sizes."""
+    assert state.stages is not None and state.engine is not None
+    groups = {id(p): group for p, group in state.engine.tied}
+    params = dict(module.named_parameters(remove_duplicate=False))
+    problem = None
+    for weight in state.stages.tied:
+        here = next((params[n] for n in weight.names if n in params), None)
+        if here is None or id(here) not in groups:
+            continue
+        shapes = [torch.zeros(here.dim(), dtype=torch.long, device=device)
+                  for _ in range(torch.distributed.get_world_size(groups[id(here)]))]
+        torch.distributed.all_gather(shapes, torch.tensor(here.shape, device=device), group=groups[id(here)])
+        if len({tuple(t.tolist()) for t in shapes}) > 1 and problem is None:  # cut on one stage, whole on another
+            problem = (f"{' = '.join(weight.names)} is shared by pipeline stages {list(weight.stages)}, but tensor "
+                       f"parallelism cut it differently on them (shapes {[tuple(t.tolist()) for t in shapes]}); give "
+                       f"both modules the same style with tp_plan (e.g. 'vocab' for the embedding and "
+                       f"'colwise_gather' for the head) or replicate both")
+    problems: list[Optional[str]] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(problems, problem)  # one decision: no rank leaves while others still set up
+    first = next((p for p in problems if p), None)
+    if first is not None:
+        raise TensorParallelConfigError(first)
 
 
 def shard_state_over_dp(module: nn.Module, state: ParallelState, blocks: Optional[Union[str, Sequence[str]]], *,

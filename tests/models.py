@@ -400,6 +400,17 @@ class HFCausalLMFamily(nn.Module):
         return self.model(input_ids=idx).logits
 
 
+def LitGPTModel() -> nn.Module:
+    """Lightning's own model library: litgpt's ``GPT`` (a Llama-like config: RMSNorm, SwiGLU, GQA with fused qkv,
+    rotary), whose ``lm_head`` is registered before ``transformer`` (embedding, blocks, final norm)."""
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    return GPT(Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=LAYERS, n_head=HEADS,
+                      n_embd=DIM, n_query_groups=2, rotary_percentage=1.0, parallel_residual=False, bias=False,
+                      norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=2 * DIM))
+
+
 # ---- a hand-written GPT whose block holds its projections directly; heads only in view(B, S, -1, head_dim) -------
 class FlatBlock(nn.Module):
     def __init__(self, dim: int, head_dim: int) -> None:
@@ -499,6 +510,11 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "llama4": lambda: TinyLlama(n_layers=4),
     "flat_gpt": lambda: BlockGPT(lambda: FlatBlock(DIM, DIM // HEADS)),
     "split_gpt": lambda: BlockGPT(lambda: SplitBlock(DIM, HEADS)),
+    "litgpt": LitGPTModel,
+    # an MLP over the flattened sequence, as a classifier is written: pairs of Linear layers of any widths
+    "mlp": lambda: nn.Sequential(nn.Embedding(VOCAB, 8), nn.Flatten(), nn.Linear(SEQ * 8, 96), nn.ReLU(),
+                                 nn.Linear(96, 64), nn.ReLU(), nn.Linear(64, 96), nn.ReLU(),
+                                 nn.Linear(96, SEQ * VOCAB), nn.Unflatten(1, (SEQ, VOCAB))),
 }
 
 

@@ -56,6 +56,17 @@ class PreparedStages:
         """The units other pipeline ranks hold (stand-ins here)."""
         return frozenset(u.name for u in self.runtime.units if u.stage not in self.local_stages)
 
+    def remote_twins(self) -> dict[str, nn.Module]:
+        """Meta twins of the units other pipeline ranks hold, by name; inside an embedding, norm or head unit also its
+        submodules (a head unit that is a prediction module holding its decoder: BERT's ``cls.predictions``), so that
+        tensor parallelism pairs an embedding with its head across stages. Not inside blocks."""
+        out: dict[str, nn.Module] = {}
+        for u in self.runtime.units:
+            if u.stage not in self.local_stages:
+                twin = self.twins[u.name]
+                out.update(twin.named_modules(prefix=u.name) if u.kind != "block" else [(u.name, twin)])
+        return out
+
     def tied_params(self, module: nn.Module, *, stages: Optional[tuple[int, ...]] = None,
                     secondary: Optional[bool] = None) -> list[nn.Parameter]:
         """This rank's copies of the tied weights (of one stage set, or only those counted on another rank)."""

@@ -194,6 +194,40 @@ def _mlp(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]]) -> Opti
     return BlockInfo("mlp", [n for n, _ in lins], sizes={"hidden": first[1]})
 
 
+# modules that act on each feature alone: a column-parallel layer's output may pass through them unchanged in layout
+_ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.SELU,
+                nn.CELU, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.Softsign, nn.Tanhshrink,
+                nn.LogSigmoid, nn.Dropout, nn.AlphaDropout, nn.Identity)
+
+
+def _sequential_pairs(fqn: str, module: nn.Module, claimed: set[str], tp: int) -> Optional[BlockInfo]:
+    """An ``nn.Sequential`` (run as one: no forward of its own) whose ``Linear`` layers follow one another with only
+    element-wise layers between them: each two in a row are a column/row pair, whatever their widths (an MLP
+    classifier ``Linear(768, 512), ReLU, Linear(512, 256), ReLU, Linear(256, 10)`` shards the first two). A pair
+    whose hidden width ``tp`` does not divide is left whole."""
+    if not isinstance(module, nn.Sequential) or type(module).forward is not nn.Sequential.forward:
+        return None
+    layers, rows, sizes = [], [], {}
+    pending: Optional[tuple[str, nn.Module]] = None
+    for name, child in module.named_children():
+        child_fqn = f"{fqn}.{name}" if fqn else name
+        if _is_linear(child) and child_fqn not in claimed:
+            if pending is None:
+                pending = (child_fqn, child)
+                continue
+            hidden = linear_dims(pending[1])[1]
+            if hidden % tp == 0:
+                layers += [pending[0], child_fqn]
+                rows.append(child_fqn)
+                sizes[f"hidden of {pending[0]}"] = hidden
+                pending = None
+            else:
+                pending = (child_fqn, child)
+        elif type(child) not in _ELEMENTWISE:
+            pending = None
+    return BlockInfo("mlp", layers, sizes=sizes, rows=rows) if layers else None
+
+
 # functions that combine two projections' outputs (attention scores, attention-weighted values)
 _MIXING = frozenset({"matmul", "__matmul__", "bmm", "baddbmm", "einsum", "scaled_dot_product_attention"})
 _RESHAPES = frozenset({"view", "reshape", "unflatten"})
@@ -421,8 +455,10 @@ def detect(model: nn.Module, tp: int, *, check: bool = True,
         lins = _child_linears(module, fqn, claimed)
         if len(lins) < 2:
             continue
-        blocks = frozenset(id(modules[b]) for b in plan.blocks)
-        info = _traced(fqn, module, lins, blocks, plan.whole)
+        info = _sequential_pairs(fqn, module, claimed, tp)
+        if info is None:
+            blocks = frozenset(id(modules[b]) for b in plan.blocks)
+            info = _traced(fqn, module, lins, blocks, plan.whole)
         if info is _UNTRACED:  # its forward needs more than one input: the layout decides
             info = _attention(fqn, module, lins, blocks) or _mlp(fqn, module, lins)
         if info is None:

@@ -30,7 +30,11 @@ SCRIPT = ROOT / "tests" / "distributed" / "worker_errors.py"
     ("pp_trace", 2, r"PipelineError: training_step could not be traced to find which values cross pipeline stages: "
                     r"it runs once with zeros in place of every layer's output, and raised RuntimeError: .*"
                     r"cannot be pipelined automatically"),
-], ids=["heads", "mismatch", "embedding", "world", "pp_stages", "pp_encdec", "pp_manual", "pp_fp16", "pp_trace"])
+    ("pp_tied_cut", 4, r"TensorParallelConfigError: model\.transformer\.wte\.weight = model\.lm_head\.weight is "
+                       r"shared by pipeline stages \[0, 1\], but tensor parallelism cut it differently on them "
+                       r"\(shapes \[\(32, 32\), \(64, 32\)\]\)"),
+], ids=["heads", "mismatch", "embedding", "world", "pp_stages", "pp_encdec", "pp_manual", "pp_fp16", "pp_trace",
+        "pp_tied_cut"])
 def test_error_on_every_rank(scenario: str, devices: int, message: str) -> None:
     import re
 

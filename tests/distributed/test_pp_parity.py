@@ -13,7 +13,9 @@ import pytest
 from launch import ROOT, run_ranks
 from parity import assert_parity, load_record, merge_stages, train
 
-PP2_MODELS = ["nanogpt", "llama", "encoder", "hf_gpt2", "hf_llama", "hf_llama_labels", "sequential", "llama_varlen"]
+# litgpt registers its head before its blocks: placed by the forward's order. mlp: an nn.Sequential of mixed layers
+PP2_MODELS = ["nanogpt", "llama", "encoder", "hf_gpt2", "hf_llama", "hf_llama_labels", "sequential", "llama_varlen",
+              "litgpt", "mlp"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,9 +89,12 @@ def test_tp2_pp2(tmp_path: Path) -> None:
     """Also: an nn.Sequential whose MLP pair straddles the stage boundary (kept replicated), zipped lists, a Hugging
     Face tp plan naming a head that the other stage holds, a loss computed inside the HF forward, GPT-NeoX
     (per-head fused qkv), Phi-3 (fused qkv and gate/up, o_proj registered first), Qwen2 (GQA, qkv biases), and a
-    block whose projections are its direct children (found by tracing the block on its stage)."""
+    block whose projections are its direct children (found by tracing the block on its stage); tied embedding and
+    head on two stages cut alike (Gemma's scaled embedding; BERT's decoder inside its prediction head), and litgpt's
+    head registered before its blocks."""
     run_and_compare(tmp_path, ["nanogpt", "llama", "hf_gpt2", "sequential", "fused_gqa", "hf_llama", "encoder",
-                               "hf_llama_labels", "hf_neox", "hf_phi3", "hf_qwen2", "flat_gpt"], tp=2)
+                               "hf_llama_labels", "hf_neox", "hf_phi3", "hf_qwen2", "flat_gpt", "hf_gemma", "hf_bert",
+                               "litgpt"], tp=2)
 
 
 def test_tp2_pp2_zero_bubble(tmp_path: Path) -> None:

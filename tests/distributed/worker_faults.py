@@ -30,6 +30,8 @@ class Faulty(LitLM):
                 raise RuntimeError("injected failure in training_step")
             if self.scenario == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+        if batch_idx == 2 and RANK == 0 and self.scenario == "kill0":  # the host of the rendezvous store
+            os.kill(os.getpid(), signal.SIGKILL)
         loss = super().training_step(batch, batch_idx)
         if self.scenario.startswith("nan") and batch_idx == 2 and RANK == 1:
             loss = loss * float("nan")
@@ -41,7 +43,7 @@ def main() -> None:
     kwargs = dict(timeout=timedelta(seconds=8))
     if scenario == "raise_pp":
         kwargs.update(pp=2, microbatches=2)
-    elif scenario in ("raise_tp", "kill"):
+    elif scenario in ("raise_tp", "kill", "kill0"):
         kwargs.update(tp=2)
     elif scenario.startswith("nan"):
         kwargs.update(on_nonfinite=scenario.split("_")[1])  # dp=2

@@ -651,3 +651,47 @@ def test_a_parameter_registered_twice_follows_its_shard() -> None:
     plan = TPPlan(styles={"0": "vocab", "1.decoder": "colwise_gather"})
     shards = apply_plan(model, plan, TPGroup(None, 0, 1), verify=False)
     assert model[1].bias is model[1].decoder.bias and model[1].bias in shards
+
+
+def test_sequential_linear_pairs_of_any_width() -> None:
+    """Consecutive Linear layers of an nn.Sequential with only element-wise layers between them are column/row pairs,
+    whatever their widths; a layer that mixes features (a norm) breaks the chain, a pair whose hidden width tp does
+    not divide is left whole, and a Sequential subclass with its own forward is not read by its children."""
+    model = nn.Sequential(nn.Embedding(64, 8), nn.Flatten(), nn.Linear(128, 96), nn.ReLU(), nn.Dropout(0.1),
+                          nn.Linear(96, 48), nn.GELU(), nn.Linear(48, 10), nn.LayerNorm(10), nn.Linear(10, 6))
+    plan = detect(model, 2)
+    assert plan.styles == {"2": "colwise", "5": "rowwise"}  # 48 -> 10 then a norm: alone; the last one alone
+    assert plan.blocks[""].row_layers() == ["5"]
+    assert detect(nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 6), nn.Linear(6, 8), nn.Tanh(),
+                                nn.Linear(8, 4)), 4).styles == {"0": "colwise", "2": "rowwise", "3": "colwise",
+                                                                 "5": "rowwise"}
+    # 6 % 4: the first layer stays whole and the pair starts at the second
+    assert detect(nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4)),
+                  4).styles == {"2": "colwise", "4": "rowwise"}
+    with pytest.raises(TensorParallelConfigError, match="tp=8 must divide the hidden size 12"):  # no pair divides
+        detect(nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 8)), 8)
+
+    class Residual(nn.Sequential):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + super().forward(x)
+
+    assert detect(Residual(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), 2).styles  # an MLP by its dataflow
+
+
+def test_head_inside_a_prediction_module_on_another_stage() -> None:
+    """BERT's decoder sits inside the head unit (``cls.predictions``) that the last stage holds: given that unit's
+    submodules as meta copies, the first stage cuts its embedding to match the decoder there."""
+    import copy
+
+    class Predictions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.transform, self.decoder = nn.Linear(16, 16), nn.Linear(16, 64)
+
+    model = nn.Module()
+    model.emb, model.cls = nn.Embedding(64, 16), Predictions()
+    twin = copy.deepcopy(model.cls).to("meta")
+    model.cls = nn.Identity()
+    assert "emb" not in detect(model, 2, remote={"cls": twin}).styles
+    plan = detect(model, 2, remote=dict(twin.named_modules(prefix="cls")))
+    assert plan.styles == {"emb": "vocab"}
