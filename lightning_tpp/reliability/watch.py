@@ -74,8 +74,8 @@ class FailureWatch:
         self._reported = True
         try:
             first = self.store.compare_set(_ABORT, "", message).decode()
-        except Exception:  # noqa: BLE001 - nothing more to tell if the store is gone
-            return
+        except Exception:  # noqa: BLE001 - the store is gone with rank 0's process: nobody left to tell
+            self._die(f"{message} (the rendezvous store that rank 0 hosted is gone: rank 0 was killed or lost)")
         if first != message:
             self._die(first)
         print(f"[lightning_tpp rank {self.rank}] {message}", file=sys.stderr, flush=True)

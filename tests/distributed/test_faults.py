@@ -28,11 +28,16 @@ def _run(scenario: str, out: Path):
     ("raise_pp", r"stopping: rank 1 \{'dp': 0, 'pp': 1, 'tp': 0\} failed during train in pipeline stage 1, forward "
                  r"of micro-batch 0: RuntimeError: injected failure"),
     ("kill", r"rank(\(s\))? \[?1\]? stopped responding"),
-], ids=["exception-tp", "exception-pp-last-stage", "sigkill"])
+    ("kill0", r"stopping: rank\(s\) \[0\] stopped responding \(killed or lost\); rank 1 .* \(the rendezvous store "
+              r"that rank 0 hosted is gone: rank 0 was killed or lost\)"),
+], ids=["exception-tp", "exception-pp-last-stage", "sigkill", "sigkill-rank0"])
 def test_every_rank_stops_and_names_the_culprit(tmp_path: Path, scenario: str, survivor_message: str) -> None:
     result = _run(scenario, tmp_path)
     assert all(code != 0 for code in result.returncodes), result.returncodes
-    assert re.search(survivor_message, result.outputs[0]), result.outputs[0][-3000:]
+    survivor = result.outputs[1 if scenario == "kill0" else 0]
+    assert re.search(survivor_message, survivor), survivor[-3000:]
+    if scenario == "kill0":
+        return
     if scenario != "kill":
         assert "injected failure in training_step" in result.outputs[1]
     else:  # nothing saved is lost: the last checkpoint (step 2) is complete and loads
