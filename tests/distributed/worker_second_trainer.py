@@ -12,9 +12,16 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 
 from models import LitLM, token_dataset
 from parity import Recorder
+
+
+class Lit(LitLM):
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self(x).flatten(0, 1), y.flatten()), sync_dist=True)
 
 
 def _trainer(tp: int, pp: int, recorder: Recorder, microbatches: int = 2) -> L.Trainer:
@@ -29,13 +36,17 @@ def _trainer(tp: int, pp: int, recorder: Recorder, microbatches: int = 2) -> L.T
 def main() -> None:
     out, tp, pp = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     L.seed_everything(0, verbose=False)
-    module = LitLM("nanogpt4", lr=0.05, optimizer="sgdm")
+    module = Lit("nanogpt4", lr=0.05, optimizer="sgdm")
     loader = torch.utils.data.DataLoader(token_dataset(8), batch_size=4, shuffle=False)
     _trainer(tp, pp, Recorder()).fit(module, loader)
     second = Recorder()
     trainer = _trainer(tp, pp, second)
     trainer.fit(module, loader)  # a new Trainer and strategy, the same (already parallel) module
     second.record.logged = trainer.validate(module, loader, verbose=False)[0]
+    # .test and .predict of two more Trainers, each adopting the state; predictions: whole logits on every rank
+    second.record.logged.update(_trainer(tp, pp, Recorder()).test(module, loader, verbose=False)[0])
+    predictions = _trainer(tp, pp, Recorder()).predict(module, loader)
+    second.record.logged["predicted"] = float(sum(p.double().square().sum() for p in predictions))
     torch.save(asdict(second.record), out / f"second.rank{trainer.global_rank}.pt")
     if tp * pp:
         print("adopted", trainer.strategy.parallel_state is not None, flush=True)
