@@ -400,6 +400,26 @@ class HFCausalLMFamily(nn.Module):
         return self.model(input_ids=idx).logits
 
 
+class HFViT(nn.Module):
+    """A Hugging Face vision transformer classifying a 4 x 4 one-channel image (the token ids, scaled) into VOCAB
+    classes from its CLS token: patch convolution, CLS token and position embeddings, blocks, final norm, classifier.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.ViTConfig(image_size=4, patch_size=1, num_channels=1, hidden_size=DIM, num_hidden_layers=LAYERS,
+                                     num_attention_heads=HEADS, intermediate_size=2 * DIM, num_labels=VOCAB,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        cfg._attn_implementation = "eager"
+        self.model = transformers.ViTForImageClassification(cfg)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pixels = (idx.float() / VOCAB).view(idx.shape[0], 1, 4, 4)
+        return self.model(pixel_values=pixels).logits  # (batch, VOCAB): one class per image
+
+
 def LitGPTModel() -> nn.Module:
     """Lightning's own model library: litgpt's ``GPT`` (a Llama-like config: RMSNorm, SwiGLU, GQA with fused qkv,
     rotary), whose ``lm_head`` is registered before ``transformer`` (embedding, blocks, final norm)."""
@@ -511,6 +531,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "flat_gpt": lambda: BlockGPT(lambda: FlatBlock(DIM, DIM // HEADS)),
     "split_gpt": lambda: BlockGPT(lambda: SplitBlock(DIM, HEADS)),
     "litgpt": LitGPTModel,
+    "hf_vit": HFViT,
     # an MLP over the flattened sequence, as a classifier is written: pairs of Linear layers of any widths
     "mlp": lambda: nn.Sequential(nn.Embedding(VOCAB, 8), nn.Flatten(), nn.Linear(SEQ * 8, 96), nn.ReLU(),
                                  nn.Linear(96, 64), nn.ReLU(), nn.Linear(64, 96), nn.ReLU(),
@@ -541,7 +562,9 @@ class LitLM(L.LightningModule):
         if self.hparams.name.endswith("_labels"):  # the Hugging Face model computes the loss in its forward
             loss = self.model.model(input_ids=x, labels=x).loss
         else:
-            loss = F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
+            out = self(x)  # a classifier (the vision transformer) predicts the first target of each sequence
+            loss = F.cross_entropy(out, y[:, 0]) if out.dim() == 2 else F.cross_entropy(out.reshape(-1, VOCAB),
+                                                                                         y.reshape(-1))
         self.log("train_loss", loss, prog_bar=True)
         return loss
 

@@ -13,9 +13,10 @@ import pytest
 from launch import ROOT, run_ranks
 from parity import assert_parity, load_record, merge_stages, train
 
-# litgpt registers its head before its blocks: placed by the forward's order. mlp: an nn.Sequential of mixed layers
+# litgpt registers its head before its blocks: placed by the forward's order. mlp: an nn.Sequential of mixed layers;
+# hf_vit: a vision transformer (patch convolution, CLS token, classifier)
 PP2_MODELS = ["nanogpt", "llama", "encoder", "hf_gpt2", "hf_llama", "hf_llama_labels", "sequential", "llama_varlen",
-              "litgpt", "mlp"]
+              "litgpt", "mlp", "hf_vit"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,7 +95,7 @@ def test_tp2_pp2(tmp_path: Path) -> None:
     head registered before its blocks."""
     run_and_compare(tmp_path, ["nanogpt", "llama", "hf_gpt2", "sequential", "fused_gqa", "hf_llama", "encoder",
                                "hf_llama_labels", "hf_neox", "hf_phi3", "hf_qwen2", "flat_gpt", "hf_gemma", "hf_bert",
-                               "litgpt"], tp=2)
+                               "litgpt", "hf_vit"], tp=2)
 
 
 def test_tp2_pp2_zero_bubble(tmp_path: Path) -> None:

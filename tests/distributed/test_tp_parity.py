@@ -15,7 +15,7 @@ from launch import ROOT, run_ranks
 from parity import assert_parity, load_record, train
 
 ALL = ["nanogpt", "llama", "fused_gqa", "encoder", "seq2seq", "hf_gpt2", "hf_llama", "flat_gpt", "split_gpt",
-       "hf_gemma", "hf_bert", "litgpt", "mlp"]
+       "hf_gemma", "hf_bert", "litgpt", "mlp", "hf_vit"]
 
 
 @functools.lru_cache(maxsize=None)
