@@ -410,8 +410,8 @@ class HFViT(nn.Module):
         import transformers
 
         cfg = transformers.ViTConfig(image_size=4, patch_size=1, num_channels=1, hidden_size=DIM,
-                                     num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=2 * DIM, num_labels=VOCAB,
-                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                                     num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=2 * DIM,
+                                     num_labels=VOCAB, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         cfg._attn_implementation = "eager"
         self.model = transformers.ViTForImageClassification(cfg)
 
