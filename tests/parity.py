@@ -62,11 +62,14 @@ def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, s
           accumulate: int = 1, clip: Optional[float] = None, precision: str = "32-true", lr: float = 0.1,
           optimizer: str = "sgd", accelerator: str = "cpu", in_order_receives: bool = False,
           meta: bool = False, prepare: Optional[Callable[[LitLM], None]] = None,
-          after_fit: Optional[Callable[[L.Trainer], None]] = None) -> Record:
+          after_fit: Optional[Callable[[L.Trainer], None]] = None, seed: int = 0) -> Record:
     """Train ``name`` for ``steps`` optimizer steps. In one process (with or without a strategy) each batch is the
     union of what ``dp`` replicas draw from Lightning's shuffling DistributedSampler (seed 0, epoch 0) at that step.
-    ``prepare`` sees the module before training (e.g. loads weights), ``after_fit`` the Trainer after it."""
+    ``prepare`` sees the module before training (e.g. loads weights), ``after_fit`` the Trainer after it. ``seed``
+    reseeds torch's generator before the model is built (a rank whose process was seeded by other means: the strategy
+    must give every rank rank 0's weights; ``seed_everything`` itself must agree across ranks)."""
     L.seed_everything(0, verbose=False)
+    torch.manual_seed(seed)
     module = LitLM(name, lr=lr, optimizer=optimizer, build_in_configure_model=meta)  # meta: built in configure_model
     if prepare is not None:
         prepare(module)
@@ -166,6 +169,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     parser.add_argument("--meta", action="store_true", help="build the model in configure_model (meta device)")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--dp-sharding", default="full_shard")
+    parser.add_argument("--seed-by-rank", action="store_true", help="each rank builds its model from seed = rank")
     args = parser.parse_args()
     from lightning_tpp import TensorPipeStrategy
 
@@ -188,7 +192,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
                            steps=args.steps, batch_size=args.batch_size, accumulate=args.accumulate, clip=args.clip,
                            precision=args.precision, optimizer=args.optimizer, lr=args.lr,
                            accelerator=args.accelerator, in_order_receives=args.in_order_receives,
-                           meta=args.meta)
+                           meta=args.meta, seed=rank if args.seed_by_rank else 0)
             if args.dp > 1 and args.dp_sharding != "no_shard":  # FSDP2 must have sharded (nearly) everything
                 from lightning_tpp.core.dp_shard import sharded_numel
 

@@ -66,6 +66,16 @@ def test_parity_clipping_accumulation(tmp_path: Path, models: list[str], optimiz
                           where=f"{name} {optimizer} rank {rank}")
 
 
+def test_ranks_seeded_differently_train_rank_0s_weights(tmp_path: Path) -> None:
+    """Each rank builds its model from its own torch seed (as ranks of a script that does not seed do): the strategy
+    gives every rank rank 0's weights before cutting them, so tp shards and dp replicas start from one model."""
+    _run(tmp_path, ["nanogpt", "llama"], 2, 2, ["--seed-by-rank", "--steps", "3"])
+    for name in ("nanogpt", "llama"):
+        ref = train(name, dp=2, steps=3)  # rank 0's seed
+        for rank in range(4):
+            assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), ref, where=f"{name} rank {rank}")
+
+
 def test_parity_bf16_mixed(tmp_path: Path) -> None:
     """bf16 autocast against a bf16 single-process reference. Tolerance: bf16 keeps 8 bits of mantissa (relative
     step 2^-8 ~ 4e-3); TP changes the summation order of each matmul, so values differ by a few bf16 ulps."""
