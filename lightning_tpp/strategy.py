@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
+from torch.optim import Optimizer
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
@@ -179,6 +180,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         self._on_nonfinite = on_nonfinite
         self._watch: Optional[FailureWatch] = None
         self._skip_backward = False
+        self._skip_manual_steps = False  # a non-finite loss met manual_backward in this training_step
         self._restored_sharded = False
         self._checked_optimizers: set[int] = set()
         self._print_plan = print_plan
@@ -352,8 +354,11 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._skip_manual_steps = False
         out = super().training_step(*args, **kwargs) if self._engine is None else self._pipeline_training_step(
             *args, **kwargs)
+        if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
+            return out  # the loss was checked where it met manual_backward (see backward)
         loss = out.get("loss") if isinstance(out, dict) else out
         if isinstance(loss, Tensor) and not self._finite_everywhere(loss):
             if self._engine is not None:
@@ -368,7 +373,22 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
                                  policy=self._on_nonfinite, step=step)
 
     @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Manual optimization: ``manual_backward`` meets the loss before the user's ``opt.step()``, so a non-finite
+        loss is decided here (``on_nonfinite``); skipped, it leaves no gradient, and the optimizer steps of this
+        ``training_step`` do nothing on every rank."""
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization and not self._finite_everywhere(closure_loss):
+            for p in module.parameters():
+                p.grad = None
+            self._skip_manual_steps = True
+            return closure_loss.detach()
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._skip_manual_steps:
+            return None
         def closure_then_average() -> Any:
             out = closure()
             if self.lightning_module is None or self.lightning_module.automatic_optimization:

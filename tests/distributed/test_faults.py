@@ -28,9 +28,10 @@ def _run(scenario: str, out: Path):
     ("raise_pp", r"stopping: rank 1 \{'dp': 0, 'pp': 1, 'tp': 0\} failed during train in pipeline stage 1, forward "
                  r"of micro-batch 0: RuntimeError: injected failure"),
     ("kill", r"rank(\(s\))? \[?1\]? stopped responding"),
+    ("kill_pp", r"rank(\(s\))? \[?1\]? stopped responding"),
     ("kill0", r"stopping: rank\(s\) \[0\] stopped responding \(killed or lost\); rank 1 .* \(the rendezvous store "
               r"that rank 0 hosted is gone: rank 0 was killed or lost\)"),
-], ids=["exception-tp", "exception-pp-last-stage", "sigkill", "sigkill-rank0"])
+], ids=["exception-tp", "exception-pp-last-stage", "sigkill", "sigkill-pp-last-stage", "sigkill-rank0"])
 def test_every_rank_stops_and_names_the_culprit(tmp_path: Path, scenario: str, survivor_message: str) -> None:
     result = _run(scenario, tmp_path)
     assert all(code != 0 for code in result.returncodes), result.returncodes
@@ -38,7 +39,7 @@ def test_every_rank_stops_and_names_the_culprit(tmp_path: Path, scenario: str, s
     assert re.search(survivor_message, survivor), survivor[-3000:]
     if scenario == "kill0":
         return
-    if scenario != "kill":
+    if not scenario.startswith("kill"):
         assert "injected failure in training_step" in result.outputs[1]
     else:  # nothing saved is lost: the last checkpoint (step 2) is complete and loads
         from lightning_tpp import consolidate
@@ -54,9 +55,11 @@ def test_nonfinite_raise_is_one_decision(tmp_path: Path) -> None:
         assert re.search(r"NonFiniteLossError: non-finite loss at step 2 on ranks \[1\]", out), out[-2000:]
 
 
-@pytest.mark.parametrize("scenario", ["nan_skip", "nan_skip_replicated"], ids=["dp-sharded", "replicated"])
+@pytest.mark.parametrize("scenario", ["nan_skip", "nan_skip_replicated", "nan_skip_manual"],
+                         ids=["dp-sharded", "replicated", "manual-optimization"])
 def test_nonfinite_skip_keeps_replicas_identical(tmp_path: Path, scenario: str) -> None:
-    """Parameters sharded over dp (the default) or replicated (dp_sharding='no_shard'): no rank applies the step."""
+    """Parameters sharded over dp (the default) or replicated (dp_sharding='no_shard'), and manual optimization (the
+    loss checked at manual_backward, the user's opt.step() then a no-op): no rank applies the step."""
     result = _run(scenario, tmp_path)
     assert result.returncodes == [0, 0], result.outputs[1][-3000:]
     a, b = (torch.load(tmp_path / f"done.rank{r}.pt") for r in range(2))

@@ -28,7 +28,7 @@ class Faulty(LitLM):
         if batch_idx == 2 and RANK == 1:
             if self.scenario in ("raise_tp", "raise_pp"):
                 raise RuntimeError("injected failure in training_step")
-            if self.scenario == "kill":
+            if self.scenario in ("kill", "kill_pp"):
                 os.kill(os.getpid(), signal.SIGKILL)
         if batch_idx == 2 and RANK == 0 and self.scenario == "kill0":  # the host of the rendezvous store
             os.kill(os.getpid(), signal.SIGKILL)
@@ -38,10 +38,26 @@ class Faulty(LitLM):
         return loss
 
 
+class ManualFaulty(Faulty):
+    """Manual optimization: the NaN loss meets manual_backward before opt.step()."""
+
+    def __init__(self, scenario: str) -> None:
+        super().__init__(scenario)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     kwargs = dict(timeout=timedelta(seconds=8))
-    if scenario == "raise_pp":
+    if scenario in ("raise_pp", "kill_pp"):
         kwargs.update(pp=2, microbatches=2)
     elif scenario in ("raise_tp", "kill", "kill0"):
         kwargs.update(tp=2)
@@ -55,7 +71,7 @@ def main() -> None:
     ckpt = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, every_n_train_steps=1)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=TensorPipeStrategy(**kwargs), max_steps=5,
                         logger=False, enable_progress_bar=False, callbacks=[ckpt])
-    model = Faulty(scenario)
+    model = ManualFaulty(scenario) if scenario.endswith("_manual") else Faulty(scenario)
     trainer.fit(model, torch.utils.data.DataLoader(token_dataset(40), batch_size=4))
     params = {n: gather_dp(p.detach()).clone() for n, p in model.named_parameters()}  # whole, if dp-sharded
     torch.save({"params": params, "step": trainer.global_step}, out / f"done.rank{RANK}.pt")
