@@ -34,6 +34,20 @@ _MAX_LEAVES = 64  # tensors per bundle
 Posted = tuple[Tensor, Any]  # a receive buffer and its pending work
 
 
+class _Delivery:
+    """A receive from a stage on this same rank (interleaved stages: values that skip a stage, e.g. a residual
+    stream summed outside the blocks): the message is taken from the rank's own mailbox when waited for."""
+
+    def __init__(self, mailbox: dict[int, Tensor], tag: int, buf: Tensor) -> None:
+        self.mailbox, self.tag, self.buf = mailbox, tag, buf
+
+    def wait(self) -> None:
+        if self.tag not in self.mailbox:
+            raise PipelineError(f"a pipeline message to this rank's own stage (tag {self.tag}) was awaited before "
+                                f"it was sent")
+        self.buf.copy_(self.mailbox.pop(self.tag))
+
+
 class Transport:
     """Sends and receives of one pipeline (the ranks sharing this rank's dp and tp coordinates).
 
@@ -53,6 +67,8 @@ class Transport:
         self.waited = 0.0  # seconds spent waiting for receives since the caller last reset it
         self._sends: list[Any] = []
         self._headers: dict[tuple[int, int, int], Posted] = {}  # (mb, src, dst) -> posted header receive
+        self._rank = dist.get_rank()
+        self._mailbox: dict[int, Tensor] = {}  # tag -> a message from one of this rank's stages to another
 
     def tag(self, mb: int, src: int, dst: int, kind: int, leaf: int = 0) -> int:
         """Unique per message of a step; both ends derive it from the stages (with interleaving a rank holds several,
@@ -63,11 +79,16 @@ class Transport:
         return self.stage_rank(stage % self.pp)
 
     def _isend(self, t: Tensor, dst: int, tag: int) -> None:
+        if dst == self._rank:  # kept, as an isend's buffer is, until the receiving stage takes it
+            self._mailbox[tag] = t
+            return
         self._sends.append(dist.isend(t.contiguous(), dst, tag=tag))
 
     def post(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> Posted:
         """Post a receive now (so that the transfer can happen while this rank computes); wait for it later."""
         buf = torch.empty(shape, dtype=dtype, device=self.device)
+        if src == self._rank:
+            return buf, _Delivery(self._mailbox, tag, buf)
         return buf, dist.irecv(buf, src, tag=tag)
 
     def wait(self, posted: list[Posted]) -> list[Tensor]:
@@ -131,6 +152,7 @@ class Transport:
         for work in self._sends:
             work.wait()
         self._sends = []
+        self._mailbox.clear()
 
     def agree(self, digest: str, what: str) -> None:
         """Every rank of the pipeline must have traced the same forward; a mismatch would hang at the first send."""
