@@ -27,7 +27,7 @@ from lightning_tpp.pipeline.errors import PipelineError
 from lightning_tpp.pipeline.logging import collected_values, kept_metric_states
 from lightning_tpp.pipeline.partition import Partition
 from lightning_tpp.pipeline.schedule import Action
-from lightning_tpp.pipeline.stage import Route, RunContext, StageOutput, StageRuntime, plan_routes, trace
+from lightning_tpp.pipeline.stage import Route, RunContext, StageOutput, StageRuntime, plan_routes, seeded, trace
 from lightning_tpp.pipeline.transport import Posted, Transport
 from lightning_tpp.pipeline.wgrad import DeferWeightGrads, WeightGrads
 
@@ -102,6 +102,13 @@ class Executor:
         self._route_cache: dict[Any, list[Route]] = {}
         self.trace: Optional[Trace] = None  # (kind, microbatch, chunk, start, end, seconds waiting for peers)
         self.position: Optional[Action] = None
+        self._seed: Optional[int] = None  # this step's, drawn from the global generator (the same on every stage)
+
+    def _draw_seed(self) -> None:
+        """One draw of the global generator per step, on every rank alike: each micro-batch's step then draws from
+        its own generator (seeded by this and its index), the same on every stage whichever units ran before, and
+        each unit call from (that, the unit, the call), the same on whichever stage holds it (see ``seeded``)."""
+        self._seed = int(torch.randint(0, 2 ** 62, (1,)).item())
 
     def stage(self, chunk: int) -> int:
         return chunk * self.pp + self.rank
@@ -166,11 +173,13 @@ class Executor:
         last = g == self.partition.stages - 1
         if not route.runs:
             return None
-        ctx = RunContext(g, route, lambda s: self._receive(mb, s, g, route.inbound[s], state))
+        ctx = RunContext(g, route, lambda s: self._receive(mb, s, g, route.inbound[s], state),
+                         seed=None if self._seed is None else hash((self._seed, mb)))
         self.runtime.ctx = ctx
         result = None
         try:
-            with self._split_backward(state) if split else contextlib.nullcontext():
+            with self._split_backward(state) if split else contextlib.nullcontext(), \
+                    seeded(ctx.seed, self.runtime.device):
                 result = step(micro)
         except StageOutput:
             pass
@@ -242,6 +251,7 @@ class Executor:
         scale = [loss_scale * share for share in shares]
         # split backwards, except on the first stage: it has no input gradients to send before the weight gradients
         splits = {(mb, chunk) for kind, mb, chunk in order if kind == "I" and self.stage(chunk) > 0}
+        self._draw_seed()
         try:
             for kind, mb, chunk in order:
                 self.position = (kind, mb, chunk)
@@ -267,6 +277,7 @@ class Executor:
         states: States = {}
         routes = self.routes(kind, step, batch)
         result = None
+        self._draw_seed()
         try:
             for chunk in range(self.virtual):
                 out = self.forward(0, chunk, step, batch, states, routes)

@@ -19,9 +19,10 @@ keys remains).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -70,6 +71,19 @@ class RunContext:
     tracer: Optional[Taint] = None
     trace: list[tuple[Key, frozenset]] = field(default_factory=list)
     stopping: bool = False  # the stage's last own call returned: its forward hook ends the stage's forward
+    seed: Optional[int] = None  # this micro-batch's: its step draws from it, each unit call from (seed, call)
+
+
+@contextlib.contextmanager
+def seeded(seed: Optional[int], device: torch.device) -> Iterator[None]:
+    """Random draws inside come from a generator seeded with ``seed``; the global random state is as before
+    afterwards. A no-op for ``None``."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed % 2 ** 63)
+        yield
 
 
 def meta_twin(module: nn.Module) -> nn.Module:
@@ -138,7 +152,8 @@ class StageRuntime:
         if self.units[unit].stage == ctx.stage:
             if real is None:
                 raise RuntimeError(f"{self.units[unit].name} ran on stage {ctx.stage}, which does not hold it")
-            out = real()
+            with seeded(None if ctx.seed is None else hash((ctx.seed, unit, n)), self.device):
+                out = real()  # dropout draws the same wherever the unit runs; the step's own stream is untouched
             if key in ctx.route.keep:
                 ctx.kept[key] = tree_flatten(out)[0]
             if key == ctx.route.stop_after:
