@@ -38,6 +38,7 @@ from lightning_tpp.tensor_parallel.layers import (
     _VocabParallelEmbedding,
     is_transposed_linear,
 )
+from lightning_tpp.tensor_parallel.rng import following
 from lightning_tpp.tensor_parallel.plan import HEAD_DIM_NAMES, HEAD_NAMES, KV_NAMES, WIDTH_HINTS, BlockInfo, TPPlan
 
 
@@ -110,6 +111,7 @@ class BlockState:
     verify_pending: bool
     shards: ShardIndex
     shapes: Optional[frozenset[int]] = None
+    draws: Optional[bool] = None  # whether its training forward drew dropout (None: not run in training yet)
 
     def shape_mode(self) -> contextlib.AbstractContextManager:
         return _LocalShapes(self.scope.group.size, self.shapes) if self.shapes else contextlib.nullcontext()
@@ -127,8 +129,13 @@ class _TPBlock:
             verify_block(self, args, kwargs)  # type: ignore[arg-type]
         st.scope.enter()
         try:
-            with st.shape_mode():
-                return super().forward(*args, **kwargs)  # type: ignore[misc]
+            if not (self.training and st.draws is not False) or VERIFYING.get():  # type: ignore[attr-defined]
+                with st.shape_mode():
+                    return super().forward(*args, **kwargs)  # type: ignore[misc]
+            with following(st.scope.group.rank) as draws, st.shape_mode():  # dropout over sharded values: per rank
+                out = super().forward(*args, **kwargs)  # type: ignore[misc]
+            st.draws = st.draws or draws.dropped
+            return out
         finally:
             st.scope.exit()
 

@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_tpp.core.comm import TPGroup, TPScope, copy_to_tp, gather_from_tp, reduce_from_tp
 from lightning_tpp.core.swap import original_class
+from lightning_tpp.tensor_parallel.rng import mark_replicated, mark_sharded
 
 
 @dataclass
@@ -60,6 +61,8 @@ class _ColumnParallel:
         if tp.gather:
             y = gather_from_tp(y, tp.group)
             _first_call_check(self, (x, *args), kwargs, y)
+        else:
+            mark_sharded(y)  # dropout over it (or what is computed from it) draws per tp rank
         return y
 
 
@@ -76,7 +79,9 @@ class _RowParallel:
         else:
             y = F.linear(x, self.weight)
         y = reduce_from_tp(y, self._tpp_layer.group)
-        return y + self.bias if self.bias is not None else y
+        y = y + self.bias if self.bias is not None else y
+        mark_replicated(y)
+        return y
 
 
 class _VocabParallelEmbedding:
@@ -167,6 +172,8 @@ class _ParallelMultiheadAttention:
         q = F.linear(scope.copy(query), wq, bq).view(b, t, h, hd).transpose(1, 2)
         k = F.linear(scope.copy(key), wk, bk).view(b, s, h, hd).transpose(1, 2)
         v = F.linear(scope.copy(value), wv, bv).view(b, s, h, hd).transpose(1, 2)
+        for t in (q, k, v):
+            mark_sharded(t)  # this rank's heads: attention dropout draws per tp rank
 
         mask = None
         if attn_mask is not None:

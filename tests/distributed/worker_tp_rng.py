@@ -1,0 +1,99 @@
+"""Dropout under tensor parallelism (see test_tp_rng.py): masks recorded on every tp rank, with and without
+activation checkpointing.
+
+    python worker_tp_rng.py OUT
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models import SEQ, VOCAB, token_dataset
+
+
+class DropBlock(nn.Module):
+    """nanoGPT's block with its three dropouts: attention probabilities and the MLP hidden (sharded under tp), the
+    residual branches (replicated after the row-parallel layers)."""
+
+    def __init__(self, dim: int = 32, n_head: int = 4) -> None:
+        super().__init__()
+        self.n_head, self.n_embd = n_head, dim
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.o = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.attn_drop, self.resid_drop = nn.Dropout(0.3), nn.Dropout(0.3)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Dropout(0.3), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+        att = self.attn_drop(att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1))
+        x = x + self.resid_drop(self.o((att @ v).transpose(1, 2).reshape(B, T, C)))
+        return x + self.resid_drop(self.mlp(self.ln2(x)))
+
+
+class Lit(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(VOCAB, 32), nn.Embedding(SEQ, 32)
+        self.blocks = nn.ModuleList([DropBlock() for _ in range(2)])
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def main() -> None:
+    from lightning_tpp import TensorPipeStrategy
+
+    out, rank = Path(sys.argv[1]), int(os.environ["LOCAL_RANK"])
+    results = {}
+    for recompute in (False, True):
+        L.seed_everything(0, verbose=False)
+        module = Lit()
+        masks: dict[str, list[torch.Tensor]] = {"attn": [], "hidden": [], "resid": []}
+        for block in module.blocks:  # training forwards only: not the check's (eval) nor a recomputation in backward
+            for name, drop in (("attn", block.attn_drop), ("hidden", block.mlp[2]), ("resid", block.resid_drop)):
+                drop.register_forward_hook(lambda m, a, o, n=name: masks[n].append((o == 0).clone())
+                                           if m.training and torch._C._current_graph_task_id() == -1 else None)
+        losses: list[float] = []
+        grads: list[dict[str, torch.Tensor]] = []
+
+        class Record(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+                losses.append(float(outputs["loss"]))
+
+            def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+                grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters()})
+
+        strategy = TensorPipeStrategy(tp=2, activation_checkpointing=recompute, print_plan=False)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            use_distributed_sampler=False, callbacks=[Record()])
+        trainer.fit(module, torch.utils.data.DataLoader(token_dataset(16, SEQ), batch_size=4))
+        results[recompute] = {"masks": masks, "losses": losses, "grads": grads,
+                              "recomputed": len(strategy.parallel_state.recomputed)}
+    torch.save(results, out / f"tp_rng.rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
