@@ -18,14 +18,14 @@ cross from stage to stage is not decided here: the stages trace it (see ``_pp_st
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
 from lightning_tpp._compat import tree_map
+from lightning_tpp.pipeline.stage import meta_twin
 
 
 class PipelinePartitionError(ValueError):
@@ -182,17 +182,10 @@ def forward_order(model: nn.Module, containers: Sequence[str]) -> dict[str, int]
         if not any(isinstance(m, nn.Embedding) for m in modules[root].modules()):
             return {}
         example = torch.zeros(1, 8, dtype=torch.long)
-    target = model.get_submodule(root)
-    memo: dict[int, Any] = {id(t): torch.empty_like(t, device="meta") for t in target.buffers()}
-    memo.update({id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-                 for p in target.parameters()})
-    trainer = target.__dict__.get("_trainer")
-    if trainer is not None:
-        memo[id(trainer)] = None  # a LightningModule's Trainer is not copied
     order: dict[str, int] = {}
     prefix = f"{root}." if root else ""
     try:
-        twin = copy.deepcopy(target, memo)
+        twin = meta_twin(model.get_submodule(root))
         for n, m in twin.named_modules():
             m.register_forward_pre_hook(lambda mod, args, n=prefix + n if n else root: _first_call(order, n))
         inputs = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, example)

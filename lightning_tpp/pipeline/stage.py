@@ -87,12 +87,16 @@ def seeded(seed: Optional[int], device: torch.device) -> Iterator[None]:
 
 
 def meta_twin(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose parameters and buffers live on the meta device (no memory, shapes only)."""
+    """A copy of ``module`` whose parameters and buffers live on the meta device (no memory, shapes only); a
+    LightningModule's copy has no Trainer."""
     memo: dict[int, Any] = {}
     for p in module.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in module.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
+    trainer = module.__dict__.get("_trainer")
+    if trainer is not None:
+        memo[id(trainer)] = None
     return copy.deepcopy(module, memo)
 
 
