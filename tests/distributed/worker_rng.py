@@ -48,27 +48,46 @@ class Dropping(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def main() -> None:
+class Record(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
+
+
+def fit(steps: int, schedule: str = "1f1b", virtual: int = 1, *, resume: Path | None = None,
+        save: Path | None = None) -> tuple[Dropping, list[float]]:
     from lightning_tpp import TensorPipeStrategy
 
+    L.seed_everything(0, verbose=False)
+    module, record = Dropping(), Record()
+    strategy = TensorPipeStrategy(pp=2, schedule=schedule, virtual_stages=virtual, microbatches=4, print_plan=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, callbacks=[record])
+    # Lightning's loop, resumed from a checkpoint saved when max_steps ended the fit, starts its iterators at other
+    # batches and times than the uninterrupted run: two equal batches an epoch, and the loader's own generator (an
+    # iterator's start draws a seed from the global one otherwise), leave only the random draws to compare
+    x, y = token_dataset(8, SEQ).tensors
+    data = torch.utils.data.TensorDataset(torch.cat([x, x]), torch.cat([y, y]))
+    loader = torch.utils.data.DataLoader(data, batch_size=8, generator=torch.Generator())
+    trainer.fit(module, loader, ckpt_path=resume)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return module, record.losses
+
+
+def main() -> None:
     out, rank = Path(sys.argv[1]), int(os.environ["LOCAL_RANK"])
     results = {}
     for schedule, virtual in SCHEDULES:
-        L.seed_everything(0, verbose=False)
-        module = Dropping()
-        losses: list[float] = []
-
-        class Record(L.Callback):
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-                losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
-
-        strategy = TensorPipeStrategy(pp=2, schedule=schedule, virtual_stages=virtual, microbatches=4,
-                                      print_plan=False)
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            use_distributed_sampler=False, callbacks=[Record()])
-        trainer.fit(module, torch.utils.data.DataLoader(token_dataset(24, SEQ), batch_size=8))
+        module, losses = fit(3, schedule, virtual)
         results[schedule] = {"losses": losses, "draws": [d.tolist() for d in module.draws]}
+    # across a resume: steps 3-4 of a run saved after step 2 and resumed draw what the uninterrupted run drew
+    results["whole"] = fit(4)[1]
+    fit(2, save=out / "rng.ckpt")
+    results["resumed"] = fit(4, resume=out / "rng.ckpt")[1]
     torch.save(results, out / f"rng.rank{rank}.pt")
 
 
