@@ -172,8 +172,8 @@ class _ParallelMultiheadAttention:
         q = F.linear(scope.copy(query), wq, bq).view(b, t, h, hd).transpose(1, 2)
         k = F.linear(scope.copy(key), wk, bk).view(b, s, h, hd).transpose(1, 2)
         v = F.linear(scope.copy(value), wv, bv).view(b, s, h, hd).transpose(1, 2)
-        for t in (q, k, v):
-            mark_sharded(t)  # this rank's heads: attention dropout draws per tp rank
+        for part in (q, k, v):
+            mark_sharded(part)  # this rank's heads: attention dropout draws per tp rank
 
         mask = None
         if attn_mask is not None:
