@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lightning_tpp._compat import is_hf_pretrained, module_initializer
 from lightning_tpp.core.params import ParamNames, ShardIndex
+from lightning_tpp.core.seeding import seeded
 from lightning_tpp.core.sharding import shard_tensor
 from lightning_tpp.core.swap import original_attrs, original_class
 
@@ -128,8 +129,7 @@ def materialize(module: nn.Module, *, device: torch.device, names: ParamNames, s
             for n, t in full.items():
                 if sentinels[n] is not None:
                     t.fill_(sentinels[n])
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-                torch.manual_seed(module_seed(base_seed, name))
+            with seeded(module_seed(base_seed, name), device), torch.no_grad():
                 init()
             left = [n for n, t in full.items() if _unwritten(t, sentinels[n])]
             if left:

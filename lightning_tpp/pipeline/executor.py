@@ -23,11 +23,12 @@ from torch import Tensor, nn
 
 from lightning_tpp._compat import tree_flatten, tree_unflatten
 from lightning_tpp.core.recompute import replay_on_recompute
+from lightning_tpp.core.seeding import seeded
 from lightning_tpp.pipeline.errors import PipelineError
 from lightning_tpp.pipeline.logging import collected_values, kept_metric_states
 from lightning_tpp.pipeline.partition import Partition
 from lightning_tpp.pipeline.schedule import Action
-from lightning_tpp.pipeline.stage import Route, RunContext, StageOutput, StageRuntime, plan_routes, seeded, trace
+from lightning_tpp.pipeline.stage import Route, RunContext, StageOutput, StageRuntime, plan_routes, trace
 from lightning_tpp.pipeline.transport import Posted, Transport
 from lightning_tpp.pipeline.wgrad import DeferWeightGrads, WeightGrads
 

@@ -19,15 +19,15 @@ keys remains).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_tpp._compat import tree_flatten, tree_map, tree_unflatten
+from lightning_tpp.core.seeding import seeded
 from lightning_tpp.core.swap import swap_class
 from lightning_tpp.core.walk import VERIFYING, Taint, tensors_in
 
@@ -72,18 +72,6 @@ class RunContext:
     trace: list[tuple[Key, frozenset]] = field(default_factory=list)
     stopping: bool = False  # the stage's last own call returned: its forward hook ends the stage's forward
     seed: Optional[int] = None  # this micro-batch's: its step draws from it, each unit call from (seed, call)
-
-
-@contextlib.contextmanager
-def seeded(seed: Optional[int], device: torch.device) -> Iterator[None]:
-    """Random draws inside come from a generator seeded with ``seed``; the global random state is as before
-    afterwards. A no-op for ``None``."""
-    if seed is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed % 2 ** 63)
-        yield
 
 
 def meta_twin(module: nn.Module) -> nn.Module:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from lightning_tpp.core.seeding import seeded
 from lightning_tpp.core.walk import tensors_in
 
 # functions that draw a mask over their first argument: (position, keyword, default) of the probability and of the
@@ -56,8 +57,7 @@ def rank_stream(tp_rank: int, device: torch.device) -> Iterator[None]:
     """Draws inside come from a generator seeded by (one draw of the global stream, ``tp_rank``); the global state
     afterwards is as after that one draw, on every tp rank alike."""
     seed = int(torch.randint(0, 2 ** 62, (1,)).item())
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(hash((seed, tp_rank)) % 2 ** 63)
+    with seeded(hash((seed, tp_rank)), device):
         yield
 
 
