@@ -15,7 +15,7 @@ tensor-parallel plan -> shards -> pipeline engine) and kept on the module, so th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -29,7 +29,7 @@ from lightning_tpp.core.materialize import materialize
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.params import ParamNames, ShardIndex
 from lightning_tpp.core.recompute import recompute_blocks
-from lightning_tpp.pipeline.build import PreparedStages, finish_stages, format_partition, prepare_stages
+from lightning_tpp.pipeline.build import PreparedStages, TiedWeight, finish_stages, format_partition, prepare_stages
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.stage import end_stage_forward_last
 from lightning_tpp.pipeline.partition import PipelinePartitionError, block_modules
@@ -191,39 +191,39 @@ def cut(module: nn.Module, config: ParallelConfig, dims: MeshDims, *, pp_rank: i
     return stages, plan, shards
 
 
-def _sync_tied(module: nn.Module, state: ParallelState, dims: MeshDims, coords: dict[str, int]) -> None:
-    """A weight that several stages hold (tied embedding and head) was initialised on each by its local module; the
-    stage holding the module of its single-device name did what one process does: its copy goes to the others."""
+def _tied_copies(module: nn.Module, state: ParallelState) -> Iterator[tuple[TiedWeight, nn.Parameter, Any]]:
+    """This rank's copy of each weight that several stages hold, with the group of the ranks holding one."""
     assert state.stages is not None and state.engine is not None
-    owners = state.stages.partition.owners()
-    units = sorted(owners, key=len, reverse=True)
     groups = {id(p): group for p, group in state.engine.tied}
     params = dict(module.named_parameters(remove_duplicate=False))
     for weight in state.stages.tied:
         here = next((params[n] for n in weight.names if n in params), None)
-        if here is None or id(here) not in groups:
-            continue
+        if here is not None and id(here) in groups:
+            yield weight, here, groups[id(here)]
+
+
+def _sync_tied(module: nn.Module, state: ParallelState, dims: MeshDims, coords: dict[str, int]) -> None:
+    """A weight that several stages hold (tied embedding and head) was initialised on each by its local module; the
+    stage holding the module of its single-device name did what one process does: its copy goes to the others."""
+    assert state.stages is not None
+    owners = state.stages.partition.owners()
+    units = sorted(owners, key=len, reverse=True)
+    for weight, here, group in _tied_copies(module, state):
         owner_module = weight.names[0].rpartition(".")[0]
         unit = next((u for u in units if owner_module == u or owner_module.startswith(u + ".")), None)
         stage = owners[unit] if unit is not None else min(weight.stages)
         src = dims.rank_of(dp=coords["dp"], pp=stage % dims.pp, tp=coords["tp"])
-        torch.distributed.broadcast(here.data, src=src, group=groups[id(here)])
+        torch.distributed.broadcast(here.data, src=src, group=group)
 
 
 def _check_tied(module: nn.Module, state: ParallelState, device: torch.device) -> None:
     """A weight that several stages hold must be cut alike on each (its gradients are summed, and a whole-model load
     gives it to each): the same clear error on every rank otherwise, instead of collectives of mismatched sizes."""
-    assert state.stages is not None and state.engine is not None
-    groups = {id(p): group for p, group in state.engine.tied}
-    params = dict(module.named_parameters(remove_duplicate=False))
     problem = None
-    for weight in state.stages.tied:
-        here = next((params[n] for n in weight.names if n in params), None)
-        if here is None or id(here) not in groups:
-            continue
+    for weight, here, group in _tied_copies(module, state):
         shapes = [torch.zeros(here.dim(), dtype=torch.long, device=device)
-                  for _ in range(torch.distributed.get_world_size(groups[id(here)]))]
-        torch.distributed.all_gather(shapes, torch.tensor(here.shape, device=device), group=groups[id(here)])
+                  for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(shapes, torch.tensor(here.shape, device=device), group=group)
         if len({tuple(t.tolist()) for t in shapes}) > 1 and problem is None:  # cut on one stage, whole on another
             problem = (f"{' = '.join(weight.names)} is shared by pipeline stages {list(weight.stages)}, but tensor "
                        f"parallelism cut it differently on them (shapes {[tuple(t.tolist()) for t in shapes]}); give "
