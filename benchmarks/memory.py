@@ -222,7 +222,7 @@ def _estimate(config: dict, layout: dict, checkpointing: bool, seq: int) -> Any:
         module = LlamaLM(config)
         module.configure_model()
     return estimate_memory(module, **layout, microbatches=MICROBATCHES, batch_size=LOCAL_BATCH * layout["dp"],
-                           seq_len=seq, activation_checkpointing=checkpointing, dp_shard=True)
+                           seq_len=seq, activation_checkpointing=checkpointing, dp_shard=True, backend="gloo")
 
 
 def _table(name: str, measured: list[dict], report: Any) -> None:

@@ -4,7 +4,9 @@ torchmetrics (also checked there). Why each is kept: see docs/architecture.md, "
 
 from __future__ import annotations
 
+import inspect
 import sys
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -195,20 +197,69 @@ def fsdp_reduce_now(root: Any) -> None:
     state._root_post_backward_final_callback()
 
 
+def _leaks_last_gradient() -> bool:
+    """Whether FSDP2's ``foreach_reduce`` keeps the last unsharded gradient alive through its reduce-scatter: a
+    ``for ... unsharded_grad in ...`` loop before the copy-in leaves its loop variable bound to the end of the call,
+    although the function clears its list of gradients "so that clearing the list frees the gradients"."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import foreach_reduce
+        source = inspect.getsource(foreach_reduce)
+    except (ImportError, OSError):  # pragma: no cover - another torch
+        return False
+    return "unsharded_grad) in enumerate(" in source and "unsharded_grads.clear()" in source
+
+
+def _refs_of_a_local() -> int:
+    local = torch.empty(0)
+    return sys.getrefcount(local)  # the local name + getrefcount's own argument (2 on CPython 3.10-3.13)
+
+
+_REFS_OF_A_LOCAL = _refs_of_a_local()
+
+
 def in_place_reduce_scatter() -> Any:
-    """An FSDP2 reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) for gloo, which has no reduce-scatter of its
-    own: gloo's ``reduce_scatter_tensor`` clones the whole input and all-reduces the clone. This one all-reduces
-    FSDP2's input buffer in place (FSDP2 never reads it again), copies out this rank's part and frees the buffer
-    (FSDP2 keeps it alive until the next unit's reduction, for stream safety that a CPU does not need). The same
-    bytes on the wire; two gradient-sized buffers less at the peak of every unit's reduction. None where torch's
-    interface is missing (the default is kept)."""
+    """An FSDP2 reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) for gloo, one per unit, which has no
+    reduce-scatter of its own: gloo's ``reduce_scatter_tensor`` clones the whole input and all-reduces the clone. This
+    one all-reduces FSDP2's input buffer in place (FSDP2 never reads it again), copies out this rank's part and frees
+    the buffer (FSDP2 keeps it alive until the next unit's reduction, for stream safety that a CPU does not need).
+
+    It also frees the unit's unsharded gradient that FSDP2 leaks through the reduce-scatter (``_leaks_last_gradient``):
+    ``track`` (a post-accumulate-grad hook on the unit's gathered parameters) remembers each gradient weakly, and when
+    FSDP2 allocates the reduce-scatter's output (after its copy-in and after it cleared its list of gradients), a
+    gradient whose only Python reference left is that loop variable gets its storage released. A gradient anything
+    else still holds (a user's hook) is left alone. Same bytes on the wire; for a single-parameter unit such as a vocabulary matrix, the
+    reduction's peak drops from three gradient-sized buffers (gradient, input, output / 2 each) to two. None where
+    torch's interface is missing (the default is kept)."""
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
     except ImportError:  # pragma: no cover - an older or newer torch
         return None
+    leaks = _leaks_last_gradient()
 
     class InPlaceReduceScatter(ReduceScatter):
+        def __init__(self) -> None:
+            self.grads: dict[int, weakref.ref] = {}
+            self.allocations = 0  # FSDP2 allocates twice per reduction: the input (before its copy-in), the output
+
+        def track(self, param: torch.Tensor) -> None:
+            if leaks and param.grad is not None:
+                grad = getattr(param.grad, "_local_tensor", param.grad)  # what FSDP2 reduces
+                self.grads[id(grad)] = weakref.ref(grad)
+
+        def _free_leaked(self) -> None:
+            for key, ref in list(self.grads.items()):
+                grad = ref()
+                if grad is None:
+                    del self.grads[key]
+                elif sys.getrefcount(grad) == _REFS_OF_A_LOCAL + 1:  # here + the leaked loop variable only
+                    grad.untyped_storage().resize_(0)
+                    del self.grads[key]
+                del grad
+
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            self.allocations += 1
+            if self.allocations % 2 == 0:  # the output: the copy-in is done, FSDP2's list of gradients cleared
+                self._free_leaked()
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
@@ -222,6 +273,19 @@ def in_place_reduce_scatter() -> Any:
             input_tensor.untyped_storage().resize_(0)
 
     return InPlaceReduceScatter()
+
+
+def fsdp_track_gradients(unit: Any, comm: Any) -> None:
+    """Give ``comm.track`` (``in_place_reduce_scatter``) every gradient autograd accumulates into ``unit``'s gathered
+    parameters. FSDP2 creates them at the unit's first gather, so the hooks are registered at its first forward."""
+
+    def register(module: Any, args: Any) -> None:
+        for _, unsharded in fsdp_sharded_params(module):
+            if unsharded is not None and unsharded.requires_grad:
+                unsharded.register_post_accumulate_grad_hook(comm.track)
+        handle.remove()
+
+    handle = unit.register_forward_pre_hook(register)
 
 
 def fsdp_drop_gather_keepalive(unit: Any) -> None:

@@ -143,7 +143,7 @@ class MemoryReport:
 def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microbatches: Optional[int] = None,
                     batch_size: int, seq_len: int, schedule: ScheduleLike = "1f1b", virtual_stages: int = 1,
                     optimizer: str = "adamw", param_dtype: torch.dtype = torch.float32,
-                    activation_checkpointing: bool = False, dp_shard: bool = True,
+                    activation_checkpointing: bool = False, dp_shard: bool = True, backend: str = "nccl",
                     balance: Union[str, Sequence[int]] = "params", split_points: Optional[Sequence[str]] = None,
                     blocks: Optional[Union[str, Sequence[str]]] = None,
                     tp_plan: Union[str, Mapping[str, str]] = "auto",
@@ -155,9 +155,13 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     micro-batch is ``batch_size / dp / microbatches`` sequences of ``seq_len`` tokens (``microbatches`` defaults to
     ``2 * pp`` as in the strategy; 1 without a pipeline). ``forward(model, ids)`` replaces the default call
     (``model(ids)`` and a cross-entropy on the logits; a Hugging Face model's own loss). ``balance``,
-    ``split_points``, ``blocks`` and ``tp_plan`` are the strategy's. See the module docstring for the method."""
+    ``split_points``, ``blocks`` and ``tp_plan`` are the strategy's. ``backend`` is the process groups' ("nccl" on
+    GPUs; "gloo" for CPU processes, where FSDP2 runs with ``core.dp_shard``'s CPU collectives). See the module
+    docstring for the method."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not one of {tuple(OPTIMIZER_STATES)}")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend={backend!r} is not one of ('nccl', 'gloo')")
     if balance == "time":
         raise ValueError("estimate_memory cannot measure block times on the meta device: balance='time' is not "
                          "supported here; pass balance='params' or blocks per stage, e.g. balance=[10, 10]")
@@ -189,18 +193,19 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
         in_flight, held = _held(spec, r, pp, m, virtual_stages, [per_stage.get(g, 0) for g in stages])
         held_saved = _held(spec, r, pp, m, virtual_stages, [saved.get(g, 0) for g in stages])[1]
         extra = max((recompute.get(g, 0) for g in stages), default=0)
-        gathered = _gathered(rank_copy, report.partition, splits) if dp_shard and dp > 1 else 0
+        gathered = _gathered(rank_copy, report.partition, splits, backend) if dp_shard and dp > 1 else 0
         report.ranks += [RankMemory(r, t, stages, count, params, grads, optim, held + extra, in_flight,
                                     held - held_saved, extra, gathered) for t in range(tp)]
     return report
 
 
-def _gathered(cut: nn.Module, partition: Optional[Partition], splits_backward: bool) -> int:
+def _gathered(cut: nn.Module, partition: Optional[Partition], splits_backward: bool, backend: str) -> int:
     """What FSDP2 holds whole beside the dp shards, at its most: during the backward of the largest unit (often the
     vocabulary matrix, an embedding or head, not a block) its gathered parameters, its unsharded gradient and the
-    reduce-scatter's input copy of it, with the next block prefetched; under a schedule that splits backward
-    (zero-bubble) the stage's parameters and gradients, which stay whole until the schedule ends
-    (``core.dp_shard``)."""
+    reduce-scatter's input copy of it (FSDP2 keeps the gradient alive through the reduce-scatter), with the next
+    block prefetched. Over gloo (``core.dp_shard``'s CPU collectives) two of the three at a time (the gradient is
+    freed after its copy-in) and nothing prefetched. Under a schedule that splits backward (zero-bubble): the
+    stage's parameters and gradients, which stay whole until the schedule ends."""
     if splits_backward:
         return 2 * sum(p.numel() * p.element_size() for p in {id(p): p for p in cut.parameters()}.values())
     blocks = _block_names(cut, partition)
@@ -212,8 +217,10 @@ def _gathered(cut: nn.Module, partition: Optional[Partition], splits_backward: b
         own = {id(p): p for p in modules[name].parameters() if id(p) not in claimed}
         claimed |= own.keys()
         sizes[name] = sum(p.numel() * p.element_size() for p in own.values())
-    largest_block = max((sizes.get(n, 0) for n in blocks), default=0)
-    return 3 * max(sizes.values(), default=0) + largest_block
+    largest = max(sizes.values(), default=0)
+    if backend == "gloo":
+        return 2 * largest
+    return 3 * largest + max((sizes.get(n, 0) for n in blocks), default=0)
 
 
 def _cut(module: nn.Module, dims: MeshDims, pp_rank: int, virtual: int, dtype: torch.dtype, *,

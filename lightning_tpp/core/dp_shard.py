@@ -37,6 +37,7 @@ from lightning_tpp._compat import (
     fsdp_reduce_now,
     fsdp_sharded_params,
     fsdp_state,
+    fsdp_track_gradients,
     in_place_reduce_scatter,
 )
 
@@ -187,16 +188,20 @@ def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str],
     before = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
     ignored = {module.get_parameter(n) for n in replicated}
     modules = dict(module.named_modules())
-    # gloo (CPU): a reduce-scatter that neither clones its input nor keeps it, no all-gather buffer kept for overlap
+    # gloo (CPU): a reduce-scatter that neither clones its input nor keeps it (nor the gradient FSDP2 leaks through
+    # it), no all-gather buffer kept for overlap, no all-gather issued ahead in backward (a CPU collective does not
+    # overlap compute: the next unit's gathered parameters would only sit beside this unit's weight and gradient)
     cpu = dist.get_backend(mesh.get_group()) == "gloo"
-    reduce_scatter = in_place_reduce_scatter() if cpu else None
     for name in units:
         fully_shard(modules[name], mesh=mesh, reshard_after_forward=sharding == "full_shard",
                     ignored_params=ignored or None)
+        reduce_scatter = in_place_reduce_scatter() if cpu else None
         if reduce_scatter is not None:
             modules[name].set_custom_reduce_scatter(reduce_scatter)
+            fsdp_track_gradients(modules[name], reduce_scatter)
         if cpu:
             fsdp_drop_gather_keepalive(modules[name])
+            modules[name].set_modules_to_backward_prefetch([])
     # one root enclosing every unit (FSDP2 shares its per-step state through the root): the LightningModule, with its
     # own parameters ignored, made the root now; it keeps the user's class (no method of FSDP's is called on it)
     cls = type(module)

@@ -252,6 +252,28 @@ def test_fsdp2_custom_comms_on_gloo(tmp_path: Path) -> None:
         dist.destroy_process_group()
 
 
+def test_reduce_scatter_frees_the_gradient_fsdp2_leaks() -> None:
+    """FSDP2's ``foreach_reduce`` still binds the last unsharded gradient to a loop variable through its
+    reduce-scatter (if torch fixes that, ``_leaks_last_gradient`` turns false and the tracking is off). The gloo
+    reduce-scatter frees a tracked gradient at the output's allocation when that is its only other reference, and
+    never one held elsewhere or before the copy-in (the first allocation)."""
+    from torch import nn
+
+    assert _compat._leaks_last_gradient()
+    comm = _compat.in_place_reduce_scatter()
+    leaked, held = nn.Parameter(torch.zeros(4, 3)), nn.Parameter(torch.zeros(2, 3))
+    leaked.grad, held.grad = torch.ones(4, 3), torch.ones(2, 3)
+    comm.track(leaked)
+    comm.track(held)
+    loop_variable, users = leaked.grad, [held.grad, held.grad]
+    leaked.grad = held.grad = None
+    comm.allocate((6,), dtype=torch.float32, device=torch.device("cpu"))  # the input: before the copy-in
+    assert loop_variable.untyped_storage().nbytes() == 4 * 3 * 4
+    comm.allocate((3,), dtype=torch.float32, device=torch.device("cpu"))  # the output: after it
+    assert loop_variable.untyped_storage().nbytes() == 0
+    assert torch.equal(users[0], torch.ones(2, 3))  # referenced twice more: left alone
+
+
 def test_precision_plugin_is_assigned_through_the_strategy_property() -> None:
     """The connector hands the plugin to the strategy through the public ``precision_plugin`` setter, which
     TensorPipeStrategy overrides (lightning_tpp.integration.precision)."""

@@ -79,6 +79,11 @@ def test_dp_sharding_divides_the_states() -> None:
     embed = llama.tok_embeddings.weight.numel() * 4 / 2  # vocab-parallel on the first stage
     rank = sharded.ranks[0]
     assert rank.gathered == pytest.approx(3 * max(block, embed) + block, rel=0.05)
+    # over gloo, the gradient is freed after its copy-in and nothing is prefetched
+    gloo = estimate_memory(llama, dp=2, backend="gloo", **kw).ranks[0]
+    assert gloo.gathered == pytest.approx(2 * max(block, embed), rel=0.05)
+    with pytest.raises(ValueError, match="backend='mpi' is not one of"):
+        estimate_memory(llama, dp=2, backend="mpi", **kw)
     assert rank.total == rank.states + rank.activations + rank.gathered
     zb = estimate_memory(llama, dp=2, schedule="zero-bubble", **kw).ranks[0]
     assert zb.gathered == 2 * zb.param_count * 2 * 4  # the stage's tp shard (twice its dp part), params + grads
