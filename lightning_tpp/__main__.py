@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import sys
 import tempfile
@@ -130,6 +131,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument("--no-weights-only", dest="weights_only", action="store_false",
                        help="load with plain pickle, which runs any code a file holds: only for checkpoints you trust")
     args = parser.parse_args(argv)
+    if "" not in sys.path and os.getcwd() not in sys.path:  # --module/MODEL import paths resolve from the working
+        sys.path.insert(0, os.getcwd())                     # directory, as under `python -m lightning_tpp`
     if args.command == "plan":
         plan(args)
     elif args.command == "consolidate":

@@ -65,3 +65,20 @@ def test_constructor_errors(kwargs: dict, message: str) -> None:
 def test_tp_plan_type_error() -> None:
     with pytest.raises(TypeError, match=r"tp_plan must be 'auto' or a mapping of module globs to styles, got 3"):
         TensorPipeStrategy(tp=2, tp_plan=3)  # type: ignore[arg-type]
+
+
+def test_command_line_tool_imports_modules_from_the_working_directory(tmp_path: Path) -> None:
+    """``lightning-tpp export-hf CKPT OUT --module my_module.MyModule`` finds ``my_module.py`` where it is run, as
+    ``python -m lightning_tpp`` does (the console script's own folder is first on its path, not the working one)."""
+    import shutil
+    import subprocess
+
+    tool = shutil.which("lightning-tpp")
+    if tool is None:
+        pytest.skip("the lightning-tpp console script is not installed (pip install -e .)")
+    (tmp_path / "my_module.py").write_text("import lightning as L\n\nclass MyModule(L.LightningModule):\n    pass\n")
+    done = subprocess.run([tool, "export-hf", str(tmp_path / "missing.ckpt"), str(tmp_path / "hf"), "--module",
+                           "my_module.MyModule"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "ModuleNotFoundError" not in done.stderr, done.stderr[-2000:]
+    assert "missing.ckpt" in done.stderr, done.stderr[-2000:]  # it got past the import, to the checkpoint
