@@ -109,6 +109,7 @@ class ParallelConfig:
     tp_plan: Union[str, Mapping[str, str]]
     verify: bool
     activation_checkpointing: bool = False
+    loss_parallel: bool = True
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,14 @@ class Materialization:
     device: torch.device
     base_seed: int
     loaded: frozenset[str] = frozenset()
+
+
+def _no_loss_parallel(module: nn.Module) -> None:
+    """Cross-entropy on whole (gathered) logits for every tensor-parallel LM head of ``module``."""
+    for m in module.modules():
+        layer = getattr(m, "_tpp_layer", None)
+        if layer is not None:
+            layer.loss_parallel = False
 
 
 def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, groups: ProcessGroups, *, rank: int,
@@ -139,6 +148,8 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
     state.stages, state.plan, state.shards = cut(module, config, dims, pp_rank=coords["pp"], device=device,
                                                  tp_group=groups.tp)
     plan = state.plan
+    if not config.loss_parallel:
+        _no_loss_parallel(module)
     if config.activation_checkpointing:  # inside the pipeline's dispatchers, around the tensor-parallel blocks
         state.recomputed = _recompute_blocks(module, state.stages, config.blocks)
     if state.stages is not None:
@@ -249,6 +260,8 @@ def shard_state_over_dp(module: nn.Module, state: ParallelState, blocks: Optiona
             raise
         names = []  # no block sequence: a unit per module holding parameters
     state.dp = shard_over_dp(module, state.groups.mesh["dp"], blocks=names, sharding=sharding)
+    _no_loss_parallel(module)  # FSDP2 gathers a unit for backward when its output's gradient arrives: a loss
+    #                            computed from the head's shards would bypass that output
     state.shards.rekey(state.dp.replaced)
     state.shards.resolve = state.dp.sharded_of
     if state.engine is not None:

@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_tpp.core.comm import TPGroup, TPScope, copy_to_tp, gather_from_tp, reduce_from_tp
 from lightning_tpp.core.swap import original_class
+from lightning_tpp.tensor_parallel.loss import VocabShardedLogits
 from lightning_tpp.tensor_parallel.rng import mark_replicated, mark_sharded
 
 
@@ -32,6 +33,7 @@ class LayerTP:
     group: TPGroup
     scope: Optional[TPScope] = None  # shared with sibling layers that read the same input (one f for q, k, v)
     gather: bool = False  # column parallel: all-gather the output (an LM head whose logits are used whole)
+    loss_parallel: bool = True  # ... and F.cross_entropy of them computed from the shards (tensor_parallel.loss)
     heads: int = 0  # nn.MultiheadAttention: the global number of heads
     vocab_start: int = 0  # vocab-parallel embedding: the first id of this rank's range
     padding_idx: Optional[int] = None  # ... and the padding id within it, if it falls there
@@ -59,8 +61,10 @@ class _ColumnParallel:
         x = tp.scope.copy(x) if tp.scope is not None else copy_to_tp(x, tp.group)
         y = super().forward(x, *args, **kwargs)  # type: ignore[misc]
         if tp.gather:
-            y = gather_from_tp(y, tp.group)
+            local, y = y, gather_from_tp(y, tp.group)
             _first_call_check(self, (x, *args), kwargs, y)
+            if tp.loss_parallel and tp.group.size > 1:
+                y = VocabShardedLogits.wrap(y, local, tp.group, tp.group.rank * local.shape[-1])
         else:
             mark_sharded(y)  # dropout over it (or what is computed from it) draws per tp rank
         return y

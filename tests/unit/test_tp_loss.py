@@ -1,0 +1,120 @@
+"""Loss parallelism (``tensor_parallel.loss``): the cross-entropy computed from vocabulary shards equals torch's on
+whole logits, and shape operations keep the link to the shard. On a one-rank gloo group; two tp ranks are emulated
+as the two halves of the vocabulary, each reduction adding the other half's piece (the tp2 parity tests run it on
+real ranks)."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.tensor_parallel import loss as tp_loss
+from lightning_tpp.tensor_parallel.loss import VocabShardedLogits
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'store'}", rank=0,
+                            world_size=1)
+    yield TPGroup(dist.group.WORLD, 0, 1)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"reduction": "sum"}, {"reduction": "none"}, {"ignore_index": 3},
+                                    {"label_smoothing": 0.1}], ids=["mean", "sum", "none", "ignore", "smoothing"])
+def test_cross_entropy_from_shards_equals_torch(group: TPGroup, kwargs: dict) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 10, requires_grad=True)
+    target = torch.tensor([0, 3, 7, 9, 3, 5])
+    expected = F.cross_entropy(logits, target, **kwargs)
+    expected.sum().backward()
+    # single-process group: the shard is the whole vocabulary (start 0)
+    leaf = logits.detach().clone().requires_grad_()
+    got = F.cross_entropy(VocabShardedLogits.wrap(logits.detach(), leaf, group, 0), target, **kwargs)
+    assert type(got) is torch.Tensor
+    torch.testing.assert_close(got, expected)
+    got.sum().backward()
+    torch.testing.assert_close(leaf.grad, logits.grad)
+
+
+def test_two_vocabulary_halves_give_torch_values(group: TPGroup) -> None:
+    """The all-reduced pieces (max, sum of exponentials, target logit, mean logit) from two halves, exchanged by
+    hand, give torch's loss and each half of its gradient."""
+    torch.manual_seed(1)
+    logits = torch.randn(5, 8, requires_grad=True)
+    target = torch.tensor([1, 6, 4, 7, 0])
+    kwargs = dict(label_smoothing=0.05)
+    expected = F.cross_entropy(logits, target, **kwargs)
+    expected.backward()
+    halves = logits.detach().chunk(2, dim=-1)
+    # each rank's local pieces, then the exchanged (reduced) ones: run the function pairwise, step by step
+    pieces = {0: [], 1: []}
+    for rank in (0, 1):
+        def record(t, group, op=dist.ReduceOp.SUM, rank=rank):
+            pieces[rank].append((t.clone(), op))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(tp_loss, "_reduce", record)
+            leaf = halves[rank].clone().requires_grad_()
+            F.cross_entropy(VocabShardedLogits.wrap(logits.detach(), leaf, group, rank * 4), target, **kwargs)
+    assert [op for _, op in pieces[0]] == [dist.ReduceOp.MAX, dist.ReduceOp.SUM, dist.ReduceOp.SUM,
+                                           dist.ReduceOp.SUM]
+    # second pass: each reduction returns the combination of both ranks' first-pass pieces, in order. The first
+    # piece (the max) changes what follows, so the pieces after it are recomputed with the global max.
+    global_max = torch.maximum(pieces[0][0][0], pieces[1][0][0])
+    losses, grads = [], []
+    for rank in (0, 1):
+        exchanged = iter([global_max])
+        def reduce(t, group, op=dist.ReduceOp.SUM, rank=rank):
+            value = next(exchanged, None)
+            if value is not None:
+                t.copy_(value)
+                return
+            # after the max: recompute the other half's piece with the same global max
+            other = halves[1 - rank] - global_max.unsqueeze(-1)
+            start = (1 - rank) * 4
+            n = reduce.calls = getattr(reduce, "calls", 0) + 1
+            if n == 1:  # target logit
+                own = (target >= start) & (target < start + 4)
+                t.add_(other.gather(-1, (target - start).clamp(0, 3).unsqueeze(-1)).squeeze(-1) * own)
+            elif n == 2:  # mean logit (label smoothing)
+                t.add_(other.sum(-1) / 8)
+            else:  # sum of exponentials
+                t.add_(other.exp().sum(-1))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(tp_loss, "_reduce", reduce)
+            leaf = halves[rank].clone().requires_grad_()
+            loss = F.cross_entropy(VocabShardedLogits.wrap(logits.detach(), leaf, group, rank * 4), target, **kwargs)
+            loss.backward()
+            losses.append(loss)
+            grads.append(leaf.grad)
+    for loss in losses:
+        torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(torch.cat(grads, dim=-1), logits.grad)
+
+
+def test_shape_operations_keep_the_shard(group: TPGroup) -> None:
+    """What Hugging Face's loss and a training_step do to logits before F.cross_entropy: float(), slicing the
+    sequence, contiguous(), view(-1, V); other operations see (and return) whole plain logits."""
+    whole = torch.randn(2, 5, 6)
+    local = whole.clone().requires_grad_()
+    x = VocabShardedLogits.wrap(whole, local, group, 0)
+    shifted = x.float()[..., :-1, :].contiguous().view(-1, 6)
+    assert isinstance(shifted, VocabShardedLogits) and shifted._tpp_local.shape == (8, 6)
+    assert isinstance(x[:, 1:], VocabShardedLogits)
+    assert not isinstance(x[..., :3], VocabShardedLogits)  # the vocabulary cut: whole values, no shard
+    assert type(x.argmax(-1)) is torch.Tensor and torch.equal(x.argmax(-1), whole.argmax(-1))
+    assert type(x.softmax(-1)) is torch.Tensor
+    target = torch.randint(0, 6, (8,))
+    F.cross_entropy(shifted, target).backward()
+    assert local.grad is not None and local.grad[:, -1].abs().sum() == 0  # the dropped position has no gradient
+    # fall back to the whole logits: class weights, probabilities as targets
+    plain = torch.randn(3, 6)
+    w = VocabShardedLogits.wrap(plain, plain.clone(), group, 0)
+    torch.testing.assert_close(F.cross_entropy(w, torch.tensor([0, 1, 2]), weight=torch.ones(6)),
+                               F.cross_entropy(plain, torch.tensor([0, 1, 2]), weight=torch.ones(6)))
+    probs = torch.softmax(torch.randn(3, 6), -1)
+    torch.testing.assert_close(F.cross_entropy(w, probs), F.cross_entropy(plain, probs))
