@@ -3,6 +3,7 @@
     python examples/gpt.py                  # tp=2 x pp=2 on 4 CPU processes
     python examples/gpt.py --pp 1           # tp=2 on 2 processes
     python examples/gpt.py --pp 1 --dp 2    # tp=2 x dp=2 on 4 processes
+    python examples/gpt.py --timeline out   # also out/timeline.json and out/timeline.png of step 100
 
 The LightningModule below is written for one device and knows nothing about parallelism: the strategy finds the
 attention and MLP blocks, splits them across the tensor-parallel ranks, cuts the block list into pipeline stages,
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lightning_tpp import TensorPipeStrategy
+from lightning_tpp import PipelineTimeline, TensorPipeStrategy
 
 with contextlib.redirect_stdout(io.StringIO()):  # `import this` prints the Zen; we only want its text
     import this
@@ -111,15 +112,20 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--timeline", metavar="DIR", help="record step 100 (or the last) of every rank's pipeline "
+                        "into DIR/timeline.json (Chrome trace, opens in Perfetto) and DIR/timeline.png")
     args = parser.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     model = GPT(vocab=64)  # 45 characters, rounded up so the vocabulary splits evenly
     loader = torch.utils.data.DataLoader(zen_dataset(model.hparams.block_size), batch_size=16, shuffle=True)
     strategy = TensorPipeStrategy(tp=args.tp, pp=args.pp, microbatches=4 * args.pp)
+    callbacks: list[Callback] = [PrintLoss(every=25)]
+    if args.timeline:
+        callbacks.append(PipelineTimeline(args.timeline, steps=[min(100, args.steps - 1)]))
     trainer = L.Trainer(accelerator="cpu", devices=args.tp * args.pp * args.dp, strategy=strategy,
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        callbacks=[PrintLoss(every=25)], gradient_clip_val=1.0)
+                        callbacks=callbacks, gradient_clip_val=1.0)
     trainer.fit(model, loader)
 
 

@@ -16,6 +16,7 @@ from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.memory import MemoryReport, RankMemory, estimate_memory
 from lightning_tpp.parallel_state import ParallelState
 from lightning_tpp.pipeline import Schedule, register_schedule
+from lightning_tpp.pipeline.timeline import PipelineTimeline
 from lightning_tpp.strategy import TensorPipeStrategy
 from lightning_tpp.tensor_parallel import TensorParallelConfigError, TensorParallelMismatchError, TPPlan
 
@@ -28,6 +29,7 @@ __all__ = [
     "MeshDims",
     "OptimizerStateLayoutError",
     "ParallelState",
+    "PipelineTimeline",
     "RankMemory",
     "Schedule",
     "TPPlan",

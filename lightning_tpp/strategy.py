@@ -53,13 +53,14 @@ from lightning_tpp.integration.topology import MeshTopology
 from lightning_tpp.parallel_state import (Materialization, ParallelConfig, ParallelState, ProcessGroups, build_state,
                                          shard_state_over_dp)
 from lightning_tpp.pipeline.engine import PipelineEngine
+from lightning_tpp.pipeline.metrics import PipelineMetrics
 from lightning_tpp.pipeline.schedule import ScheduleLike
 from lightning_tpp.pipeline.schedule import normalize as normalize_schedule
 from lightning_tpp.pipeline.schedule import resolve as resolve_schedule
 from lightning_tpp.pipeline.schedule import validate as validate_schedule
 from lightning_tpp.reliability.nonfinite import finite_everywhere
 from lightning_tpp.reliability.preflight import check_agreement, model_structure
-from lightning_tpp.reliability.watch import FailureWatch
+from lightning_tpp.reliability.watch import FailureWatch, SignalReport, rank_report
 from lightning_tpp.tensor_parallel.plan import TPPlan
 
 
@@ -89,6 +90,10 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             (``torch.utils.checkpoint``, non-reentrant; the blocks are the repeated block sequence the pipeline
             partitioner finds, or ``blocks``, also without a pipeline). Same results, less activation memory, about
             one more forward of the blocks per step. See ``docs/pipeline.md``.
+        loss_parallel: ``F.cross_entropy`` of a vocabulary-parallel LM head's logits is computed from each rank's
+            shard of the vocabulary (the logits are still gathered for any other use), so neither the
+            cross-entropy's saved log-softmax nor the logits' gradient is ever whole. Not under dp sharding
+            (FSDP2). See ``docs/tensor_parallel.md``.
         save_distributed_checkpoint: write checkpoints as a folder of shards (torch.distributed.checkpoint, each
             rank writing its own; ``lightning-tpp consolidate`` makes one file of it) instead of one whole-model
             file written by rank 0. Both load into any layout.
@@ -104,6 +109,10 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             with a message naming it (the latter capped at 60 s).
         on_nonfinite: a NaN/inf loss on any rank: ``"raise"`` on every rank, ``"skip"`` the step everywhere, or
             ``"warn"`` and go on. All ranks take the same decision.
+        pipeline_metrics: with pp > 1, log ``pipeline/`` metrics (measured and theoretical bubble, stage imbalance,
+            per-stage compute/send/receive/wait seconds, samples per second) through Lightning's loggers every
+            ``log_every_n_steps``; timing costs two clock reads per action, the values one all-gather per logging
+            step. See ``docs/pipeline_observability.md``.
         weights: a file or folder of weights loaded into the model at the end of setup, each rank reading only
             its own slices: a Hugging Face ``model.safetensors``, a folder with it or with
             ``model.safetensors.index.json`` (sharded), a consolidated Lightning ``.ckpt``, or a sharded
@@ -133,10 +142,12 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         tp_plan: Union[Literal["auto"], dict[str, str]] = "auto",
         verify: bool = True,
         activation_checkpointing: bool = False,
+        loss_parallel: bool = True,
         dp_sharding: DPSharding = "full_shard",
         print_plan: bool = True,
         save_distributed_checkpoint: bool = True,
         on_nonfinite: Literal["raise", "skip", "warn"] = "raise",
+        pipeline_metrics: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -168,16 +179,25 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             raise ValueError(f"balance={balance!r} must be 'params', 'time' or a list of blocks per stage")
         self._balance, self._split_points, self._blocks = balance, split_points, blocks
         self._state: Optional[ParallelState] = None
+        self.worker_plan: Optional[TPPlan] = None  # rank 0's plan, handed back by a spawn/fork launch
         self._tp_plan_arg = tp_plan
         self._verify = verify
         if not isinstance(activation_checkpointing, bool):
             raise TypeError(f"activation_checkpointing={activation_checkpointing!r} must be True or False")
         self._activation_checkpointing = activation_checkpointing
+        if not isinstance(loss_parallel, bool):
+            raise TypeError(f"loss_parallel={loss_parallel!r} must be True or False")
+        self._loss_parallel = loss_parallel
         self._dp_sharding = normalize_sharding(dp_sharding)
         self._save_sharded = save_distributed_checkpoint
         if on_nonfinite not in ("raise", "skip", "warn"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'raise', 'skip' or 'warn'")
         self._on_nonfinite = on_nonfinite
+        if not isinstance(pipeline_metrics, bool):
+            raise TypeError(f"pipeline_metrics={pipeline_metrics!r} must be True or False")
+        self._pipeline_metrics = pipeline_metrics
+        self._metrics: Optional[PipelineMetrics] = None
+        self._signal_report: Optional[SignalReport] = None
         self._watch: Optional[FailureWatch] = None
         self._skip_backward = False
         self._skip_manual_steps = False  # a non-finite loss met manual_backward in this training_step
@@ -206,7 +226,9 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
     @property
     def plan(self) -> TPPlan:
         """The tensor-parallel plan as data (module name -> style, blocks)."""
-        return self._state.plan if self._state is not None else TPPlan()
+        if self._state is not None:
+            return self._state.plan
+        return self.worker_plan if self.worker_plan is not None else TPPlan()
 
     @property
     def _engine(self) -> Optional[PipelineEngine]:
@@ -239,6 +261,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             self._mesh, self._tp_group = state.groups.mesh, state.groups.tp
             self._pp_group, self._dp_group = state.groups.pp, state.groups.dp
         self._state = state
+        self._observe()
         self.model = self.precision_plugin.convert_module(self.model)
         self._use_dp_groups_for_metrics(module)
         self._patch_trainer(trainer)
@@ -263,7 +286,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
                                  "skip decision. Use precision='bf16-mixed' (no scaler needed) or '32-true'")
         config = ParallelConfig(self._tp, self._pp, self.microbatches, self.schedule, self.virtual_stages,
                                 self._balance, self._split_points, self._blocks, self._tp_plan_arg, self._verify,
-                                activation_checkpointing=self._activation_checkpointing)
+                                activation_checkpointing=self._activation_checkpointing,
+                                loss_parallel=self._loss_parallel)
         groups = ProcessGroups(self._mesh, self._tp_group, self._pp_group, self._dp_group)
         meta = None
         if on_meta:  # what a weights file fills is only allocated (strict or not, the rest is initialised)
@@ -283,6 +307,19 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             shard_state_over_dp(module, state, self._blocks, sharding=self._dp_sharding, print_plan=self._print_plan)
         return state
 
+    def _observe(self) -> None:
+        """Pipeline metrics, and the hang report (on SIGUSR1, and when the failure watch stops this rank)."""
+        coords = self.dims.coords(self.global_rank)
+        self._metrics = PipelineMetrics(self._engine, coords=coords, tp=self.dims.tp) \
+            if self._pipeline_metrics and self._engine is not None else None
+        if self._watch is not None:
+            engine = self._engine
+            label = f"rank {self.global_rank} {coords}"
+            self._watch.describe = lambda: rank_report(label, engine.describe_activity if engine else None)
+            if self._signal_report is None:
+                self._signal_report = SignalReport(self._watch.describe)
+                self._signal_report.install()
+
     def _agreed_seed(self) -> int:
         """The seed a meta-built model is initialised from: rank 0's (``seed_everything``'s on every rank)."""
         seed = torch.tensor([torch.initial_seed() % (2 ** 63)], dtype=torch.int64, device=self.root_device)
@@ -300,7 +337,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
 
     def _fingerprint(self, module: nn.Module) -> dict[str, Any]:
         return {"configuration": self._config(), "model": model_structure(module),
-                "seed": os.environ.get("PL_GLOBAL_SEED")}
+                "seed": os.environ.get("PL_GLOBAL_SEED"), "pipeline metrics": self._pipeline_metrics}
 
     def _use_dp_groups_for_metrics(self, module: nn.Module) -> None:
         """torchmetrics sync over the world by default; tp (and pp) replicas are not extra samples."""
@@ -357,6 +394,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         self._skip_manual_steps = False
         out = super().training_step(*args, **kwargs) if self._engine is None else self._pipeline_training_step(
             *args, **kwargs)
+        if self._metrics is not None and self.lightning_module is not None:
+            self._metrics.after_step(self.lightning_module, args[0], args[1] if len(args) > 1 else None)
         if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
             return out  # the loss was checked where it met manual_backward (see backward)
         loss = out.get("loss") if isinstance(out, dict) else out
@@ -437,6 +476,9 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
 
     @override
     def teardown(self) -> None:
+        if self._signal_report is not None:
+            self._signal_report.uninstall()
+            self._signal_report = None
         if self._watch is not None:
             self._watch.stop()
             if not self._watch.reported:  # no rank exits (taking the store with it) while another still uses it

@@ -19,13 +19,13 @@ from torch.distributed import ProcessGroup
 
 from lightning_tpp._compat import tree_map
 from lightning_tpp.pipeline.errors import PipelineError
-from lightning_tpp.pipeline.executor import Executor, Step, Trace, batch_size, split_batch
+from lightning_tpp.pipeline.executor import Executor, Step, StepTimes, Trace, batch_size, split_batch
 from lightning_tpp.pipeline.logging import captured_logs, load_metric_state, metric_state, replay_logs
 from lightning_tpp.pipeline.parking import GradientParking
 from lightning_tpp.pipeline.partition import Partition
 from lightning_tpp.pipeline.schedule import Action, Schedule, actions
 from lightning_tpp.pipeline.stage import StageRuntime
-from lightning_tpp.pipeline.transport import Transport
+from lightning_tpp.pipeline.transport import CommSpan, Transport
 
 __all__ = ["PipelineEngine", "PipelineError", "captured_logs", "load_metric_state", "metric_state", "replay_logs",
            "split_batch"]
@@ -88,9 +88,20 @@ class PipelineEngine:
     def trace(self) -> Optional[Trace]:
         return self.executor.trace
 
+    @property
+    def comm_trace(self) -> Optional[list[CommSpan]]:
+        return self.transport.spans
+
     def record_trace(self, enabled: bool = True) -> None:
-        """Record ``(kind, microbatch, chunk, start, end, seconds waiting for peers)`` per action (perf_counter)."""
+        """Record ``(kind, microbatch, chunk, start, end, seconds waiting for peers)`` per action (perf_counter) in
+        ``trace``, and each send and blocking receive in ``comm_trace`` (``transport.CommSpan``)."""
         self.executor.trace = [] if enabled else None
+        self.transport.spans = [] if enabled else None
+
+    @property
+    def times(self) -> Optional[StepTimes]:
+        """Where the last schedule's time went on this rank."""
+        return self.executor.times
 
     @property
     def position(self) -> Optional[Action]:
@@ -102,6 +113,14 @@ class PipelineEngine:
 
     def describe_position(self) -> str:
         return self.executor.describe_position()
+
+    def describe_activity(self) -> str:
+        """For the hang report: the action this rank runs and the message it is blocked on, e.g. 'in pipeline stage
+        0, backward of micro-batch 3; waiting 4.2 s to receive the gradients of micro-batch 3 from stage 1 (rank
+        1)'. Read from another thread: two attributes that the executor and the transport set as they go."""
+        where = self.executor.describe_position().strip() or "not in a pipeline action"
+        blocked = self.transport.describe_blocked()
+        return f"{where}; {blocked}" if blocked else where
 
     def train_step(self, step: Step, batch: Any, *, loss_scale: float, stale_grads: bool = False) -> Tensor:
         """Run the schedule over ``batch``; returns the mean micro-batch loss (the same tensor value on every stage).

@@ -9,6 +9,9 @@ A rank holds the stages ``chunk * pp + rank``::
 ``F`` runs the user's own step with this stage's units real and the others stand-ins (``stage``), stopping after
 the stage's last unit; ``B`` runs autograd from the sent outputs (their gradients received) and the loss; ``I``
 computes only what the previous stage waits for, ``W`` the weight gradients filed under ``DeferWeightGrads``.
+
+What the rank is doing is kept where the failure messages, the metrics and the hang report read it: the action
+(``position``), each step's :class:`StepTimes`, and, while a timeline records, each action's span (``trace``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,29 @@ from lightning_tpp.pipeline.wgrad import DeferWeightGrads, WeightGrads
 
 Step = Callable[[Any], Any]  # the user's step on one micro-batch (training_step, validation_step, ...)
 Trace = list[tuple[str, int, int, float, float, float]]  # see Executor.trace
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Where one schedule's time went on this rank (``perf_counter`` seconds): from the first action's start to the
+    completion of the last send, of which ``send`` sending and ``recv`` blocked receiving; the rest is compute.
+    ``costs``: per action kind, the compute seconds in all and the actions (``I``/``W`` off the first stage only:
+    there a split backward runs whole in ``W``, having no input gradient to send)."""
+
+    start: float
+    end: float
+    send: float
+    recv: float
+    microbatches: int
+    costs: dict[str, tuple[float, int]] = field(default_factory=dict)
+
+    @property
+    def span(self) -> float:
+        return self.end - self.start
+
+    @property
+    def compute(self) -> float:
+        return max(self.span - self.send - self.recv, 0.0)
 
 
 @dataclass
@@ -103,6 +129,7 @@ class Executor:
         self._route_cache: dict[Any, list[Route]] = {}
         self.trace: Optional[Trace] = None  # (kind, microbatch, chunk, start, end, seconds waiting for peers)
         self.position: Optional[Action] = None
+        self.times: Optional[StepTimes] = None  # of the last schedule run
         self._seed: Optional[int] = None  # this step's, drawn from the global generator (the same on every stage)
 
     def _draw_seed(self) -> None:
@@ -219,7 +246,8 @@ class Executor:
             roots[id(state.loss)], grads[id(state.loss)] = state.loss, torch.full_like(state.loss, scale)
         for dst, tensors in state.outputs.items():
             posted = state.grads.get(dst) or self.transport.post_grads(mb, self.stage(chunk), dst, tensors)
-            for t, grad in zip([t for t in tensors if t.requires_grad], self.transport.wait(posted)):
+            received = self.transport.wait(posted, ("gradients", mb, dst, self.stage(chunk)))
+            for t, grad in zip([t for t in tensors if t.requires_grad], received):
                 roots[id(t)], grads[id(t)] = t, grads[id(t)] + grad if id(t) in grads else grad
         return list(roots.values()), [grads[k] for k in roots]
 
@@ -253,21 +281,31 @@ class Executor:
         # split backwards, except on the first stage: it has no input gradients to send before the weight gradients
         splits = {(mb, chunk) for kind, mb, chunk in order if kind == "I" and self.stage(chunk) > 0}
         self._draw_seed()
+        transport = self.transport
+        transport.waited = transport.sent = 0.0
+        costs = {kind: (0.0, 0) for kind in "FBIW"}
+        first = time.perf_counter()
         try:
             for kind, mb, chunk in order:
                 self.position = (kind, mb, chunk)
-                start, self.transport.waited = time.perf_counter(), 0.0
+                start, waited, sent = time.perf_counter(), transport.waited, transport.sent
                 if kind == "F":
                     result = self.forward(mb, chunk, step, micro[mb], states, routes, split=(mb, chunk) in splits)
                     if self.stage(chunk) == self.partition.stages - 1:
                         states[(mb, chunk)].loss = _loss_of(result, self.stage(chunk))
                 else:
                     self.backward(kind, mb, chunk, states, scale[mb])
+                end = time.perf_counter()
+                if kind in "FB" or self.stage(chunk) > 0:
+                    total, count = costs[kind]
+                    costs[kind] = (total + end - start - (transport.waited - waited) - (transport.sent - sent),
+                                   count + 1)
                 if self.trace is not None:
-                    self.trace.append((kind, mb, chunk, start, time.perf_counter(), self.transport.waited))
-            self.transport.flush()
+                    self.trace.append((kind, mb, chunk, start, end, transport.waited - waited))
+            transport.flush()
         finally:
             self.runtime.ctx = None
+        self.times = StepTimes(first, time.perf_counter(), transport.sent, transport.waited, len(micro), costs)
         self.position = None
         losses = [s.loss.float() * shares[mb] for (mb, _), s in states.items() if s.loss is not None]
         return torch.stack(losses).sum() if losses else torch.zeros((), device=self.runtime.device)

@@ -11,6 +11,10 @@ length or dtype is simply a new header: nothing is negotiated once and then trus
 Receives can be posted ahead (every header of a step when it starts, each gradient right after its forward) so a
 transfer happens while the rank computes; that needs messages matched by tag, as gloo does. NCCL matches a pair's
 messages in posting order, so there (``early=False``) receives are posted only when needed, in send order.
+
+For the metrics, the timeline and the hang report the transport keeps, at the cost of two ``perf_counter`` reads
+per send and per wait: the seconds spent sending and blocked receiving (``sent``, ``waited``), the message this rank
+is blocked on right now (``blocked``), and, while a timeline records, every send and blocking receive as a span.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ _HEADER = 3 + _MAX_DIMS  # dtype, requires_grad, ndim, dims...
 _MAX_LEAVES = 64  # tensors per bundle
 
 Posted = tuple[Tensor, Any]  # a receive buffer and its pending work
+Message = tuple[str, int, int, int]  # what ("activations", "gradients"), micro-batch, sending stage, receiving stage
+Blocked = tuple[str, Message, int, float]  # "receive" or "send", the message, the peer's rank, since (perf_counter)
+CommSpan = tuple[str, Message, int, float, float]  # "receive" or "send", the message, peer rank, start, end
 
 
 class _Delivery:
@@ -65,7 +72,10 @@ class Transport:
         self.last_rank = stage_rank((stages - 1) % pp)
         self.early = dist.get_backend(group) != "nccl"  # see the module docstring
         self.waited = 0.0  # seconds spent waiting for receives since the caller last reset it
-        self._sends: list[Any] = []
+        self.sent = 0.0  # seconds spent sending (posting, and waiting for completion in flush), likewise
+        self.blocked: Optional[Blocked] = None  # the message a wait is blocked on now (the hang report reads it)
+        self.spans: Optional[list[CommSpan]] = None  # sends and blocking receives, while a timeline records
+        self._sends: list[tuple[Any, Message, int]] = []  # pending sends: work, message, destination rank
         self._headers: dict[tuple[int, int, int], Posted] = {}  # (mb, src, dst) -> posted header receive
         self._rank = dist.get_rank()
         self._mailbox: dict[int, Tensor] = {}  # tag -> a message from one of this rank's stages to another
@@ -78,11 +88,18 @@ class Transport:
     def rank_of_stage(self, stage: int) -> int:
         return self.stage_rank(stage % self.pp)
 
-    def _isend(self, t: Tensor, dst: int, tag: int) -> None:
+    def _isend(self, t: Tensor, dst: int, tag: int, message: Message) -> None:
         if dst == self._rank:  # kept, as an isend's buffer is, until the receiving stage takes it
             self._mailbox[tag] = t
             return
-        self._sends.append(dist.isend(t.contiguous(), dst, tag=tag))
+        self._sends.append((dist.isend(t.contiguous(), dst, tag=tag), message, dst))
+
+    def _sending(self, message: Message, peer: int, start: float) -> None:
+        """Account for a send that began at ``start`` (posting it, or waiting for it to complete)."""
+        end = time.perf_counter()
+        self.sent += end - start
+        if self.spans is not None:
+            self.spans.append(("send", message, peer, start, end))
 
     def post(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> Posted:
         """Post a receive now (so that the transfer can happen while this rank computes); wait for it later."""
@@ -91,12 +108,34 @@ class Transport:
             return buf, _Delivery(self._mailbox, tag, buf)
         return buf, dist.irecv(buf, src, tag=tag)
 
-    def wait(self, posted: list[Posted]) -> list[Tensor]:
+    def wait(self, posted: list[Posted], message: Message) -> list[Tensor]:
+        """Block until the posted receives of ``message`` complete."""
         start = time.perf_counter()
-        for _, work in posted:
-            work.wait()
-        self.waited += time.perf_counter() - start
+        peer = self.rank_of_stage(message[2])
+        self.blocked = ("receive", message, peer, start)
+        try:
+            for _, work in posted:
+                work.wait()
+        finally:
+            self.blocked = None
+        end = time.perf_counter()
+        self.waited += end - start
+        if self.spans is not None:
+            self.spans.append(("receive", message, peer, start, end))
         return [buf for buf, _ in posted]
+
+    def describe_blocked(self) -> str:
+        """The message a wait is blocked on now, in words, or ``''``."""
+        blocked = self.blocked
+        if blocked is None:
+            return ""
+        direction, (what, mb, src, dst), peer, since = blocked
+        took = time.perf_counter() - since
+        if direction == "receive":
+            return (f"waiting {took:.1f} s to receive the {what} of micro-batch {mb} from stage {src} (rank {peer}) "
+                    f"for stage {dst}")
+        return (f"waiting {took:.1f} s for the send of the {what} of micro-batch {mb} from stage {src} to stage {dst} "
+                f"(rank {peer}) to complete")
 
     def post_headers(self, inbound: dict[int, dict[int, int]], microbatches: int) -> None:
         """Every header this rank will receive in the step (``inbound``: local stage -> {source stage: tensors}),
@@ -111,6 +150,7 @@ class Transport:
         if len(tensors) > _MAX_LEAVES:
             raise PipelineError(f"{len(tensors)} tensors cross from pipeline stage {src} to {dst}; at most "
                                 f"{_MAX_LEAVES} are supported")
+        start, message = time.perf_counter(), ("activations", mb, src, dst)
         header = torch.zeros(len(tensors) * _HEADER, dtype=torch.int64, device=self.device)
         for i, t in enumerate(tensors):
             if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
@@ -118,19 +158,21 @@ class Transport:
             row = [_DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
             header[i * _HEADER:i * _HEADER + len(row)] = torch.tensor(row)
         rank = self.rank_of_stage(dst)
-        self._isend(header, rank, self.tag(mb, src, dst, 0))
+        self._isend(header, rank, self.tag(mb, src, dst, 0), message)
         for i, t in enumerate(tensors):
-            self._isend(t.detach(), rank, self.tag(mb, src, dst, 1, i))
+            self._isend(t.detach(), rank, self.tag(mb, src, dst, 1, i), message)
+        self._sending(message, rank, start)
 
     def receive_bundle(self, mb: int, src: int, dst: int, count: int) -> list[Tensor]:
         """The ``count`` tensors stage ``src`` sends stage ``dst``; those sent requiring grad come as graph leaves."""
         rank = self.rank_of_stage(src)
         posted = self._headers.pop((mb, src, dst), None) or self.post(
             (count * _HEADER,), torch.int64, rank, self.tag(mb, src, dst, 0))
-        header = self.wait([posted])[0].tolist()
+        message = ("activations", mb, src, dst)
+        header = self.wait([posted], message)[0].tolist()
         rows = [header[k * _HEADER:(k + 1) * _HEADER] for k in range(count)]
         out = self.wait([self.post(tuple(dims[:ndim]), _DTYPES[code], rank, self.tag(mb, src, dst, 1, k))
-                         for k, (code, _, ndim, *dims) in enumerate(rows)])
+                         for k, (code, _, ndim, *dims) in enumerate(rows)], message)
         return [t.requires_grad_(True) if row[1] else t for t, row in zip(out, rows)]
 
     def post_grads(self, mb: int, stage: int, dst: int, sent: list[Tensor]) -> list[Posted]:
@@ -142,15 +184,23 @@ class Transport:
     def send_grads(self, mb: int, stage: int, src: int, received: list[Tensor],
                    grads: dict[int, Optional[Tensor]]) -> None:
         """Return to stage ``src`` the gradients (by tensor id; zeros where none) of what ``stage`` received."""
-        rank = self.rank_of_stage(src)
+        start, message, rank = time.perf_counter(), ("gradients", mb, stage, src), self.rank_of_stage(src)
         for i, t in enumerate(x for x in received if x.requires_grad):
             grad = grads.get(id(t))
-            self._isend(grad if grad is not None else torch.zeros_like(t), rank, self.tag(mb, stage, src, 2, i))
+            self._isend(grad if grad is not None else torch.zeros_like(t), rank, self.tag(mb, stage, src, 2, i),
+                        message)
+        self._sending(message, rank, start)
 
     def flush(self) -> None:
         """Wait for this step's sends (their buffers must live until then)."""
-        for work in self._sends:
-            work.wait()
+        for work, message, peer in self._sends:
+            start = time.perf_counter()
+            self.blocked = ("send", message, peer, start)
+            try:
+                work.wait()
+            finally:
+                self.blocked = None
+            self._sending(message, peer, start)
         self._sends = []
         self._mailbox.clear()
 

@@ -10,15 +10,32 @@ talks to the rendezvous store (which every rank already has)::
                   -> prints which rank failed and where, and ends its process (exit code 1)
 
 Ranks that finish normally mark themselves done, so an early finisher is not taken for a lost one.
+
+Who waits for whom: when the watch stops a rank, and whenever a rank receives SIGUSR1 (``kill -USR1 <pid>``, or
+``pkill -USR1 -f train.py`` for every rank of a job), the rank prints what ``describe`` says (the pipeline action it
+is in and the message it waits for) and where its main thread is blocked (the ``torch.distributed`` call, or the
+line waiting on a transfer)::
+
+    [lightning_tpp rank 0 {'dp': 0, 'pp': 0, 'tp': 0}] in pipeline stage 0, backward of micro-batch 0; waiting 4.1 s
+        to receive the gradients of micro-batch 0 from stage 1 (rank 1) for stage 0
+    [lightning_tpp rank 0 {'dp': 0, 'pp': 0, 'tp': 0}] main thread blocked at lightning_tpp/pipeline/transport.py:
+        118 in wait: work.wait() <- lightning_tpp/pipeline/executor.py:246 in _roots <- ...
+
+The report is printed by a thread of its own (:class:`SignalReport`): a main thread blocked in a C++ wait runs no
+Python signal handler until the wait returns. That needs the blocked call to have released the GIL, as gloo's
+waits and collectives do; a rank stuck in a call that holds it (a CUDA synchronisation such as ``.item()`` after a
+hung NCCL kernel) prints once the call returns (``py-spy dump --pid`` shows it meanwhile).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
-from typing import Any, Optional
+import traceback
+from typing import Any, Callable, Optional
 
 _ABORT = "tpp/abort"
 
@@ -31,6 +48,7 @@ class FailureWatch:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._reported = False
+        self.describe: Optional[Callable[[], str]] = None  # what this rank was doing, printed when it is stopped
 
     def start(self) -> None:
         self.store.set(f"tpp/done/{self.rank}", "0")
@@ -82,6 +100,8 @@ class FailureWatch:
 
     def _die(self, message: str) -> None:
         print(f"[lightning_tpp rank {self.rank}] stopping: {message}", file=sys.stderr, flush=True)
+        if self.describe is not None:
+            print(self.describe(), file=sys.stderr, flush=True)
         os._exit(1)
 
     def _run(self) -> None:
@@ -116,3 +136,113 @@ class FailureWatch:
                 failures += 1
                 if failures * self.interval > min(self.timeout, 10.0):
                     self._die(f"lost the rendezvous store hosted by rank 0 ({err}): rank 0 was killed or lost")
+
+
+def _in_torch_distributed(frame: traceback.FrameSummary) -> bool:
+    return f"torch{os.sep}distributed{os.sep}" in frame.filename or "torch/distributed/" in frame.filename
+
+
+def _short(frame: traceback.FrameSummary) -> str:
+    parts = frame.filename.replace(os.sep, "/").split("/")
+    name = "/".join(parts[parts.index("lightning_tpp"):]) if "lightning_tpp" in parts[:-1] else parts[-1]
+    return f"{name}:{frame.lineno} in {frame.name}"
+
+
+def main_thread_location(callers: int = 3) -> str:
+    """Where the main thread is now: the ``torch.distributed`` call it is in (the one called from outside
+    torch.distributed) and its callers, else its innermost line and callers."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return "main thread not found"
+    stack = traceback.extract_stack(frame)  # outermost first
+    inside = [i for i, f in enumerate(stack) if _in_torch_distributed(f)]
+    if inside:
+        first = inside[-1]
+        while first > 0 and _in_torch_distributed(stack[first - 1]):
+            first -= 1
+        call, innermost = stack[first], stack[inside[-1]]
+        where = f"in torch.distributed {call.name}"
+        where += f" ({innermost.name})" if innermost.name != call.name else ""
+        outer = stack[max(first - callers, 0):first]
+    else:
+        where = f"at {_short(stack[-1])}: {(stack[-1].line or '').strip()}"
+        outer = stack[max(len(stack) - 1 - callers, 0):-1]
+    return f"main thread blocked {where}" + "".join(f" <- {_short(f)}" for f in reversed(outer))
+
+
+def rank_report(label: str, activity: Optional[Callable[[], str]] = None) -> str:
+    """The hang report of one rank: what it is doing (``activity``: the pipeline engine's ``describe_activity``) and,
+    from another thread, where its main thread is blocked. ``label``: e.g. "rank 0 {'dp': 0, 'pp': 0, 'tp': 0}"."""
+    what = activity() if activity is not None else ""
+    lines = [f"[lightning_tpp {label}] {what or 'not in a pipeline action'}"]
+    if threading.current_thread() is not threading.main_thread():
+        lines.append(f"[lightning_tpp {label}] {main_thread_location()}")
+    return "\n".join(lines)
+
+
+class SignalReport:
+    """On ``signum`` (SIGUSR1) print ``describe()`` and where the main thread is to stderr, from a daemon thread of
+    its own: Python runs signal handlers in the main thread only, and not while it is blocked in a C++ wait. The
+    C-level handler Python installs writes the signal's number to the wakeup fd (:func:`signal.set_wakeup_fd`) in
+    whichever thread the signal lands, so the reporting thread reads it from there. The Python-level handler only
+    calls the one it replaced (Lightning's SLURM requeue handler uses SIGUSR1); :meth:`uninstall` restores both the
+    handler and the wakeup fd (bytes meant for an earlier wakeup fd are passed on to it)."""
+
+    def __init__(self, describe: Callable[[], str], signum: int = signal.SIGUSR1) -> None:
+        self.describe, self.signum = describe, signum
+        self._previous_handler: Any = None
+        self._previous_fd = -1
+        self._pipe: Optional[tuple[int, int]] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def install(self) -> bool:
+        """Install; ``False`` (nothing changed) outside the main thread, where Python refuses signal handlers."""
+        if threading.current_thread() is not threading.main_thread() or self._pipe is not None:
+            return False
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        self._previous_handler = signal.signal(self.signum, self._handle)
+        self._previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        self._pipe = (read, write)
+        self._thread = threading.Thread(target=self._run, args=(read,), name="lightning_tpp-report", daemon=True)
+        self._thread.start()
+        return True
+
+    def uninstall(self) -> None:
+        if self._pipe is None or threading.current_thread() is not threading.main_thread():
+            return
+        signal.set_wakeup_fd(self._previous_fd)
+        signal.signal(self.signum, self._previous_handler if self._previous_handler is not None else signal.SIG_DFL)
+        read, write = self._pipe
+        self._pipe = None
+        os.close(write)  # the reading thread sees the end of the pipe and returns
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        os.close(read)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if callable(self._previous_handler):
+            self._previous_handler(signum, frame)
+
+    def _run(self, read: int) -> None:
+        while True:
+            try:
+                data = os.read(read, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            if self._previous_fd >= 0:
+                try:
+                    os.write(self._previous_fd, data)
+                except OSError:
+                    pass
+            if self.signum in data:
+                self.report()
+
+    def report(self) -> None:
+        try:
+            text = self.describe()
+        except Exception as err:  # noqa: BLE001 - a report must never take the process down
+            text = f"(could not describe this rank: {type(err).__name__}: {err})"
+        print(text, file=sys.stderr, flush=True)
