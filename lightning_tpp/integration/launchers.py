@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import pickle
 import sys
 from typing import Any
 
@@ -29,6 +30,21 @@ class WholeWeightsLauncher(MultiProcessingLauncher):
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+    @override
+    def get_extra_results(self, trainer: Any) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        # data only (module names, styles, block layouts), as bytes: Lightning walks the extras with
+        # apply_to_collection, which refuses the plan's frozen dataclasses; the queue pickles anyway
+        extra["lightning_tpp_plan"] = pickle.dumps(self._strategy.plan)
+        return extra
+
+    @override
+    def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
+        plan = extra.pop("lightning_tpp_plan", None)
+        super().update_main_process_results(trainer, extra)
+        if plan is not None:  # trainer.strategy.plan in the main process (a notebook) is rank 0's
+            self._strategy.worker_plan = pickle.loads(plan)  # our own worker's bytes, through Lightning's queue
 
     @override
     def collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:

@@ -21,6 +21,8 @@ def main() -> None:
     after = {n: p.shape for n, p in model.state_dict().items()}
     assert after == shapes, {n: (shapes[n], after[n]) for n in shapes if shapes[n] != after[n]}
     assert torch.isfinite(trainer.callback_metrics["train_loss"])
+    plan = trainer.strategy.plan  # rank 0's plan, handed back to this process (a notebook reads it here)
+    assert plan.styles.get("model.lm_head") == "colwise_gather" and plan.blocks, plan
     print("SPAWN-OK", float(trainer.callback_metrics["train_loss"]))
 
 
