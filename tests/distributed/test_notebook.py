@@ -64,7 +64,10 @@ def test_notebook_runs_top_to_bottom(tmp_path: Path, monkeypatch: pytest.MonkeyP
     # the kernel inherits this environment: `from gpt import ...` as from the notebook's own folder; one thread a rank
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    # a fresh notebook's environment: earlier tests in this process may have left Lightning's rendezvous variables
+    # (an in-process Trainer stores the free port it found in MASTER_PORT; by now another process may hold it)
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     work = tmp_path / "work"
     work.mkdir()
     nb = nbformat.read(NOTEBOOK, as_version=4)
