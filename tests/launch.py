@@ -119,7 +119,9 @@ def _pythonpath() -> str:
 
 
 def run_ranks(script: Path, nprocs: int, args: list[str], *, timeout: float = 240.0,
-              env: dict[str, str] | None = None) -> RunResult:
+              env: dict[str, str] | None = None, fresh: bool = False) -> RunResult:
+    """``fresh``: start fresh interpreters even where the zygote runs (a test of a rank's own resident memory: a
+    forked rank's memory differs by what it shares with the zygote)."""
     port = free_port()
     procs, logs = [], []
     start = time.monotonic()
@@ -128,7 +130,7 @@ def run_ranks(script: Path, nprocs: int, args: list[str], *, timeout: float = 24
                     "LOCAL_RANK": str(rank), "RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(nprocs),
                     "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"tpp_rank{rank}_{port}.log", "w+")
-        zygote = _get_zygote()
+        zygote = None if fresh else _get_zygote()
         if zygote is not None:
             procs.append(_Forked(zygote, [str(script), *args], rank_env, log))
         else:

@@ -62,7 +62,8 @@ def test_setup_allocates_only_the_share(tmp_path: Path) -> None:
     """tp2 x pp2 of a ~150 MB Llama: every rank's peak resident memory grows by well under half the whole model while
     the strategy cuts it and materialises its shards (eagerly it holds the whole model at least once: 1.0 x; measured
     here: ~0.40 x, the rank's quarter plus process-group buffers and one module at full size)."""
-    run_ranks(Path(__file__).parent / "worker_meta_memory.py", 4, [str(tmp_path), "2", "2"], timeout=300).check()
+    run_ranks(Path(__file__).parent / "worker_meta_memory.py", 4, [str(tmp_path), "2", "2"], timeout=300,
+              fresh=True).check()
     import transformers
     import torch
 
