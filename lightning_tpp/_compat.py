@@ -58,6 +58,12 @@ StorageInfo = _StorageInfo  # a class pickled into DCP's ``.metadata``: the safe
 get_layout = _get_layout  # ``torch.serialization._get_layout``: pickled into DCP metadata (name -> torch.layout)
 
 
+def enclosing_saved_tensors_hooks() -> Optional[tuple[Any, Any]]:
+    """The (pack, unpack) of the innermost ``torch.autograd.graph.saved_tensors_hooks`` in effect, or None: hooks do
+    not nest (the innermost alone sees what autograd saves), so one installed inside another must call it."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
 def default_store() -> Any:
     """The default process group's key-value store (no public accessor in torch)."""
     return dist.distributed_c10d._get_default_store()

@@ -86,6 +86,121 @@ class _GatherFromTP(torch.autograd.Function):
         return grad.chunk(g.size, dim=-1)[g.rank].contiguous(), None
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# sequence parallelism (Megatron-SP): the residual stream between tensor-parallel blocks is cut along dim 1
+#
+#     scatter_seq:         forward: keep this rank's part       backward: all-gather     (entering the region)
+#     gather_seq:          forward: all-gather                  backward: keep this part (entering a block, leaving)
+#     seq_alias:           forward: the gathered tensor         backward: reduce-scatter (what column layers read)
+#     reduce_scatter_seq:  forward: reduce-scatter              backward: all-gather     (after row layers)
+#
+# An all-gather and a reduce-scatter move the bytes of the all-reduce they replace (f and g above).
+
+SEQ_DIM = 1
+
+
+def _comm_dtype(t: Tensor) -> Tensor:
+    # gloo has no half-precision reductions: communicate in fp32 on CPU (NCCL keeps the dtype)
+    return t.float() if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def _seq_part(x: Tensor, group: TPGroup) -> Tensor:
+    n = x.shape[SEQ_DIM] // group.size
+    return x.narrow(SEQ_DIM, group.rank * n, n).contiguous()
+
+
+def all_gather_seq(x: Tensor, group: TPGroup) -> Tensor:
+    if x.is_meta:
+        return torch.cat([x] * group.size, dim=SEQ_DIM)
+    comm = _comm_dtype(x.contiguous())
+    parts = [torch.empty_like(comm) for _ in range(group.size)]
+    torch.distributed.all_gather(parts, comm, group=group.group)
+    return torch.cat(parts, dim=SEQ_DIM).to(x.dtype)
+
+
+def _seq_reduce_scatter(x: Tensor, group: TPGroup) -> Tensor:
+    if x.shape[SEQ_DIM] % group.size:
+        raise ValueError(f"sequence parallelism cuts dim {SEQ_DIM} (the sequence) into tp={group.size} parts, but it "
+                         f"has {x.shape[SEQ_DIM]} (shape {tuple(x.shape)}); use a sequence length divisible by tp")
+    if x.is_meta:
+        return _seq_part(x, group)
+    comm = _comm_dtype(x)
+    parts = [p.contiguous() for p in comm.chunk(group.size, dim=SEQ_DIM)]
+    out = torch.empty_like(parts[group.rank])
+    torch.distributed.reduce_scatter(out, parts, group=group.group)
+    return out.to(x.dtype)
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: TPGroup) -> Tensor:
+        ctx.group = group
+        return _seq_part(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return all_gather_seq(grad, ctx.group), None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather; backward keeps this rank's part (what used the gathered tensor ran replicated, or reduced its
+    partial gradients itself: every rank holds the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: TPGroup) -> Tensor:
+        ctx.group = group
+        return all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _seq_part(grad, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: TPGroup) -> Tensor:
+        ctx.group = group
+        return _seq_reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return all_gather_seq(grad, ctx.group), None
+
+
+class _SeqAlias(torch.autograd.Function):
+    """The gathered stream as column-parallel layers read it: no communication forward (``whole`` is the gathered
+    tensor); backward reduce-scatters their partial input gradients straight to ``shard``'s gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: Tensor, whole: Tensor, group: TPGroup) -> Tensor:
+        ctx.group = group
+        return whole.view_as(whole)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _seq_reduce_scatter(grad, ctx.group), None, None
+
+
+def seq_alias(shard: Tensor, whole: Tensor, group: TPGroup) -> Tensor:
+    return _SeqAlias.apply(shard, whole.detach(), group)
+
+
+def scatter_seq(x: Tensor, group: TPGroup) -> Tensor:
+    if x.dim() < 3 or x.shape[SEQ_DIM] % group.size:
+        raise ValueError(f"sequence parallelism cuts dim {SEQ_DIM} (the sequence) of the blocks' input, "
+                         f"(batch, sequence, features), into tp={group.size} parts, but its shape is "
+                         f"{tuple(x.shape)}; use a sequence length divisible by tp, or sequence_parallel=False")
+    return _ScatterSeq.apply(x, group)
+
+
+def gather_seq(x: Tensor, group: TPGroup) -> Tensor:
+    return _GatherSeq.apply(x, group)
+
+
+def reduce_scatter_seq(x: Tensor, group: TPGroup) -> Tensor:
+    return _ReduceScatterSeq.apply(x, group)
+
+
 def copy_to_tp(x: Tensor, group: TPGroup) -> Tensor:
     return _CopyToTP.apply(x, group) if group.size > 1 else x
 
