@@ -32,7 +32,8 @@ from lightning_tpp.core.recompute import recompute_blocks
 from lightning_tpp.pipeline.build import PreparedStages, TiedWeight, finish_stages, format_partition, prepare_stages
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.stage import end_stage_forward_last
-from lightning_tpp.pipeline.partition import PipelinePartitionError, block_modules
+from lightning_tpp.pipeline.partition import PipelinePartitionError, block_modules, describe, find_block_sequences
+from lightning_tpp.tensor_parallel.sequence import ElementState, apply_sequence_parallel
 from lightning_tpp.tensor_parallel import (
     TensorParallelConfigError,
     TPPlan,
@@ -69,6 +70,7 @@ class ParallelState:
     engine: Optional[PipelineEngine] = None
     recomputed: tuple[str, ...] = ()  # blocks whose activations are recomputed in backward (activation checkpointing)
     dp: Optional[DPShards] = None  # what FSDP2 sharded over dp (None: replicated)
+    sequence: list[ElementState] = field(default_factory=list)  # blocks run on sequence shards (sequence_parallel)
     config: dict[str, str] = field(default_factory=dict)
 
     def attach(self, module: nn.Module) -> None:
@@ -110,6 +112,7 @@ class ParallelConfig:
     verify: bool
     activation_checkpointing: bool = False
     loss_parallel: bool = True
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,8 +153,12 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
     plan = state.plan
     if not config.loss_parallel:
         _no_loss_parallel(module)
+    if config.sequence_parallel and config.tp > 1:
+        state.sequence = _sequence_parallel(module, state.stages, config, groups.tp, state.shards)
     if config.activation_checkpointing:  # inside the pipeline's dispatchers, around the tensor-parallel blocks
         state.recomputed = _recompute_blocks(module, state.stages, config.blocks)
+        for element in state.sequence:
+            element.recomputed = element.name in state.recomputed
     if state.stages is not None:
         state.engine = finish_stages(module, state.stages, dims=dims, coords=coords, virtual=config.virtual_stages,
                                      schedule=config.schedule, microbatches=config.microbatches, pp_group=groups.pp)
@@ -200,6 +207,38 @@ def cut(module: nn.Module, config: ParallelConfig, dims: MeshDims, *, pp_rank: i
         if warning:
             rank_zero_warn(warning)
     return stages, plan, shards
+
+
+def _sequence_parallel(module: nn.Module, stages: Optional[PreparedStages], config: ParallelConfig, group: TPGroup,
+                       shards: ShardIndex) -> list[ElementState]:
+    """The model's block sequence (the pipeline partition's, else found or ``blocks``) run on sequence shards."""
+    if stages is not None:
+        containers, members = stages.partition.blocks, stages.partition.members
+    else:
+        try:
+            containers = find_block_sequences(module) if config.blocks is None else (
+                (config.blocks,) if isinstance(config.blocks, str) else tuple(config.blocks))
+            members = describe(module, containers, zip_siblings=config.blocks is None)[0]
+        except PipelinePartitionError as err:
+            raise ValueError(f"sequence_parallel=True runs the blocks of the model's repeated block sequence (an "
+                             f"nn.ModuleList or nn.Sequential of same-class layers) on sequence shards, and none was "
+                             f"found in {type(module).__name__}: {err}. Name their container with blocks='<module "
+                             f"name>', or use sequence_parallel=False") from err
+    zipped = [m for m in members if len(m) > 1]
+    if zipped:
+        raise ValueError(f"sequence_parallel=True passes the residual stream from block to block on sequence shards; "
+                         f"the blocks {zipped[0]} are entries of sibling lists run in one loop, whose stream the "
+                         f"model's own loop holds. Use sequence_parallel=False")
+    # one run per stack (an encoder's, then a decoder's)
+    runs: list[list[str]] = []
+    container = lambda name: next((c for c in containers if name == c or name.startswith(f"{c}.")), None)  # noqa
+    for (name,) in members:
+        if not runs or container(name) != container(runs[-1][0]):
+            runs.append([])
+        runs[-1].append(name)
+    local = set(_local_blocks(module, stages, config.blocks)) if stages is not None else None
+    return apply_sequence_parallel(module, runs, group, shards, local_names=local,
+                                   twins=stages.twins if stages is not None else None, verify=config.verify)
 
 
 def _tied_copies(module: nn.Module, state: ParallelState) -> Iterator[tuple[TiedWeight, nn.Parameter, Any]]:

@@ -40,6 +40,7 @@ from lightning_tpp.checkpoint.weights import covered_names, load_weights
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.dp_shard import DPSharding, normalize_sharding
 from lightning_tpp.core.grads import average_gradients, broadcast_module
+from lightning_tpp.tensor_parallel.sequence import sum_partial_gradients
 from lightning_tpp.core.materialize import has_meta, move_real
 from lightning_tpp.core.mesh import MeshDims, resolve_dims
 from lightning_tpp.core.params import ParamNames, ShardIndex
@@ -94,6 +95,11 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             shard of the vocabulary (the logits are still gathered for any other use), so neither the
             cross-entropy's saved log-softmax nor the logits' gradient is ever whole. Not under dp sharding
             (FSDP2). See ``docs/tensor_parallel.md``.
+        sequence_parallel: with tp > 1, Megatron's sequence parallelism: the blocks of the model's block sequence
+            run norms, dropout and residual adds on this rank's part of the sequence (dim 1), gathering it before
+            each attention/MLP and reduce-scattering after it (the bytes of the all-reduces they replace), so those
+            activations take ``1/tp`` of the memory. Needs a sequence length divisible by ``tp``. Each block is
+            checked against the original on its first call. See ``docs/tensor_parallel.md``.
         save_distributed_checkpoint: write checkpoints as a folder of shards (torch.distributed.checkpoint, each
             rank writing its own; ``lightning-tpp consolidate`` makes one file of it) instead of one whole-model
             file written by rank 0. Both load into any layout.
@@ -143,6 +149,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         verify: bool = True,
         activation_checkpointing: bool = False,
         loss_parallel: bool = True,
+        sequence_parallel: bool = False,
         dp_sharding: DPSharding = "full_shard",
         print_plan: bool = True,
         save_distributed_checkpoint: bool = True,
@@ -188,6 +195,12 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         if not isinstance(loss_parallel, bool):
             raise TypeError(f"loss_parallel={loss_parallel!r} must be True or False")
         self._loss_parallel = loss_parallel
+        if not isinstance(sequence_parallel, bool):
+            raise TypeError(f"sequence_parallel={sequence_parallel!r} must be True or False")
+        if sequence_parallel and tp < 2:
+            raise ValueError(f"sequence_parallel=True cuts the sequence over the tensor-parallel ranks and needs tp >= 2, "
+                             f"got tp={tp}")
+        self._sequence_parallel = sequence_parallel
         self._dp_sharding = normalize_sharding(dp_sharding)
         self._save_sharded = save_distributed_checkpoint
         if on_nonfinite not in ("raise", "skip", "warn"):
@@ -287,7 +300,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         config = ParallelConfig(self._tp, self._pp, self.microbatches, self.schedule, self.virtual_stages,
                                 self._balance, self._split_points, self._blocks, self._tp_plan_arg, self._verify,
                                 activation_checkpointing=self._activation_checkpointing,
-                                loss_parallel=self._loss_parallel)
+                                loss_parallel=self._loss_parallel, sequence_parallel=self._sequence_parallel)
         groups = ProcessGroups(self._mesh, self._tp_group, self._pp_group, self._dp_group)
         meta = None
         if on_meta:  # what a weights file fills is only allocated (strict or not, the rest is initialised)
@@ -333,7 +346,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
                                                      "virtual_stages", "_tp_plan_arg", "_balance", "_split_points",
                                                      "_blocks", "_save_sharded", "_on_nonfinite", "_weights",
                                                      "_weights_prefix", "_activation_checkpointing",
-                                                     "_dp_sharding")}
+                                                     "_dp_sharding", "_sequence_parallel")}
 
     def _fingerprint(self, module: nn.Module) -> dict[str, Any]:
         return {"configuration": self._config(), "model": model_structure(module),
@@ -450,6 +463,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
 
     def _average_dp_gradients(self) -> None:
         assert self.lightning_module is not None
+        if self._state is not None:
+            sum_partial_gradients(self._state.sequence)  # sequence parallelism: each tp rank saw part of the tokens
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         average_gradients(params, self._dp_group)
 

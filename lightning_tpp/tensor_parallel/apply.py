@@ -39,6 +39,7 @@ from lightning_tpp.tensor_parallel.layers import (
     is_transposed_linear,
 )
 from lightning_tpp.tensor_parallel.rng import following
+from lightning_tpp.tensor_parallel.sequence import block_inputs, block_output, saved_as_shards
 from lightning_tpp.tensor_parallel.plan import HEAD_DIM_NAMES, HEAD_NAMES, KV_NAMES, WIDTH_HINTS, BlockInfo, TPPlan
 
 
@@ -124,18 +125,19 @@ class _TPBlock:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         st = self._tpp_block
+        args, kwargs = block_inputs(args, kwargs)  # sequence parallelism: the stream's shards gathered
         if st.verify_pending:
             st.verify_pending = False
             verify_block(self, args, kwargs)  # type: ignore[arg-type]
         st.scope.enter()
         try:
             if not (self.training and st.draws is not False) or VERIFYING.get():  # type: ignore[attr-defined]
-                with st.shape_mode():
-                    return super().forward(*args, **kwargs)  # type: ignore[misc]
-            with following(st.scope.group.rank) as draws, st.shape_mode():  # dropout over sharded values: per rank
+                with st.shape_mode(), saved_as_shards():
+                    return block_output(super().forward(*args, **kwargs))  # type: ignore[misc]
+            with following(st.scope.group.rank) as draws, st.shape_mode(), saved_as_shards():  # dropout: per rank
                 out = super().forward(*args, **kwargs)  # type: ignore[misc]
             st.draws = st.draws or draws.dropped
-            return out
+            return block_output(out)
         finally:
             st.scope.exit()
 
@@ -255,7 +257,17 @@ def reference_copy(block: nn.Module, group: TPGroup, shards: ShardIndex) -> nn.M
         ref = copy.deepcopy(block, {**memo, **shared})
     for m in ref.modules():
         unswap(m)
+        _drop_fsdp_hooks(m)
     return ref
+
+
+def _drop_fsdp_hooks(module: nn.Module) -> None:
+    """A copied FSDP2 unit keeps its hooks, bound to the state it shares with the original: running the copy would
+    reshard the original's parameters."""
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key, hook in list(hooks.items()):
+            if getattr(getattr(hook, "__func__", hook), "__module__", "").startswith("torch.distributed"):
+                del hooks[key]
 
 
 def _isolated(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -24,6 +24,7 @@ from lightning_tpp.core.comm import TPGroup, TPScope, copy_to_tp, gather_from_tp
 from lightning_tpp.core.swap import original_class
 from lightning_tpp.tensor_parallel.loss import VocabShardedLogits
 from lightning_tpp.tensor_parallel.rng import mark_replicated, mark_sharded
+from lightning_tpp.tensor_parallel.sequence import column_input, row_reduce
 
 
 @dataclass
@@ -51,6 +52,15 @@ def linear_dims(module: nn.Module) -> tuple[int, int]:
     return (w.shape[0], w.shape[1]) if is_transposed_linear(module) else (w.shape[1], w.shape[0])
 
 
+def _column_input(tp: LayerTP, x: Tensor) -> Tensor:
+    """``f`` (copy_to_tp, shared through the block's scope), or under sequence parallelism the gathered stream's
+    alias (whose backward reduce-scatters instead)."""
+    alias = column_input(x)
+    if alias is not None:
+        return alias
+    return tp.scope.copy(x) if tp.scope is not None else copy_to_tp(x, tp.group)
+
+
 class _ColumnParallel:
     """Output dim split; input passes through ``copy_to_tp`` (shared with sibling layers via the block's scope)."""
 
@@ -58,7 +68,7 @@ class _ColumnParallel:
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         tp = self._tpp_layer
-        x = tp.scope.copy(x) if tp.scope is not None else copy_to_tp(x, tp.group)
+        x = _column_input(tp, x)
         y = super().forward(x, *args, **kwargs)  # type: ignore[misc]
         if tp.gather:
             local, y = y, gather_from_tp(y, tp.group)
@@ -82,9 +92,13 @@ class _RowParallel:
             y = torch.matmul(x, self.weight)
         else:
             y = F.linear(x, self.weight)
-        y = reduce_from_tp(y, self._tpp_layer.group)
+        scattered = row_reduce(y)  # sequence parallelism: reduce-scattered over the sequence instead
+        y = reduce_from_tp(y, self._tpp_layer.group) if scattered is None else scattered
         y = y + self.bias if self.bias is not None else y
-        mark_replicated(y)
+        if scattered is None:
+            mark_replicated(y)
+        else:
+            mark_sharded(y)  # this rank's part of the sequence: dropout over it draws per tp rank
         return y
 
 
@@ -171,11 +185,10 @@ class _ParallelMultiheadAttention:
         h, hd, group = mha.num_heads, mha.head_dim, self._tpp_layer.group
         wq, wk, wv = mha.in_proj_weight.chunk(3)
         bq, bk, bv = mha.in_proj_bias.chunk(3) if mha.in_proj_bias is not None else (None, None, None)
-        scope = self._tpp_layer.scope
-        assert scope is not None
-        q = F.linear(scope.copy(query), wq, bq).view(b, t, h, hd).transpose(1, 2)
-        k = F.linear(scope.copy(key), wk, bk).view(b, s, h, hd).transpose(1, 2)
-        v = F.linear(scope.copy(value), wv, bv).view(b, s, h, hd).transpose(1, 2)
+        assert self._tpp_layer.scope is not None  # q, k and v of one input share its f
+        q = F.linear(_column_input(self._tpp_layer, query), wq, bq).view(b, t, h, hd).transpose(1, 2)
+        k = F.linear(_column_input(self._tpp_layer, key), wk, bk).view(b, s, h, hd).transpose(1, 2)
+        v = F.linear(_column_input(self._tpp_layer, value), wv, bv).view(b, s, h, hd).transpose(1, 2)
         for part in (q, k, v):
             mark_sharded(part)  # this rank's heads: attention dropout draws per tp rank
 

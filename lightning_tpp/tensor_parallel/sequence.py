@@ -1,0 +1,385 @@
+"""Sequence parallelism (``sequence_parallel=True``): Megatron-SP on an unmodified model's block sequence.
+
+Between tensor-parallel blocks the residual stream is replicated on every tp rank, so norms, dropout and residual
+adds store ``tp`` copies of the same activations. Here the blocks of the model's block sequence (the same one the
+pipeline cuts: ``transformer.h``, ``model.layers``) run on sequence shards instead, cut along dim 1::
+
+    first block's input      scatter_seq            (B, S, D) -> (B, S/tp, D)      backward: all-gather
+    tensor-parallel block    gather_seq its inputs  (B, S/tp, D) -> (B, S, D)      backward: reduce-scatter *
+      ... its row layers     reduce_scatter_seq     instead of the all-reduce       backward: all-gather
+    last block's output      gather_seq             (B, S/tp, D) -> (B, S, D)      backward: keep this part
+
+(*) of what the column-parallel layers read straight from the gathered input; other uses of it inside the block
+(a residual there) ran replicated and keep their part of the gradient.
+So a block costs what tensor parallelism costs (an all-gather and a reduce-scatter move the bytes of one all-reduce)
+and everything outside the tensor-parallel blocks holds ``1/tp`` of the activations. Which inputs of a
+tensor-parallel block are the stream: the tensors of exactly the shape of the block's input shard (masks and rotary
+tables, computed by the model from the whole sequence, are left alone).
+
+A block whose own forward holds its projections (no attention or MLP submodule) is gathered at its entry and cut at
+its exit; its row layers all-reduce. Parameters used on shards (norms, the biases added after a reduce-scatter) get a
+partial gradient on each tp rank: :func:`sum_partial_gradients` adds them up before the optimizer steps.
+
+The first call of each block checks it numerically: its sequence-parallel output against the original block (whole
+weights, whole sequence) on the same inputs, so that a block whose own code reads the sequence length, or an
+attention left whole, fails with a message instead of training on the wrong values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_tpp._compat import enclosing_saved_tensors_hooks, tree_flatten, tree_map, tree_unflatten
+from lightning_tpp.core.comm import (
+    TPGroup,
+    all_gather_seq,
+    all_reduce_flag,
+    gather_seq,
+    reduce_scatter_seq,
+    scatter_seq,
+    seq_alias,
+)
+from lightning_tpp.core.dp_shard import local
+from lightning_tpp.core.grads import all_reduce_coalesced
+from lightning_tpp.core.params import ShardIndex
+from lightning_tpp.core.swap import swap_class
+from lightning_tpp.core.walk import VERIFYING
+from lightning_tpp.tensor_parallel.rng import following
+
+
+class SequenceParallelError(RuntimeError):
+    """A block does not compute on sequence shards what it computes on the whole sequence."""
+
+
+@dataclass
+class _Region:
+    """While a block of the sequence runs: the shape of its input shard, and the stream gathered at a
+    tensor-parallel block's entry (id -> shard, gathered, the column layers' alias)."""
+
+    group: TPGroup
+    shard: torch.Size
+    regather: bool = True  # gathered inputs saved for backward as shards (off inside activation checkpointing)
+    gathered: dict[int, list[Any]] = field(default_factory=dict)  # [shard, whole, alias, _Regathered]
+
+    @property
+    def whole(self) -> torch.Size:
+        s = list(self.shard)
+        s[1] *= self.group.size
+        return torch.Size(s)
+
+
+_REGION: contextvars.ContextVar[Optional[_Region]] = contextvars.ContextVar("lightning_tpp_sp_region", default=None)
+
+
+@dataclass
+class ElementState:
+    """The one slot (``_tpp_sp``) a block of the sequence carries."""
+
+    name: str
+    group: TPGroup
+    shards: ShardIndex
+    first: bool  # its input is the whole sequence: cut it
+    last: bool  # its output leaves the region: gather it
+    flat: bool  # it is itself a tensor-parallel block (its projections are its own children)
+    recomputed: bool = False  # under activation checkpointing (which saves nothing in its forward)
+    draws: Optional[bool] = None  # whether its training forward drew dropout (None: not run in training yet)
+    verify_pending: bool = True
+    partial: list[tuple[nn.Module, str]] = field(default_factory=list)  # parameters with per-rank partial grads
+
+
+def _stream_index(args: tuple, kwargs: dict) -> Optional[tuple[str, Any]]:
+    """Where the residual stream is in a block's call: its first tensor argument (positional, else keyword)."""
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor):
+            return ("arg", i)
+    for k, v in kwargs.items():
+        if isinstance(v, Tensor):
+            return ("kw", k)
+    return None
+
+
+def _replace(args: tuple, kwargs: dict, where: tuple[str, Any], value: Tensor) -> tuple[tuple, dict]:
+    if where[0] == "arg":
+        return args[:where[1]] + (value,) + args[where[1] + 1:], kwargs
+    return args, {**kwargs, where[1]: value}
+
+
+def _get(args: tuple, kwargs: dict, where: tuple[str, Any]) -> Tensor:
+    return args[where[1]] if where[0] == "arg" else kwargs[where[1]]
+
+
+def _map_first_tensor(out: Any, fn: Any) -> Any:
+    """``fn`` on the block output's hidden state: the output itself, or the first tensor of a tuple/list/dict."""
+    if isinstance(out, Tensor):
+        return fn(out)
+    leaves, spec = tree_flatten(out)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor):
+            leaves[i] = fn(leaf)
+            return tree_unflatten(leaves, spec)
+    return out
+
+
+class _SequenceElement:
+    """Mixin for each block of the sequence: in the sequence-parallel region (see the module docstring)."""
+
+    _tpp_sp: ElementState
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        st = self._tpp_sp
+        where = _stream_index(args, kwargs)
+        if where is None or VERIFYING.get():  # a tensor-parallel block checking itself on the whole sequence
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        if st.first:
+            args, kwargs = _replace(args, kwargs, where, scatter_seq(_get(args, kwargs, where), st.group))
+        if st.verify_pending:
+            st.verify_pending = False
+            _verify(self, args, kwargs, where)  # type: ignore[arg-type]
+        return self._sp_forward(args, kwargs, where)
+
+    def _sp_forward(self, args: tuple, kwargs: dict, where: tuple[str, Any]) -> Any:
+        st = self._tpp_sp
+        stream = _get(args, kwargs, where)
+        if st.flat:  # its projections are its own: the whole block runs on the whole sequence
+            args, kwargs = _replace(args, kwargs, where, gather_seq(stream, st.group))
+            out = super().forward(*args, **kwargs)  # type: ignore[misc]
+            return out if st.last else _map_first_tensor(out, lambda t: scatter_seq(t, st.group))
+        token = _REGION.set(_Region(st.group, stream.shape, regather=not st.recomputed))
+        try:
+            if not (self.training and st.draws is not False):  # type: ignore[attr-defined]
+                out = super().forward(*args, **kwargs)  # type: ignore[misc]
+            else:  # dropout over the shards draws per tp rank, as over a column layer's output
+                with following(st.group.rank) as draws:
+                    draws.mark(stream)
+                    out = super().forward(*args, **kwargs)  # type: ignore[misc]
+                st.draws = st.draws or draws.dropped
+        finally:
+            _REGION.reset(token)
+        return _map_first_tensor(out, lambda t: gather_seq(t, st.group)) if st.last else out
+
+
+def block_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A tensor-parallel block's call inside the region: the stream (tensors of the input shard's shape) gathered."""
+    region = _REGION.get()
+    if region is None:
+        return args, kwargs
+
+    def fn(t: Any) -> Any:
+        if not isinstance(t, Tensor) or t.shape != region.shard:
+            return t
+        whole = gather_seq(t, region.group)
+        region.gathered[id(whole)] = [t, whole, None, None]
+        return whole
+
+    return tuple(fn(a) for a in args), {k: fn(v) for k, v in kwargs.items()}
+
+
+class _Regathered:
+    """A gathered stream that backward needs (the column layers' input, for their weight gradients), kept as this
+    rank's shard and gathered again the first time backward asks (Megatron-SP): ``1/tp`` of it stays saved. The
+    shard goes through the enclosing saved-tensor hooks (``unpack`` is theirs)."""
+
+    __slots__ = ("packed", "unpack", "group", "whole")
+
+    def __init__(self, packed: Any, unpack: Any, group: TPGroup) -> None:
+        self.packed, self.unpack, self.group, self.whole = packed, unpack, group, None
+
+    def get(self) -> Tensor:
+        if self.whole is None:
+            self.whole = all_gather_seq(self.unpack(self.packed), self.group)
+        return self.whole
+
+
+def _identity(t: Any) -> Any:
+    return t
+
+
+def saved_as_shards() -> contextlib.AbstractContextManager:
+    """Around a tensor-parallel block's forward inside the region: what autograd saves of the gathered stream (or a
+    view of it) is kept as the shard (:class:`_Regathered`); everything else goes to the enclosing hooks, if any
+    (a user's ``save_on_cpu``, a memory tracker), as without this one."""
+    region = _REGION.get()
+    if region is None or not region.regather or not region.gathered or not torch.is_grad_enabled():
+        return contextlib.nullcontext()
+    outer_pack, outer_unpack = enclosing_saved_tensors_hooks() or (_identity, _identity)
+    wholes = {e[1].untyped_storage().data_ptr(): e for e in region.gathered.values()}
+
+    def pack(t: Tensor) -> Any:
+        entry = wholes.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if entry is None or t.dtype != entry[1].dtype:
+            return False, outer_pack(t)
+        if entry[3] is None:
+            entry[3] = _Regathered(outer_pack(entry[0].detach()), outer_unpack, region.group)
+        return True, (entry[3], t.shape, t.stride(), t.storage_offset())
+
+    def unpack(packed: Any) -> Tensor:
+        ours, held = packed
+        if not ours:
+            return outer_unpack(held)
+        regathered, shape, stride, offset = held
+        return regathered.get().as_strided(shape, stride, offset)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def column_input(x: Tensor) -> Optional[Tensor]:
+    """What a column-parallel layer reads when its input is the stream gathered at its block's entry: an alias whose
+    backward reduce-scatters the layer's partial input gradient (Megatron-SP's all-gather backward), shared by the
+    sibling layers that read it (q, k, v). ``None`` for any other input (the layer's own ``copy_to_tp`` applies)."""
+    region = _REGION.get()
+    entry = region.gathered.get(id(x)) if region is not None else None
+    if entry is None or entry[1] is not x or not torch.is_grad_enabled():
+        return None
+    if entry[2] is None:
+        entry[2] = seq_alias(entry[0], x, region.group)
+    return entry[2]
+
+
+def block_output(out: Any) -> Any:
+    """... and its output cut back to this rank's part, where it is still whole (row layers that all-reduced)."""
+    region = _REGION.get()
+    if region is None:
+        return out
+    whole = region.whole
+    return tree_map(lambda t: scatter_seq(t, region.group) if isinstance(t, Tensor) and t.shape == whole else t, out)
+
+
+def row_reduce(y: Tensor) -> Optional[Tensor]:
+    """A row-parallel layer's partial sums reduce-scattered over the sequence, inside the region; ``None`` outside
+    it (the layer all-reduces)."""
+    region = _REGION.get()
+    if region is None or y.shape != region.whole:
+        return None
+    return reduce_scatter_seq(y, region.group)
+
+
+def _verify(element: nn.Module, args: tuple, kwargs: dict, where: tuple[str, Any]) -> None:
+    """The block's sequence-parallel output against the original block on the whole sequence."""
+    from lightning_tpp.tensor_parallel.apply import _close, _isolated, reference_copy
+
+    st: ElementState = element._tpp_sp  # type: ignore[assignment]
+    group = st.group
+    ref = reference_copy(element, group, st.shards)
+    modes = {m: m.training for m in element.modules()}
+    element.eval()
+    ref.eval()
+    problem = None
+    try:
+        with torch.no_grad():
+            a, k = _isolated(args, kwargs)
+            a, k = _replace(a, k, where, gather_seq(_get(a, k, where), group))
+            token = VERIFYING.set(True)
+            try:
+                want = ref(*a, **k)
+            finally:
+                VERIFYING.reset(token)
+            a, k = _isolated(args, kwargs)
+            try:
+                got = element._sp_forward(a, k, where)  # type: ignore[attr-defined]
+                problem = _close(got, want, group)
+            except Exception as err:  # noqa: BLE001 - any error of the sequence-parallel forward is a mismatch
+                problem = f"its forward raised {type(err).__name__}: {err}"
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    if not all_reduce_flag(problem is None, group.group):
+        raise SequenceParallelError(
+            f"sequence parallelism: block {st.name!r} ({type(element).__name__}) does not compute on sequence shards "
+            f"what it computes on the whole sequence: {problem or 'another tp rank differs'}. Its own code probably "
+            f"reads the sequence length or mixes positions outside its attention (or an attention in it is left "
+            f"whole); train it with sequence_parallel=False")
+
+
+def apply_sequence_parallel(module: nn.Module, containers: list[list[str]], group: TPGroup, shards: ShardIndex, *,
+                            local_names: Optional[set[str]] = None, twins: Optional[dict[str, nn.Module]] = None,
+                            verify: bool = True) -> list[ElementState]:
+    """Put the blocks of each container (a list of block names in forward order) in the region; ``local_names``:
+    the blocks this pipeline rank holds (the others are stand-ins whose meta ``twins`` get the region's shapes)."""
+    modules = dict(module.named_modules())
+    states = []
+    for names in containers:
+        for i, name in enumerate(names):
+            first, last = i == 0, i == len(names) - 1
+            if twins is not None and name in twins:  # another stage's block, or this rank's run for another chunk
+                twins[name]._tpp_sp_twin = (group.size, first, last)
+                swap_class(twins[name], _SequenceTwin)
+            if local_names is not None and name not in local_names:
+                continue
+            element = modules[name]
+            outer = next((n for n in _ancestors(name) if getattr(modules.get(n), "_tpp_block", None) is not None), None)
+            if outer is not None:
+                raise ValueError(f"sequence_parallel=True: the blocks of {names[0].rpartition('.')[0] or 'the model'} "
+                                 f"are layers of the tensor-parallel block {outer!r}, so there is no stream between "
+                                 f"tensor-parallel blocks to cut along the sequence; use sequence_parallel=False")
+            flat = getattr(element, "_tpp_block", None) is not None
+            st = ElementState(name, group, shards, first, last, flat, verify_pending=verify,
+                              partial=_partial_params(element, shards) if group.size > 1 else [])
+            element._tpp_sp = st
+            swap_class(element, _SequenceElement)
+            states.append(st)
+    return states
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts))]
+
+
+def _partial_params(element: nn.Module, shards: ShardIndex) -> list[tuple[nn.Module, str]]:
+    """(module, attribute) of the replicated parameters that see sequence shards: those outside the element's
+    tensor-parallel blocks, and the biases its row layers add after reduce-scattering."""
+    from lightning_tpp.tensor_parallel.layers import _RowParallel
+
+    if getattr(element, "_tpp_block", None) is not None:
+        return []  # gathered at entry: everything in it sees the whole sequence
+    blocks = [m for m in element.modules() if getattr(m, "_tpp_block", None) is not None]
+    inside = {id(m) for b in blocks for m in b.modules()}
+    out = []
+    for m in element.modules():
+        for attr, p in m.named_parameters(recurse=False):
+            if shards.get(p) is not None:
+                continue
+            row_bias = attr == "bias" and isinstance(m, _RowParallel)
+            if id(m) not in inside or row_bias:
+                out.append((m, attr))
+    return out
+
+
+def sum_partial_gradients(states: list[ElementState]) -> None:
+    """Add up over the tp group the gradients of the parameters each rank used on its shard of the sequence."""
+    if not states or states[0].group.size == 1:
+        return
+    grads = []
+    for st in states:
+        for m, attr in st.partial:
+            p = getattr(m, attr, None)
+            if p is not None and p.grad is not None:
+                grads.append(local(p.grad))
+    if grads:
+        all_reduce_coalesced(grads, states[0].group.group, average=False)
+
+
+class _SequenceTwin:
+    """Mixin for the meta twin of a block another pipeline rank holds: shapes as the real block has them inside the
+    region (input shard in, output shard out; the whole sequence in the first block and out of the last)."""
+
+    _tpp_sp_twin: tuple[int, bool, bool]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        tp, first, last = self._tpp_sp_twin
+        where = _stream_index(args, kwargs)
+        if where is None:
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        if not first:
+            x = _get(args, kwargs, where)
+            args, kwargs = _replace(args, kwargs, where, torch.cat([x] * tp, dim=1))
+        out = super().forward(*args, **kwargs)  # type: ignore[misc]
+        if not last:
+            out = _map_first_tensor(out, lambda t: t.narrow(1, 0, t.shape[1] // tp))
+        return out
