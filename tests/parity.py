@@ -169,6 +169,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     parser.add_argument("--meta", action="store_true", help="build the model in configure_model (meta device)")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--dp-sharding", default="full_shard")
+    parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--seed-by-rank", action="store_true", help="each rank builds its model from seed = rank")
     args = parser.parse_args()
     from lightning_tpp import TensorPipeStrategy
@@ -186,7 +187,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
             strategy = TensorPipeStrategy(tp=args.tp, pp=args.pp, schedule=schedule, microbatches=args.microbatches,
                                           virtual_stages=virtual, blocks=args.blocks,
                                           activation_checkpointing=args.activation_checkpointing,
-                                          dp_sharding=args.dp_sharding,
+                                          dp_sharding=args.dp_sharding, sequence_parallel=args.sequence_parallel,
                                           print_plan=rank == 0 and name == "nanogpt")
             record = train(name, strategy=strategy, devices=args.tp * args.dp * args.pp, dp=args.dp,
                            steps=args.steps, batch_size=args.batch_size, accumulate=args.accumulate, clip=args.clip,
@@ -204,6 +205,8 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
                 shards = strategy.parallel_state.shards
                 params = list(strategy.lightning_module.parameters())
                 record.local_fraction = sum(p.numel() for p in params) / sum(shards.full_numel(p) for p in params)
+            if args.sequence_parallel and not strategy.parallel_state.sequence:
+                raise AssertionError(f"{name}: sequence_parallel=True but no block runs on sequence shards")
             if args.activation_checkpointing and not strategy.parallel_state.recomputed:
                 raise AssertionError(f"{name}: activation_checkpointing=True but no block is recomputed")
             stem = name if len(schedules) == 1 else f"{name}.{schedule_name}"

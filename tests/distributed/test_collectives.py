@@ -22,5 +22,27 @@ def counts(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 @pytest.mark.parametrize("block", ["nanogpt_block", "llama_block", "encoder_layer"])
 def test_two_all_reduces_each_way(counts: list[dict], block: str) -> None:
     for rank_counts in counts:
-        assert rank_counts[block] == {"forward_all_reduce": 2, "forward_all_gather": 0,
-                                      "backward_all_reduce": 2, "backward_all_gather": 0}, block
+        assert rank_counts[block] == {"forward_all_reduce": 2, "forward_all_gather": 0, "forward_reduce_scatter": 0,
+                                      "backward_all_reduce": 2, "backward_all_gather": 0,
+                                      "backward_reduce_scatter": 0}, block
+
+
+@pytest.mark.parametrize("block", ["nanogpt_block", "llama_block"])
+def test_sequence_parallel_replaces_each_all_reduce(counts: list[dict], block: str) -> None:
+    """Megatron-SP: each all-reduce becomes an all-gather before the attention/MLP and a reduce-scatter after it
+    (backward: the reduce-scatter of the column layers' input gradients, the all-gather of the row outputs' and,
+    as Megatron, a second all-gather of the attention/MLP input, which is saved for the weight gradients as a
+    shard)."""
+    for rank_counts in counts:
+        assert rank_counts[f"{block}_sp"] == {"forward_all_reduce": 0, "forward_all_gather": 2,
+                                              "forward_reduce_scatter": 2, "backward_all_reduce": 0,
+                                              "backward_all_gather": 4, "backward_reduce_scatter": 2}, block
+
+
+def test_sequence_parallel_flat_block(counts: list[dict]) -> None:
+    """A block that holds its projections (nn.TransformerEncoderLayer's linear1/linear2) is gathered whole at its
+    entry and cut at its exit: one all-gather more each way than tensor parallelism alone."""
+    for rank_counts in counts:
+        assert rank_counts["encoder_layer_sp"] == {"forward_all_reduce": 2, "forward_all_gather": 1,
+                                                   "forward_reduce_scatter": 0, "backward_all_reduce": 2,
+                                                   "backward_all_gather": 1, "backward_reduce_scatter": 0}

@@ -16,6 +16,11 @@ SCRIPT = ROOT / "tests" / "distributed" / "worker_errors.py"
                     r"\(TPBlock\[ShuffledMLP\]\) does not match the original model"),
     ("embedding", 2, r"TensorParallelMismatchError: tensor-parallel layer 'model\.tok_embeddings' "
                      r"\(MeanShiftedEmbedding\) does not match the original model"),
+    ("sp_positions", 2, r"SequenceParallelError: sequence parallelism: block 'model\.transformer\.h\.0' "
+                        r"\(SequenceElement\[PositionalBias\]\) does not compute on sequence shards what it "
+                        r"computes on the whole sequence: (output: max abs difference|another tp rank differs)"),
+    ("sp_odd_length", 2, r"ValueError: sequence parallelism cuts dim 1 \(the sequence\) of the blocks' input, "
+                         r"\(batch, sequence, features\), into tp=2 parts, but its shape is \(4, 17, 32\)"),
     ("world", 3, r"ValueError: world size 3 is not divisible by tp\*pp = 2\*1 = 2; with 3 processes choose "
                  r"\(tp, pp\) from \[\(1, 1\), \(1, 3\), \(3, 1\)\]"),
     ("pp_stages", 2, r"PipelinePartitionError: pp=4 stages \(x virtual stages\) but 'model\.transformer\.h' has "
@@ -33,7 +38,7 @@ SCRIPT = ROOT / "tests" / "distributed" / "worker_errors.py"
     ("pp_tied_cut", 4, r"TensorParallelConfigError: model\.transformer\.wte\.weight = model\.lm_head\.weight is "
                        r"shared by pipeline stages \[0, 1\], but tensor parallelism cut it differently on them "
                        r"\(shapes \[\(32, 32\), \(64, 32\)\]\)"),
-], ids=["heads", "mismatch", "embedding", "world", "pp_stages", "pp_encdec", "pp_manual", "pp_fp16", "pp_trace",
+], ids=["heads", "mismatch", "embedding", "sp_positions", "sp_odd_length", "world", "pp_stages", "pp_encdec", "pp_manual", "pp_fp16", "pp_trace",
         "pp_tied_cut"])
 def test_error_on_every_rank(scenario: str, devices: int, message: str) -> None:
     import re

@@ -143,3 +143,11 @@ def test_pp2_batch_not_divisible_by_microbatches(tmp_path: Path, microbatches: i
     micro-batches (an epoch's last) runs one micro-batch per sample, with GPipe if 1F1B needs more than it has."""
     run_and_compare(tmp_path, ["nanogpt"], extra=("--microbatches", str(microbatches), "--batch-size",
                                                   str(batch_size)), train_kwargs=dict(batch_size=batch_size))
+
+
+def test_tp2_pp2_sequence_parallel(tmp_path: Path) -> None:
+    """Sequence parallelism across stages: each tp rank sends its part of the sequence to its peer on the next stage
+    (the other stage's blocks are meta twins with the region's shapes); 1F1B, and zero-bubble whose weight gradients
+    of the column layers read the gathered stream."""
+    run_and_compare(tmp_path, ["nanogpt", "hf_llama", "flat_gpt", "litgpt"], tp=2, extra=("--sequence-parallel",),
+                    schedules=("1f1b", "zero-bubble"))

@@ -41,6 +41,34 @@ def test_parity_fp32(tmp_path: Path, tp: int, dp: int, models: list[str]) -> Non
                 assert record.local_fraction <= 0.65, (name, record.local_fraction)
 
 
+SEQUENCE_PARALLEL = ["nanogpt", "llama", "hf_llama", "hf_gpt2", "flat_gpt", "split_gpt", "encoder", "seq2seq",
+                     "hf_gemma", "hf_bert", "litgpt"]
+
+
+def test_parity_sequence_parallel(tmp_path: Path) -> None:
+    """sequence_parallel=True at tp=2: blocks whose attention and MLP are submodules (the stream between them on
+    sequence shards, norms' and row biases' gradients summed over tp), blocks that hold their projections
+    (gathered whole at entry), nn.MultiheadAttention, an encoder-decoder (two stacks), Hugging Face families."""
+    _run(tmp_path, SEQUENCE_PARALLEL, 2, 1, ["--sequence-parallel"])
+    for name in SEQUENCE_PARALLEL:
+        ref = reference(name, 1)
+        for rank in range(2):
+            assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), ref, where=f"{name} sp rank {rank}")
+
+
+
+def test_parity_sequence_parallel_fsdp_checkpointing(tmp_path: Path) -> None:
+    """sequence_parallel with FSDP2 over dp (each block a unit: its first-call check copies it without FSDP2's
+    hooks), activation checkpointing (the recomputed forward cuts and gathers again), global-norm clipping (the
+    summed partial gradients counted once) and 2 accumulated micro-batches (summed once, at the step). AdamW
+    tolerance as in test_parity_clipping_accumulation."""
+    opts = dict(accumulate=2, clip=0.1, optimizer="adamw", steps=3, lr=0.01)
+    _run(tmp_path, ["llama"], 2, 2, ["--sequence-parallel", "--activation-checkpointing", "--accumulate", "2",
+                                     "--clip", "0.1", "--optimizer", "adamw", "--steps", "3", "--lr", "0.01"])
+    ref = train("llama", dp=2, **opts)
+    for rank in range(4):
+        assert_parity(load_record(tmp_path / f"llama.rank{rank}.pt"), ref, param_atol=1e-4, where=f"llama rank {rank}")
+
 @pytest.mark.parametrize(("models", "optimizer", "lr", "param_atol", "dp_sharding"),
                          [(["nanogpt", "llama"], "sgd", 0.1, None, "no_shard"),
                           (["llama"], "adamw", 0.01, 1e-4, "full_shard")])

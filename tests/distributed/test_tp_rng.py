@@ -4,17 +4,21 @@ residual branches, so replicas stay equal); activation checkpointing recomputes 
 
 from __future__ import annotations
 
-from pathlib import Path
-
+import pytest
 import torch
 
 from launch import ROOT, run_ranks
 
 
-def test_dropout_masks_per_tp_rank(tmp_path: Path) -> None:
-    run_ranks(ROOT / "tests" / "distributed" / "worker_tp_rng.py", 2, [str(tmp_path)], timeout=300).check()
-    ranks = [torch.load(tmp_path / f"tp_rng.rank{r}.pt") for r in range(2)]
-    plain = [r[False] for r in ranks]
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("tp_rng")
+    run_ranks(ROOT / "tests" / "distributed" / "worker_tp_rng.py", 2, [str(out)], timeout=300).check()
+    return [torch.load(out / f"tp_rng.rank{r}.pt") for r in range(2)]
+
+
+def test_dropout_masks_per_tp_rank(ranks: list[dict]) -> None:
+    plain = [r[(False, False)] for r in ranks]
     for kind in ("attn", "hidden", "resid"):
         a, b = plain[0]["masks"][kind], plain[1]["masks"][kind]
         assert len(a) == len(b) >= 4 and all(x.shape == y.shape for x, y in zip(a, b))
@@ -26,7 +30,7 @@ def test_dropout_masks_per_tp_rank(tmp_path: Path) -> None:
             assert not any(torch.equal(x, y) for x, y in zip(a, b)), f"{kind}: the tp ranks drew the same mask"
     assert plain[0]["losses"] == plain[1]["losses"]
     # recomputed in backward (activation checkpointing): the same masks, losses and gradients
-    recomputed = [r[True] for r in ranks]
+    recomputed = [r[(True, False)] for r in ranks]
     for rank in range(2):
         assert recomputed[rank]["recomputed"] == 2
         for kind in ("attn", "hidden", "resid"):
@@ -35,3 +39,21 @@ def test_dropout_masks_per_tp_rank(tmp_path: Path) -> None:
         for got, want in zip(recomputed[rank]["grads"], plain[rank]["grads"]):
             for name in want:
                 torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_dropout_masks_on_sequence_shards(ranks: list[dict]) -> None:
+    """sequence_parallel: a residual dropout outside the attention and MLP drops this rank's part of the sequence,
+    with its own stream (Megatron forks the tensor-parallel RNG there), so the two halves of the sequence do not get
+    one mask twice; the MLP hidden (tp-sharded) as before; recomputation draws the same masks."""
+    plain = [r[(False, True)] for r in ranks]
+    for kind in ("hidden", "resid"):
+        a, b = plain[0]["masks"][kind], plain[1]["masks"][kind]
+        assert len(a) == len(b) >= 4 and all(0.2 < float(m.float().mean()) < 0.4 for m in a + b), kind
+        assert not any(torch.equal(x, y) for x, y in zip(a, b)), f"{kind}: the tp ranks drew the same mask"
+    assert all(m.shape[1] == 8 for m in plain[0]["masks"]["resid"]), "the residual is not a sequence shard"
+    assert plain[0]["losses"] == plain[1]["losses"]
+    for rank in range(2):
+        again = ranks[rank][(True, True)]
+        for kind in ("hidden", "resid"):
+            assert all(torch.equal(x, y) for x, y in zip(again["masks"][kind], plain[rank]["masks"][kind]))
+        assert again["losses"] == plain[rank]["losses"]

@@ -1,4 +1,5 @@
-"""A rank of the collective-count check: one transformer block at tp=2, all-reduces counted per pass."""
+"""A rank of the collective-count check: one transformer block at tp=2, collectives counted per pass; with
+sequence parallelism, the block in the middle of a sequence (its input and output are sequence shards)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.tensor_parallel.apply import apply_plan
 from lightning_tpp.tensor_parallel.plan import detect
+from lightning_tpp.tensor_parallel.sequence import apply_sequence_parallel
 from models import Block, LlamaBlock
 
 BLOCKS = {
@@ -25,7 +27,7 @@ BLOCKS = {
 def main() -> None:
     dist.init_process_group("gloo")
     counts: dict[str, dict[str, int]] = {}
-    calls = {"all_reduce": 0, "all_gather": 0}
+    calls = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
     real = {name: getattr(dist, name) for name in calls}
 
     def counting(name):
@@ -34,21 +36,29 @@ def main() -> None:
             return real[name](*args, **kwargs)
         return wrapper
 
-    for name, make in BLOCKS.items():
+    def reset() -> None:
+        calls.update({k: 0 for k in calls})
+
+    for name, make in [*BLOCKS.items(), *((f"{n}_sp", m) for n, m in BLOCKS.items())]:
         torch.manual_seed(0)
         block, extra = make()
-        apply_plan(block, detect(block, 2), TPGroup(dist.group.WORLD, dist.get_rank(), 2))
-        x = torch.randn(2, 16, 32, requires_grad=True)
+        group = TPGroup(dist.group.WORLD, dist.get_rank(), 2)
+        shards = apply_plan(block, detect(block, 2), group)
+        seq = 16
+        if name.endswith("_sp"):  # the middle one of three blocks: sequence shards in and out
+            holder = nn.ModuleList([nn.Identity(), block, nn.Identity()])
+            apply_sequence_parallel(holder, [["0", "1", "2"]], group, shards)
+            seq = 8
+        x = torch.randn(2, seq, 32, requires_grad=True)
         block(x, *extra).sum().backward()  # first call runs the numerical check; not counted
         for k in calls:
             setattr(dist, k, counting(k))
-        calls.update(all_reduce=0, all_gather=0)
+        reset()
         y = block(x, *extra)
         fwd = dict(calls)
-        calls.update(all_reduce=0, all_gather=0)
+        reset()
         y.sum().backward()
-        counts[name] = {"forward_all_reduce": fwd["all_reduce"], "forward_all_gather": fwd["all_gather"],
-                        "backward_all_reduce": calls["all_reduce"], "backward_all_gather": calls["all_gather"]}
+        counts[name] = {**{f"forward_{k}": v for k, v in fwd.items()}, **{f"backward_{k}": v for k, v in calls.items()}}
         for k in calls:
             setattr(dist, k, real[k])
     with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:

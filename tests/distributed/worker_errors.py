@@ -69,6 +69,18 @@ class Manual(LitLM):
         self.automatic_optimization = False
 
 
+class PositionalBias(nn.Module):
+    """A block that adds a learned bias per position to its output: on a shard of the sequence it would add the
+    first positions' bias (silently wrong under sequence parallelism unless checked)."""
+
+    def __init__(self, block: nn.Module, seq: int = 16, dim: int = 32) -> None:
+        super().__init__()
+        self.block, self.pos = block, nn.Parameter(torch.randn(seq, dim) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x) + self.pos[: x.shape[1]]
+
+
 class Scenario(LitLM):
     def __init__(self, scenario: str) -> None:
         super().__init__("llama" if scenario in ("heads", "embedding") else "nanogpt")
@@ -78,6 +90,10 @@ class Scenario(LitLM):
             self.model.transformer.h[0].mlp = ShuffledMLP()
         if scenario == "embedding":
             self.model.tok_embeddings = MeanShiftedEmbedding(64, 32)
+        if scenario == "sp_positions":
+            h = self.model.transformer.h
+            for i in range(len(h)):
+                h[i] = PositionalBias(h[i])
 
 
 SCENARIOS = {  # name -> (module, strategy kwargs, batch size)
@@ -85,6 +101,8 @@ SCENARIOS = {  # name -> (module, strategy kwargs, batch size)
     "mismatch": (lambda: Scenario("mismatch"), dict(tp=2), 4),
     "embedding": (lambda: Scenario("embedding"), dict(tp=2), 4),
     "world": (lambda: Scenario("world"), dict(tp=2), 4),
+    "sp_positions": (lambda: Scenario("sp_positions"), dict(tp=2, sequence_parallel=True), 4),
+    "sp_odd_length": (lambda: LitLM("hf_vit"), dict(tp=2, sequence_parallel=True), 4),
     "pp_stages": (lambda: LitLM("nanogpt"), dict(pp=2, virtual_stages=2, schedule="interleaved-1f1b",
                                                   microbatches=2), 4),
     "pp_encdec": (EncoderDecoder, dict(pp=2), 4),

@@ -1,5 +1,5 @@
 """Dropout under tensor parallelism (see test_tp_rng.py): masks recorded on every tp rank, with and without
-activation checkpointing.
+activation checkpointing, and with sequence parallelism.
 
     python worker_tp_rng.py OUT
 """
@@ -41,11 +41,38 @@ class DropBlock(nn.Module):
         return x + self.resid_drop(self.mlp(self.ln2(x)))
 
 
+class Attention(nn.Module):
+    def __init__(self, dim: int = 32, n_head: int = 4) -> None:
+        super().__init__()
+        self.n_head, self.n_embd, self.qkv, self.o = n_head, dim, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.qkv(x).split(self.n_embd, dim=2))
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C))
+
+
+class SequenceDropBlock(nn.Module):
+    """Attention and MLP as submodules, the residual dropouts in the block: under sequence parallelism they drop
+    this rank's part of the sequence."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.ln1, self.ln2, self.attn = nn.LayerNorm(dim), nn.LayerNorm(dim), Attention(dim)
+        self.attn_drop = nn.Dropout(0.3)  # unused: the masks dict wants every kind
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Dropout(0.3), nn.Linear(4 * dim, dim))
+        self.resid_drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.resid_drop(self.attn(self.ln1(x)))
+        return x + self.resid_drop(self.mlp(self.ln2(x)))
+
+
 class Lit(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, block: type = DropBlock) -> None:
         super().__init__()
         self.emb, self.pos = nn.Embedding(VOCAB, 32), nn.Embedding(SEQ, 32)
-        self.blocks = nn.ModuleList([DropBlock() for _ in range(2)])
+        self.blocks = nn.ModuleList([block() for _ in range(2)])
         self.head = nn.Linear(32, VOCAB)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -67,9 +94,9 @@ def main() -> None:
 
     out, rank = Path(sys.argv[1]), int(os.environ["LOCAL_RANK"])
     results = {}
-    for recompute in (False, True):
+    for recompute, sequence in ((False, False), (True, False), (False, True), (True, True)):
         L.seed_everything(0, verbose=False)
-        module = Lit()
+        module = Lit(SequenceDropBlock if sequence else DropBlock)
         masks: dict[str, list[torch.Tensor]] = {"attn": [], "hidden": [], "resid": []}
         for block in module.blocks:  # training forwards only: not the check's (eval) nor a recomputation in backward
             for name, drop in (("attn", block.attn_drop), ("hidden", block.mlp[2]), ("resid", block.resid_drop)):
@@ -85,12 +112,13 @@ def main() -> None:
             def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
                 grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters()})
 
-        strategy = TensorPipeStrategy(tp=2, activation_checkpointing=recompute, print_plan=False)
+        strategy = TensorPipeStrategy(tp=2, activation_checkpointing=recompute, sequence_parallel=sequence,
+                                      print_plan=False)
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             use_distributed_sampler=False, callbacks=[Record()])
         trainer.fit(module, torch.utils.data.DataLoader(token_dataset(16, SEQ), batch_size=4))
-        results[recompute] = {"masks": masks, "losses": losses, "grads": grads,
+        results[(recompute, sequence)] = {"masks": masks, "losses": losses, "grads": grads,
                               "recomputed": len(strategy.parallel_state.recomputed)}
     torch.save(results, out / f"tp_rng.rank{rank}.pt")
 
