@@ -2,6 +2,7 @@
 
     python benchmarks/memory.py            # Llama-style ~150 M parameters; about 10 minutes on 2 cores
     python benchmarks/memory.py --quick    # a ~7 M-parameter model, one step: a smoke test
+    python benchmarks/memory.py --levers   # tp=2: activations with and without sequence / loss parallelism
 
 A Llama-style model (Hugging Face ``LlamaForCausalLM`` from a ``LlamaConfig``) built in the LightningModule's
 ``configure_model()``, trained a few steps with AdamW through ``TensorPipeStrategy`` in CPU processes (gloo), for
@@ -197,6 +198,7 @@ def run_rank(args: argparse.Namespace) -> None:
     L.seed_everything(0)
     layout = dict(json.loads(args.layout))
     extra = {"activation_checkpointing": True} if args.checkpointing else {}
+    extra.update(json.loads(args.extra))
     strategy = TensorPipeStrategy(**layout, microbatches=MICROBATCHES, verify=False, print_plan=False, **extra)
     config = QUICK if args.quick else FULL
     world = layout["tp"] * layout["pp"] * layout["dp"]
@@ -246,6 +248,29 @@ def _table(name: str, measured: list[dict], report: Any) -> None:
               f"{est_act / max(m['activations'], 1):8.3f} {est.total / mib:10.1f} {est.total / ideal:7.2f}")
 
 
+def levers(args: argparse.Namespace) -> None:
+    """tp=2 (2 processes), the same model and batches, with each activation lever on and off: per rank, the most
+    bytes saved for backward alive at once, and the peak (resident growth, without the fixed part)."""
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    config = QUICK if args.quick else FULL
+    print(f"tp=2, vocabulary {config['vocab_size']}, {MICROBATCHES} x 1 x {args.seq} tokens per step (one batch), "
+          f"AdamW, {args.steps} step(s); activ. = most bytes saved for backward alive at once")
+    base = None
+    print(f"  {'sequence_parallel':>17} {'loss_parallel':>13} | {'activ. MiB':>10} {'x base':>6} | "
+          f"{'peak-fixed MiB':>14} {'x base':>6}")
+    for sp, lp in ((False, False), (True, False), (False, True), (True, True)):
+        with tempfile.TemporaryDirectory() as tmp:
+            extra = ["--layout", json.dumps(dict(tp=2, pp=1, dp=1)), "--steps", str(args.steps), "--seq",
+                     str(args.seq), "--extra", json.dumps(dict(sequence_parallel=sp, loss_parallel=lp)),
+                     *(["--quick"] if args.quick else [])]
+            measured = launch("rank", 2, Path(tmp), extra, timeout=900, script=__file__)
+        act = max(m["activations"] for m in measured)
+        peak = max(m["peak"] - m["overhead"] for m in measured)
+        base = base or (act, peak)
+        print(f"  {str(sp):>17} {str(lp):>13} | {act / 2 ** 20:10.1f} {act / base[0]:6.2f} | "
+              f"{peak / 2 ** 20:14.1f} {peak / base[1]:6.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--role", default="driver", choices=("driver", "rank"))
@@ -256,11 +281,15 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--extra", default="{}", help="more TensorPipeStrategy arguments (JSON)")
+    parser.add_argument("--levers", action="store_true", help="tp=2 with and without sequence/loss parallelism")
     args = parser.parse_args()
     args.steps = args.steps or (1 if args.quick else 3)
     args.seq = args.seq or (64 if args.quick else 128)
     if args.role == "rank":
         return run_rank(args)
+    if args.levers:
+        return levers(args)
     from lightning_tpp import TensorPipeStrategy
 
     # glibc's dynamic mmap threshold keeps freed large blocks in the heap (FSDP2 gathers and frees a block's
