@@ -18,7 +18,12 @@ from lightning_tpp.parallel_state import ParallelState
 from lightning_tpp.pipeline import Schedule, register_schedule
 from lightning_tpp.pipeline.timeline import PipelineTimeline
 from lightning_tpp.strategy import TensorPipeStrategy
-from lightning_tpp.tensor_parallel import TensorParallelConfigError, TensorParallelMismatchError, TPPlan
+from lightning_tpp.tensor_parallel import (
+    SequenceParallelError,
+    TensorParallelConfigError,
+    TensorParallelMismatchError,
+    TPPlan,
+)
 
 if TensorPipeStrategy.strategy_name not in StrategyRegistry:
     TensorPipeStrategy.register_strategies(StrategyRegistry)
@@ -32,6 +37,7 @@ __all__ = [
     "PipelineTimeline",
     "RankMemory",
     "Schedule",
+    "SequenceParallelError",
     "TPPlan",
     "TensorParallelConfigError",
     "TensorParallelMismatchError",
