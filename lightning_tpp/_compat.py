@@ -4,10 +4,11 @@ torchmetrics (also checked there). Why each is kept: see docs/architecture.md, "
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,19 @@ def enclosing_saved_tensors_hooks() -> Optional[tuple[Any, Any]]:
     """The (pack, unpack) of the innermost ``torch.autograd.graph.saved_tensors_hooks`` in effect, or None: hooks do
     not nest (the innermost alone sees what autograd saves), so one installed inside another must call it."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+@contextlib.contextmanager
+def outside_function_modes() -> Iterator[None]:
+    """Run without the torch-function modes entered around the caller (the zero-bubble split's weight-gradient
+    store, which would keep a check's weight gradients for the schedule's ``W``); modes entered inside still apply.
+    torch has no public way to leave every mode: ``_pop_mode_temporarily`` per mode on the stack."""
+    from torch.overrides import _pop_mode_temporarily
+
+    with contextlib.ExitStack() as stack:
+        for _ in range(torch._C._len_torch_function_stack()):
+            stack.enter_context(_pop_mode_temporarily())
+        yield
 
 
 def default_store() -> Any:

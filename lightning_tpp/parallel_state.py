@@ -232,13 +232,23 @@ def _sequence_parallel(module: nn.Module, stages: Optional[PreparedStages], conf
     # one run per stack (an encoder's, then a decoder's)
     runs: list[list[str]] = []
     container = lambda name: next((c for c in containers if name == c or name.startswith(f"{c}.")), None)  # noqa
-    for (name,) in members:
-        if not runs or container(name) != container(runs[-1][0]):
-            runs.append([])
-        runs[-1].append(name)
+    for (member,) in members:
+        for name in _called_blocks(module, member):
+            if not runs or container(name) != container(runs[-1][0]):
+                runs.append([])
+            runs[-1].append(name)
     local = set(_local_blocks(module, stages, config.blocks)) if stages is not None else None
     return apply_sequence_parallel(module, runs, group, shards, local_names=local,
                                    twins=stages.twins if stages is not None else None, verify=config.verify)
+
+
+def _called_blocks(module: nn.Module, name: str) -> list[str]:
+    """The modules the model calls for block ``name``: the block, or the entries of a list of layers that its loop
+    unpacks and calls one by one (``for attn, ff in self.layers``), in order."""
+    block = module.get_submodule(name)
+    if not isinstance(block, (nn.ModuleList, nn.ModuleDict)):
+        return [name]
+    return [n for child, _ in block.named_children() for n in _called_blocks(module, f"{name}.{child}")]
 
 
 def _tied_copies(module: nn.Module, state: ParallelState) -> Iterator[tuple[TiedWeight, nn.Parameter, Any]]:

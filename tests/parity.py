@@ -207,6 +207,9 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
                 record.local_fraction = sum(p.numel() for p in params) / sum(shards.full_numel(p) for p in params)
             if args.sequence_parallel and not strategy.parallel_state.sequence:
                 raise AssertionError(f"{name}: sequence_parallel=True but no block runs on sequence shards")
+            idle = [st.name for st in strategy.parallel_state.sequence or () if not st.ran]
+            if idle:
+                raise AssertionError(f"{name}: sequence_parallel=True but blocks {idle} never ran on shards")
             if args.activation_checkpointing and not strategy.parallel_state.recomputed:
                 raise AssertionError(f"{name}: activation_checkpointing=True but no block is recomputed")
             stem = name if len(schedules) == 1 else f"{name}.{schedule_name}"

@@ -18,11 +18,15 @@ tables, computed by the model from the whole sequence, are left alone).
 
 A block whose own forward holds its projections (no attention or MLP submodule) is gathered at its entry and cut at
 its exit; its row layers all-reduce. Parameters used on shards (norms, the biases added after a reduce-scatter) get a
-partial gradient on each tp rank: :func:`sum_partial_gradients` adds them up before the optimizer steps.
+partial gradient on each tp rank: :func:`sum_partial_gradients` adds them up before the optimizer steps. A block's
+other inputs that need a gradient (a conditioning vector) are summed over tp at its entry; what its tensor-parallel
+blocks compute from them whole (the same on every rank) enters that sum divided by tp.
 
 The first call of each block checks it numerically: its sequence-parallel output against the original block (whole
 weights, whole sequence) on the same inputs, so that a block whose own code reads the sequence length, or an
-attention left whole, fails with a message instead of training on the wrong values.
+attention left whole, fails with a message instead of training on the wrong values; its first training call
+checks the gradients of its inputs and parameters the same way (a norm inside an MLP block, after its row layer,
+would otherwise get each rank's part of its gradient).
 """
 
 from __future__ import annotations
@@ -33,13 +37,21 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_tpp._compat import enclosing_saved_tensors_hooks, tree_flatten, tree_map, tree_unflatten
+from lightning_tpp._compat import (
+    enclosing_saved_tensors_hooks,
+    outside_function_modes,
+    tree_flatten,
+    tree_map,
+    tree_unflatten,
+)
 from lightning_tpp.core.comm import (
     TPGroup,
     all_gather_seq,
     all_reduce_flag,
+    copy_to_tp,
     gather_seq,
     reduce_scatter_seq,
     scatter_seq,
@@ -90,7 +102,10 @@ class ElementState:
     recomputed: bool = False  # under activation checkpointing (which saves nothing in its forward)
     draws: Optional[bool] = None  # whether its training forward drew dropout (None: not run in training yet)
     verify_pending: bool = True
+    grads_pending: bool = True  # the gradient check, at the first call that trains (not under a no-grad sanity check)
     partial: list[tuple[nn.Module, str]] = field(default_factory=list)  # parameters with per-rank partial grads
+    ran: bool = False  # has run on shards (a block never called, whose submodules are, would not)
+    warned: bool = False
 
 
 def _stream_index(args: tuple, kwargs: dict) -> Optional[tuple[str, Any]]:
@@ -102,6 +117,32 @@ def _stream_index(args: tuple, kwargs: dict) -> Optional[tuple[str, Any]]:
         if isinstance(v, Tensor):
             return ("kw", k)
     return None
+
+
+def _side_inputs(args: tuple, kwargs: dict, where: Optional[tuple[str, Any]], fn: Any) -> tuple[tuple, dict]:
+    """``fn`` on the tensors of a call that need a gradient, except the stream at ``where``."""
+
+    def apply(key: tuple[str, Any], a: Any) -> Any:
+        if key == where or not isinstance(a, Tensor) or not a.requires_grad or not torch.is_grad_enabled():
+            return a
+        return fn(a)
+
+    return (tuple(apply(("arg", i), a) for i, a in enumerate(args)),
+            {k: apply(("kw", k), v) for k, v in kwargs.items()})
+
+
+class _ShareGrad(torch.autograd.Function):
+    """Identity forward; backward divides by tp: a gradient every tp rank computed whole, entering a sum over
+    them (the element's side inputs are summed over tp at its entry)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, size: int) -> Tensor:
+        ctx.size = size
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        return grad / ctx.size, None
 
 
 def _replace(args: tuple, kwargs: dict, where: tuple[str, Any], value: Tensor) -> tuple[tuple, dict]:
@@ -134,13 +175,27 @@ class _SequenceElement:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         st = self._tpp_sp
         where = _stream_index(args, kwargs)
-        if where is None or VERIFYING.get():  # a tensor-parallel block checking itself on the whole sequence
+        if VERIFYING.get():  # a tensor-parallel block checking itself on the whole sequence
             return super().forward(*args, **kwargs)  # type: ignore[misc]
+        if where is None and not torch.is_grad_enabled():
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        if where is None:
+            raise SequenceParallelError(
+                f"sequence parallelism: block {st.name!r} ({type(self).__name__}) was called without a tensor, so "
+                f"there is no residual stream to cut along the sequence; train it with sequence_parallel=False")
+        st.ran = True
+        if not st.flat:  # the gradient of a side input (a conditioning vector) is this rank's shard's part
+            args, kwargs = _side_inputs(args, kwargs, where, lambda t: copy_to_tp(t, st.group))
         if st.first:
             args, kwargs = _replace(args, kwargs, where, scatter_seq(_get(args, kwargs, where), st.group))
         if st.verify_pending:
             st.verify_pending = False
             _verify(self, args, kwargs, where)  # type: ignore[arg-type]
+        if st.grads_pending and self.training and torch.is_grad_enabled() and not st.flat:  # type: ignore[attr-defined]
+            st.grads_pending = False
+            if not st.recomputed:  # under activation checkpointing the forward is itself being recorded
+                with outside_function_modes():
+                    _verify_gradients(self, args, kwargs, where)  # type: ignore[arg-type]
         return self._sp_forward(args, kwargs, where)
 
     def _sp_forward(self, args: tuple, kwargs: dict, where: tuple[str, Any]) -> Any:
@@ -171,8 +226,10 @@ def block_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args, kwargs
 
     def fn(t: Any) -> Any:
-        if not isinstance(t, Tensor) or t.shape != region.shard:
+        if not isinstance(t, Tensor):
             return t
+        if t.shape != region.shard:  # a side input: replicated inside the block, so its gradient is whole here
+            return _ShareGrad.apply(t, region.group.size) if t.requires_grad and torch.is_grad_enabled() else t
         whole = gather_seq(t, region.group)
         region.gathered[id(whole)] = [t, whole, None, None]
         return whole
@@ -296,6 +353,93 @@ def _verify(element: nn.Module, args: tuple, kwargs: dict, where: tuple[str, Any
             f"whole); train it with sequence_parallel=False")
 
 
+def _verify_gradients(element: nn.Module, args: tuple, kwargs: dict, where: tuple[str, Any]) -> None:
+    """The gradients of the block's inputs and parameters on sequence shards (summed over tp where each rank holds
+    a part: the partial parameters and side inputs, as training sums them) against the original block's on the whole
+    sequence, for one random output gradient. Catches what the forward check cannot: a replicated value used on
+    shards inside an attention or MLP block whose gradient would not be summed."""
+    from lightning_tpp.core.comm import gather_with_spec
+    from lightning_tpp.tensor_parallel.apply import _close, _isolated, reference_copy
+
+    st: ElementState = element._tpp_sp  # type: ignore[assignment]
+    group = st.group
+    ref = reference_copy(element, group, st.shards)
+    modes = {m: m.training for m in element.modules()}
+    element.eval()
+    ref.eval()
+
+    def leaves(a: tuple, k: dict, stream: Tensor) -> tuple[tuple, dict, list[tuple[Any, Tensor]]]:
+        a, k = _replace(*_isolated(a, k), where, stream)
+        made: list[tuple[Any, Tensor]] = []
+
+        def leaf(key: Any, t: Any) -> Any:
+            if not isinstance(t, Tensor) or not t.is_floating_point():
+                return t
+            t = t.detach().requires_grad_(t.requires_grad or key == where)
+            if t.requires_grad:
+                made.append((key, t))
+            return t
+
+        return (tuple(leaf(("arg", i), x) for i, x in enumerate(a)),
+                {n: leaf(("kw", n), v) for n, v in k.items()}, made)
+
+    def first(out: Any) -> Tensor:
+        return out if isinstance(out, Tensor) else next(t for t in tree_flatten(out)[0] if isinstance(t, Tensor))
+
+    problem = None
+    try:
+        named = [(n, q) for n, q in element.named_parameters() if q.requires_grad]
+        ref_params = dict(ref.named_parameters())
+        named = [(n, q) for n, q in named if n in ref_params]
+        for n, _ in named:  # the gathered copies of shards (replicated parameters are the block's own)
+            ref_params[n].requires_grad_(True)
+        stream = _get(args, kwargs, where).detach()
+        a, k, inputs = leaves(args, kwargs, stream)
+        got = first(element._sp_forward(a, k, where))  # type: ignore[attr-defined]
+        a, k, ref_inputs = leaves(args, kwargs, gather_seq(stream, group))
+        token = VERIFYING.set(True)
+        try:
+            want = first(ref(*a, **k))
+        finally:
+            VERIFYING.reset(token)
+        gen = torch.Generator(device="cpu").manual_seed(20260)
+        cotangent = torch.randn(want.shape, generator=gen, dtype=torch.float32).to(want)
+        part = cotangent if got.shape == want.shape else cotangent.narrow(1, group.rank * got.shape[1], got.shape[1])
+        mine = torch.autograd.grad(got, [t for _, t in inputs] + [q for _, q in named], part, allow_unused=True)
+        theirs = torch.autograd.grad(want, [t for _, t in ref_inputs] + [ref_params[n] for n, _ in named], cotangent,
+                                     allow_unused=True)
+        partial = {id(getattr(m, attr)) for m, attr in st.partial if getattr(m, attr, None) is not None}
+        for i, ((key, _), g) in enumerate(zip(inputs, mine)):
+            if key != where and g is not None:  # a side input: each rank's part of its gradient
+                g = g.clone()
+                torch.distributed.all_reduce(g, group=group.group)
+            problem = problem or _close(g, theirs[i], group, f"gradient of input {key[1]!r}")
+        for (name, q), g, w in zip(named, mine[len(inputs):], theirs[len(inputs):]):
+            if g is None or w is None:
+                if (g is None) != (w is None):
+                    problem = problem or f"gradient of {name!r}: {'none' if g is None else 'one'} on shards, " \
+                                         f"{'none' if w is None else 'one'} on the whole sequence"
+                continue
+            info = st.shards.get(q)
+            if info is not None:
+                g = gather_with_spec(g, info.spec, group)
+            elif id(q) in partial or id(st.shards.stored(q)) in partial:
+                g = g.clone()
+                torch.distributed.all_reduce(g, group=group.group)
+            problem = problem or _close(g, w, group, f"gradient of {name!r}")
+    except Exception as err:  # noqa: BLE001 - any error of the sequence-parallel backward is a mismatch
+        problem = f"its backward raised {type(err).__name__}: {err}"
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    if not all_reduce_flag(problem is None, group.group):
+        raise SequenceParallelError(
+            f"sequence parallelism: block {st.name!r} ({type(element).__name__}) does not compute on sequence shards "
+            f"the gradients it computes on the whole sequence: {problem or 'another tp rank differs'}. A value "
+            f"shared by all positions (a parameter, a conditioning input) is probably used on shards inside an "
+            f"attention or MLP block, after its output projection; train it with sequence_parallel=False")
+
+
 def apply_sequence_parallel(module: nn.Module, containers: list[list[str]], group: TPGroup, shards: ShardIndex, *,
                             local_names: Optional[set[str]] = None, twins: Optional[dict[str, nn.Module]] = None,
                             verify: bool = True) -> list[ElementState]:
@@ -306,10 +450,14 @@ def apply_sequence_parallel(module: nn.Module, containers: list[list[str]], grou
     for names in containers:
         for i, name in enumerate(names):
             first, last = i == 0, i == len(names) - 1
-            if twins is not None and name in twins:  # another stage's block, or this rank's run for another chunk
-                twins[name]._tpp_sp_twin = (group.size, first, last)
-                swap_class(twins[name], _SequenceTwin)
-            if local_names is not None and name not in local_names:
+            # a block of the partition, or an entry of one (a list of layers the model's loop unpacks)
+            owner = next((n for n in reversed(_ancestors(name) + [name]) if n in (local_names or ())), None)
+            twin_of = next((n for n in reversed(_ancestors(name) + [name]) if n in (twins or {})), None)
+            if twin_of is not None:  # another stage's block, or this rank's run for another chunk
+                twin = twins[twin_of].get_submodule(name[len(twin_of) + 1:]) if name != twin_of else twins[twin_of]
+                twin._tpp_sp_twin = (group.size, first, last)
+                swap_class(twin, _SequenceTwin)
+            if local_names is not None and owner is None:
                 continue
             element = modules[name]
             outer = next((n for n in _ancestors(name) if getattr(modules.get(n), "_tpp_block", None) is not None), None)
@@ -317,13 +465,23 @@ def apply_sequence_parallel(module: nn.Module, containers: list[list[str]], grou
                 raise ValueError(f"sequence_parallel=True: the blocks of {names[0].rpartition('.')[0] or 'the model'} "
                                  f"are layers of the tensor-parallel block {outer!r}, so there is no stream between "
                                  f"tensor-parallel blocks to cut along the sequence; use sequence_parallel=False")
-            flat = getattr(element, "_tpp_block", None) is not None
+            flat = _runs_whole(element)
             st = ElementState(name, group, shards, first, last, flat, verify_pending=verify,
-                              partial=_partial_params(element, shards) if group.size > 1 else [])
+                              partial=_partial_params(element, shards) if group.size > 1 and not flat else [])
             element._tpp_sp = st
             swap_class(element, _SequenceElement)
             states.append(st)
     return states
+
+
+def _runs_whole(element: nn.Module) -> bool:
+    """Whether ``element`` runs on the whole sequence (gathered at entry, cut at exit): it is one tensor-parallel
+    block itself (its projections are its own), or holds parallel layers outside any tensor-parallel block in it
+    (a Hugging Face plan's gathered fused qkv, Phi-3's, read by code that slices features, not the sequence)."""
+    if getattr(element, "_tpp_block", None) is not None:
+        return True
+    inside = {id(m) for b in element.modules() if getattr(b, "_tpp_block", None) is not None for m in b.modules()}
+    return any(getattr(m, "_tpp_layer", None) is not None and id(m) not in inside for m in element.modules())
 
 
 def _ancestors(name: str) -> list[str]:
@@ -336,8 +494,6 @@ def _partial_params(element: nn.Module, shards: ShardIndex) -> list[tuple[nn.Mod
     tensor-parallel blocks, and the biases its row layers add after reduce-scattering."""
     from lightning_tpp.tensor_parallel.layers import _RowParallel
 
-    if getattr(element, "_tpp_block", None) is not None:
-        return []  # gathered at entry: everything in it sees the whole sequence
     blocks = [m for m in element.modules() if getattr(m, "_tpp_block", None) is not None]
     inside = {id(m) for b in blocks for m in b.modules()}
     out = []
@@ -357,6 +513,16 @@ def sum_partial_gradients(states: list[ElementState]) -> None:
         return
     grads = []
     for st in states:
+        if not st.ran and any(getattr(m, attr, None) is not None and getattr(m, attr).grad is not None
+                              for m, attr in st.partial):
+            raise SequenceParallelError(
+                f"sequence parallelism: block {st.name!r} was never called with the residual stream, yet its "
+                f"parameters have gradients: the model's loop calls the block's submodules itself, so nothing cut "
+                f"the stream along the sequence there; use sequence_parallel=False")
+        if not st.ran and not st.warned:
+            st.warned = True
+            rank_zero_warn(f"sequence_parallel=True: block {st.name!r} was not called during the first step, so it "
+                           f"holds no sequence shards (the model may call its submodules itself)")
         for m, attr in st.partial:
             p = getattr(m, attr, None)
             if p is not None and p.grad is not None:

@@ -42,19 +42,20 @@ def test_parity_fp32(tmp_path: Path, tp: int, dp: int, models: list[str]) -> Non
 
 
 SEQUENCE_PARALLEL = ["nanogpt", "llama", "hf_llama", "hf_gpt2", "flat_gpt", "split_gpt", "encoder", "seq2seq",
-                     "hf_gemma", "hf_bert", "litgpt"]
+                     "hf_gemma", "hf_bert", "litgpt", "hf_phi3", "hf_neox", "conditioned", "nested_lists"]
 
 
 def test_parity_sequence_parallel(tmp_path: Path) -> None:
     """sequence_parallel=True at tp=2: blocks whose attention and MLP are submodules (the stream between them on
     sequence shards, norms' and row biases' gradients summed over tp), blocks that hold their projections
-    (gathered whole at entry), nn.MultiheadAttention, an encoder-decoder (two stacks), Hugging Face families."""
+    (gathered whole at entry), nn.MultiheadAttention, an encoder-decoder (two stacks), Hugging Face families
+    (Phi-3's gathered fused qkv runs its layer whole), a conditioning vector read by every block (its gradient
+    summed over the shards), a list of [attention, feed-forward] lists unpacked by the model's loop."""
     _run(tmp_path, SEQUENCE_PARALLEL, 2, 1, ["--sequence-parallel"])
     for name in SEQUENCE_PARALLEL:
         ref = reference(name, 1)
         for rank in range(2):
             assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), ref, where=f"{name} sp rank {rank}")
-
 
 
 def test_parity_sequence_parallel_fsdp_checkpointing(tmp_path: Path) -> None:
@@ -68,6 +69,7 @@ def test_parity_sequence_parallel_fsdp_checkpointing(tmp_path: Path) -> None:
     ref = train("llama", dp=2, **opts)
     for rank in range(4):
         assert_parity(load_record(tmp_path / f"llama.rank{rank}.pt"), ref, param_atol=1e-4, where=f"llama rank {rank}")
+
 
 @pytest.mark.parametrize(("models", "optimizer", "lr", "param_atol", "dp_sharding"),
                          [(["nanogpt", "llama"], "sgd", 0.1, None, "no_shard"),

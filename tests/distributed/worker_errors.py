@@ -81,6 +81,54 @@ class PositionalBias(nn.Module):
         return self.block(x) + self.pos[: x.shape[1]]
 
 
+class Pair(nn.Module):
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+
+class BypassLM(nn.Module):
+    """A loop that calls each block's submodules itself, never the block: the block cannot cut the stream, and its
+    norm's gradient must not be summed over tp as if it had seen a shard (silently doubled)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
+        super().__init__()
+        self.embed, self.blocks, self.head = nn.Embedding(vocab, dim), nn.ModuleList([Pair(dim), Pair(dim)]), \
+            nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = x + block.mlp(block.norm(x))
+        return self.head(x)
+
+
+class PostNormBlock(nn.Module):
+    """An MLP block that normalises its own output: under sequence parallelism the norm runs on the row layer's
+    reduce-scattered shard, inside the tensor-parallel block, so its gradient is each rank's part. The forward check
+    cannot see that; the gradient check must."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim), nn.LayerNorm(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+class PostNormLM(BypassLM):
+    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
+        super().__init__(vocab, dim)
+        self.blocks = nn.ModuleList([PostNormBlock(dim), PostNormBlock(dim)])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 class Scenario(LitLM):
     def __init__(self, scenario: str) -> None:
         super().__init__("llama" if scenario in ("heads", "embedding") else "nanogpt")
@@ -90,6 +138,10 @@ class Scenario(LitLM):
             self.model.transformer.h[0].mlp = ShuffledMLP()
         if scenario == "embedding":
             self.model.tok_embeddings = MeanShiftedEmbedding(64, 32)
+        if scenario == "sp_bypassed":
+            self.model = BypassLM()
+        if scenario == "sp_post_norm":
+            self.model = PostNormLM()
         if scenario == "sp_positions":
             h = self.model.transformer.h
             for i in range(len(h)):
@@ -102,6 +154,8 @@ SCENARIOS = {  # name -> (module, strategy kwargs, batch size)
     "embedding": (lambda: Scenario("embedding"), dict(tp=2), 4),
     "world": (lambda: Scenario("world"), dict(tp=2), 4),
     "sp_positions": (lambda: Scenario("sp_positions"), dict(tp=2, sequence_parallel=True), 4),
+    "sp_bypassed": (lambda: Scenario("sp_bypassed"), dict(tp=2, sequence_parallel=True), 4),
+    "sp_post_norm": (lambda: Scenario("sp_post_norm"), dict(tp=2, sequence_parallel=True), 4),
     "sp_odd_length": (lambda: LitLM("hf_vit"), dict(tp=2, sequence_parallel=True), 4),
     "pp_stages": (lambda: LitLM("nanogpt"), dict(pp=2, virtual_stages=2, schedule="interleaved-1f1b",
                                                   microbatches=2), 4),
