@@ -167,14 +167,20 @@ def fsdp_units(module: nn.Module, blocks: Sequence[str]) -> tuple[list[str], lis
                 first_name.setdefault(id(p), f"{mname}.{pname}" if mname else pname)
     units = set(blocks)
     replicated = []
+    modules = dict(module.named_modules())
     for pid, names in holders.items():
         parent = _common_parent(names)
         if any(_inside(parent, b) for b in blocks):
             continue
         if parent == "":
             replicated.append(first_name[pid])
-        else:
-            units.add(parent)
+            continue
+        # a tensor-parallel block outside the blocks (a conditioning MLP) is one unit: its first-call check gathers
+        # all of its weights at its entry, before its layers' own calls would
+        parts = parent.split(".")
+        tp_block = next((a for a in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
+                         if getattr(modules.get(a), "_tpp_block", None) is not None), None)
+        units.add(tp_block or parent)
     ordered = sorted(units, key=lambda n: (-n.count("."), n))  # children before the parents that enclose them
     return ordered, replicated
 
