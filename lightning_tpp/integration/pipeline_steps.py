@@ -62,7 +62,10 @@ class PipelineSteps:
             with context():
                 return getattr(module, hook)(batch, *args[1:], **kwargs)
 
-        with captured_logs(module) as logs:
+        executor = self._engine.executor
+        if len(args) > 1 and isinstance(args[1], int) and args[1] == 0:  # a new loop or dataloader: batch_idx 0
+            executor.forget_results()
+        with captured_logs(module, share=lambda: executor.share) as logs:  # micro-batches' values weighted by share
             out = self._engine.eval_step(step, args[0], hook)
         replay_logs(self._engine, module, logs)
         return out

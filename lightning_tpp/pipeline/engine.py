@@ -154,8 +154,9 @@ class PipelineEngine:
         self.parking.restore()
 
     def eval_step(self, step: Step, batch: Any, kind: str) -> Any:
-        """Forward only, whole batch as one micro-batch; the last stage's result on every rank."""
-        result = self.executor.run_eval(step, batch, kind)
+        """Forward only, micro-batched as training is so that the stages work at once (``Executor.run_eval``); the
+        last stage's result (the micro-batches' put together) on every rank."""
+        result = self.executor.run_eval(step, batch, kind, self.microbatches)
         result = self.transport.broadcast_object_from_last(
             tree_map(lambda t: t.detach().cpu() if isinstance(t, Tensor) else t, result))
         return tree_map(lambda t: t.to(self.runtime.device) if isinstance(t, Tensor) else t, result)

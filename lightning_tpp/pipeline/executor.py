@@ -17,6 +17,7 @@ What the rank is doing is kept where the failure messages, the metrics and the h
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -131,6 +132,10 @@ class Executor:
         self.position: Optional[Action] = None
         self.times: Optional[StepTimes] = None  # of the last schedule run
         self._seed: Optional[int] = None  # this step's, drawn from the global generator (the same on every stage)
+        self.share: Optional[float] = None  # the running evaluation micro-batch's share of the batch (logging reads it)
+        self.eval_microbatches = 0  # micro-batches of the last evaluation step
+        self.eval_whole_batch = os.environ.get("TPP_EVAL_WHOLE_BATCH") == "1"  # evaluate as one micro-batch
+        self._combine_cache: dict[Any, Optional[tuple[str, ...]]] = {}  # see _eval_split
 
     def _draw_seed(self) -> None:
         """One draw of the global generator per step, on every rank alike: each micro-batch's step then draws from
@@ -156,10 +161,14 @@ class Executor:
     # ------------------------------------------------------------------------------------------------------------
     # which values cross stages (traced once per kind of step and batch structure)
 
-    def routes(self, kind: str, step: Step, micro: Any) -> list[Route]:
+    @staticmethod
+    def _structure(kind: str, micro: Any) -> Any:
         leaves, spec = tree_flatten(micro)
-        key = (kind, str(spec), tuple((t.dim(), t.dtype) if isinstance(t, Tensor) else type(t).__name__
-                                      for t in leaves))
+        return (kind, str(spec), tuple((t.dim(), t.dtype) if isinstance(t, Tensor) else type(t).__name__
+                                       for t in leaves))
+
+    def routes(self, kind: str, step: Step, micro: Any) -> list[Route]:
+        key = self._structure(kind, micro)
         if key not in self._route_cache:
             sources = {}  # parameters on the first stage, zero buffers of the same name elsewhere
             for fqn in self.ancestor_params:
@@ -310,19 +319,123 @@ class Executor:
         losses = [s.loss.float() * shares[mb] for (mb, _), s in states.items() if s.loss is not None]
         return torch.stack(losses).sum() if losses else torch.zeros((), device=self.runtime.device)
 
-    def run_eval(self, step: Step, batch: Any, kind: str) -> Any:
-        """Forward only, whole batch as one micro-batch, through every chunk of this rank in stage order; returns
-        the step's result on the last stage, else ``None``."""
+    def run_eval(self, step: Step, batch: Any, kind: str, microbatches: int = 1) -> Any:
+        """Forward only: ``F`` of every micro-batch on every chunk of this rank, chunk by chunk (the stages' order),
+        sends not waited for, so that stage ``s`` runs micro-batch ``i + 1`` while stage ``s + 1`` runs ``i``::
+
+            pp=2, m=4   rank 0: F0 F1 F2 F3            (whole batch: rank 0: F      )
+                        rank 1:    F0 F1 F2 F3                       rank 1:    F
+
+        The batch is split as training splits it (fewer micro-batches for a short batch) when the step's result can
+        be put together from the micro-batches' (``_combine``), else it runs whole. Returns the step's result on
+        the last stage, else ``None``."""
+        micro, shares, modes = self._eval_split(kind, step, batch, microbatches)
         states: States = {}
-        routes = self.routes(kind, step, batch)
-        result = None
+        routes = self.routes(kind, step, micro[0])
+        self.transport.post_headers(self.inbound(routes), len(micro))
+        results = []
         self._draw_seed()
         try:
             for chunk in range(self.virtual):
-                out = self.forward(0, chunk, step, batch, states, routes)
-                if self.stage(chunk) == self.partition.stages - 1:
-                    result = out
+                for mb, part in enumerate(micro):
+                    self.position, self.share = ("F", mb, chunk), shares[mb]
+                    out = self.forward(mb, chunk, step, part, states, routes)
+                    if self.stage(chunk) == self.partition.stages - 1:
+                        results.append(out)
             self.transport.flush()
         finally:
-            self.runtime.ctx = None
-        return result
+            self.runtime.ctx, self.position, self.share = None, None, None
+        self.eval_microbatches = len(micro)
+        if not results:
+            return None
+        return results[0] if len(micro) == 1 else _combine(kind, results, shares, modes)
+
+    def _eval_split(self, kind: str, step: Step, batch: Any, microbatches: int
+                    ) -> tuple[list[Any], list[float], tuple[str, ...]]:
+        """The micro-batches, their shares and how each leaf of the result combines; the whole batch as the one
+        micro-batch when it cannot be split, or the result cannot be combined, or the step logs a torchmetrics
+        object ``on_step`` (see ``_probe``), or ``TPP_EVAL_WHOLE_BATCH=1``."""
+        m = 1 if self.eval_whole_batch else min(microbatches, batch_size(batch))
+        if m > 1:
+            try:
+                micro, shares = split_batch(batch, m)
+            except PipelineError:  # no batch dimension, or tensors of other sizes: as one micro-batch
+                return [batch], [1.0], ()
+            self.routes(kind, step, micro[0])  # a step that cannot be traced fails here, with the routes' message
+            key = (self._structure(kind, batch), batch_size(batch), batch_size(micro[0]), m)
+            if key not in self._combine_cache:
+                (whole, _), (part, step_metric) = self._probe(step, batch), self._probe(step, micro[0])
+                self._combine_cache[key] = None if step_metric else _combinable(
+                    kind, whole, part, batch_size(batch), batch_size(micro[0]))
+            modes = self._combine_cache[key]
+            if modes is not None:
+                return micro, shares, modes
+        return [batch], [1.0], ()
+
+    def forget_results(self) -> None:
+        """A new evaluation loop or dataloader: its step may return results of another structure."""
+        self._combine_cache.clear()
+
+    def _probe(self, step: Step, batch: Any) -> tuple[Any, bool]:
+        """The step's result on ``batch`` with every unit returning zeros (its shapes, on every rank alike), and
+        whether it logs a torchmetrics object ``on_step``: that value is the metric's last ``forward``, which would
+        be the last micro-batch's instead of the batch's."""
+        from torchmetrics import Metric
+
+        box: list[Any] = []
+        step_metric: list[bool] = []
+        with _sandbox(self.module, self.runtime.device):
+            self.module.log = lambda name, value, *args, **kwargs: step_metric.append(  # put back by _sandbox
+                isinstance(value, Metric) and bool(kwargs.get("on_step")))
+            trace(self.runtime, lambda: box.append(step(batch)) or box[0], {})
+        return box[0], any(step_metric)
+
+
+def _combinable(kind: str, whole: Any, micro: Any, size: int, micro_size: int) -> Optional[tuple[str, ...]]:
+    """How each leaf of the step's result is put together from the micro-batches' so that it equals the whole
+    batch's (from probes of both): ``"cat"`` along dim 0 (a tensor whose dim 0 is the batch's), ``"mean"`` weighted
+    by share (a 0-dim floating tensor, e.g. a loss, except from ``predict_step``), ``"none"`` (``None``); ``None``
+    when a leaf is none of these (then the batch runs whole)."""
+    leaves, spec = tree_flatten(whole)
+    micro_leaves, micro_spec = tree_flatten(micro)
+    if spec != micro_spec:
+        return None
+    modes = []
+    for w, m in zip(leaves, micro_leaves):
+        if w is None and m is None:  # nothing returned (a validation_step that only logs)
+            modes.append("none")
+            continue
+        if not (isinstance(w, Tensor) and isinstance(m, Tensor) and w.dtype == m.dtype and w.dim() == m.dim()):
+            return None
+        if w.dim() > 0 and w.shape[0] == size and m.shape[0] == micro_size and w.shape[1:] == m.shape[1:]:
+            modes.append("cat")
+        elif w.dim() == 0 and w.is_floating_point() and kind != "predict_step":
+            modes.append("mean")
+        else:
+            return None
+    return tuple(modes)
+
+
+def _combine(kind: str, results: list[Any], shares: list[float], modes: tuple[str, ...]) -> Any:
+    """The micro-batches' results put together (``modes`` from ``_combinable``), checked against what the probe
+    promised: a result that changes its structure between micro-batches cannot be combined and fails loudly."""
+    fits = {"none": lambda t: t is None, "cat": lambda t: isinstance(t, Tensor) and t.dim() > 0,
+            "mean": lambda t: isinstance(t, Tensor) and t.dim() == 0}
+    flat = [tree_flatten(r) for r in results]
+    spec = flat[0][1]
+    if any(s != spec or len(leaves) != len(modes) or not all(fits[mode](t) for t, mode in zip(leaves, modes))
+           for leaves, s in flat):
+        raise PipelineError(f"{kind} returned results of different structures for the micro-batches of one batch, "
+                            f"or unlike its earlier batches of this loop, under pipeline parallelism; they cannot be "
+                            f"put together. Return the same structure for every batch of a dataloader, or evaluate "
+                            f"whole batches with TPP_EVAL_WHOLE_BATCH=1")
+    leaves = []
+    for i, mode in enumerate(modes):
+        column = [leaves_[i] for leaves_, _ in flat]
+        if mode == "none":
+            leaves.append(None)
+        elif mode == "cat":
+            leaves.append(torch.cat(column))
+        else:
+            leaves.append(sum(t.double() * s for t, s in zip(column, shares)).to(column[0].dtype))
+    return tree_unflatten(leaves, spec)

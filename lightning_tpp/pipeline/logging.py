@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,16 +34,27 @@ if TYPE_CHECKING:
 LogEntry = tuple[str, Any, dict]  # name, value, keyword options of one self.log call
 
 
+class Captured(list):
+    """The recorded ``LogEntry``s and, one per entry, the share of the batch that the micro-batch it was logged in
+    holds (``None`` where unknown: then values are reduced with equal weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shares: list[Optional[float]] = []
+
+
 @contextlib.contextmanager
-def captured_logs(module: Any) -> Iterator[list[LogEntry]]:
-    """Record ``module.log`` calls (``log_dict`` goes through ``log``) instead of logging them."""
-    entries: list[LogEntry] = []
+def captured_logs(module: Any, share: Optional[Callable[[], Optional[float]]] = None) -> Iterator[Captured]:
+    """Record ``module.log`` calls (``log_dict`` goes through ``log``) instead of logging them; ``share`` tells the
+    running micro-batch's share of the batch, kept with each entry (evaluation: ``Executor.share``)."""
+    entries = Captured()
 
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if args:
             raise PipelineError(f"self.log({name!r}, ...) with positional options is not supported under pipeline "
                                 f"parallelism; pass them by keyword")
         entries.append((name, value, kwargs))
+        entries.shares.append(share() if share is not None else None)
 
     module.log = log
     try:
@@ -97,7 +108,9 @@ def load_metric_state(metric: Any, payload: dict[str, Any], device: torch.device
     set_metric_progress(metric, dev(payload["forward_cache"]), payload["update_count"])
 
 
-def _reduce(values: list[Any], reduce_fx: Any) -> float:
+def _reduce(values: list[Any], reduce_fx: Any, shares: list[Optional[float]]) -> float:
+    """One value from the micro-batches' values: a mean is weighted by their shares of the batch where known (a
+    batch that ``microbatches`` does not divide has micro-batches of different sizes)."""
     t = torch.stack([torch.as_tensor(v).detach().float().reshape(()).cpu() for v in values])
     name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "mean")
     if name in ("sum", "add"):
@@ -106,33 +119,42 @@ def _reduce(values: list[Any], reduce_fx: Any) -> float:
         return float(t.max())
     if name in ("min", "amin"):
         return float(t.min())
+    if len(values) > 1 and all(s is not None for s in shares):
+        w = torch.tensor(shares, dtype=torch.float64)
+        return float((t.double() * w).sum() / w.sum())
     return float(t.mean())
 
 
 def replay_logs(engine: PipelineEngine, module: Any, entries: list[LogEntry]) -> None:
     """Log on every rank what the last stage's step logged: one value per name and step (micro-batch values are
-    reduced with the call's ``reduce_fx``). A torchmetrics object's state is copied from the last stage into the
-    same metric on the other stages, which then log it themselves, so every rank computes the same values."""
+    reduced with the call's ``reduce_fx``, a mean weighted by their shares where ``entries`` know them, and their
+    ``batch_size=`` options summed). A torchmetrics object's state is copied from the last stage into the same
+    metric on the other stages, which then log it themselves, so every rank computes the same values."""
     from torchmetrics import Metric
 
     payload = None
     if engine.holds_last:
-        by_name: dict[str, tuple[list[Any], dict]] = {}
-        for name, value, kwargs in entries:
-            values, _ = by_name.get(name, ([], kwargs))
-            by_name[name] = (values + [value], kwargs)
+        shares = getattr(entries, "shares", [None] * len(entries))
+        by_name: dict[str, tuple[list[Any], list[Optional[float]], list[dict]]] = {}
+        for (name, value, kwargs), share in zip(entries, shares):
+            values, weights, options = by_name.setdefault(name, ([], [], []))
+            values.append(value)
+            weights.append(share)
+            options.append(kwargs)
         names = {id(m): n for n, m in module.named_modules()}
         payload = []
-        for name, (values, kwargs) in by_name.items():
+        for name, (values, weights, options) in by_name.items():
             last = values[-1]
-            kwargs = {k: v for k, v in kwargs.items() if k != "sync_dist_group"}
+            kwargs = {k: v for k, v in options[-1].items() if k != "sync_dist_group"}
+            if len(values) > 1 and all(w is not None for w in weights) and "batch_size" in kwargs:
+                kwargs["batch_size"] = sum(int(o.get("batch_size") or 0) for o in options)
             if isinstance(last, Metric):
                 if id(last) not in names:
                     raise PipelineError(f"self.log({name!r}, metric): under pipeline parallelism the metric must be "
                                         f"an attribute of the LightningModule")
                 payload.append((name, names[id(last)], metric_state(last), kwargs))
             else:
-                payload.append((name, None, _reduce(values, kwargs.get("reduce_fx", "mean")), kwargs))
+                payload.append((name, None, _reduce(values, kwargs.get("reduce_fx", "mean"), weights), kwargs))
     box = [payload]
     dist.broadcast_object_list(box, src=engine.last_rank, group=engine.group)
     for name, metric_name, value, kwargs in box[0] or []:
