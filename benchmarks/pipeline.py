@@ -2,10 +2,12 @@
 
     python benchmarks/pipeline.py            # about 11 minutes on 2 cores (3 rounds)
     python benchmarks/pipeline.py --quick    # one round, fewer steps
+    python benchmarks/pipeline.py --eval     # 3. only (about 10 minutes; --quick: 3)
     DS_PYTHON=/tmp/dsvenv/bin/python python benchmarks/pipeline.py   # with DeepSpeed (benchmarks/deepspeed_pipeline.py)
 
 1. Step time of one GPT-style model (the one in examples/gpt.py, larger) with pp=2 and 8 micro-batches:
-   - TensorPipeStrategy under the Trainer, with 1F1B, zero-bubble and zb-drain,
+   - TensorPipeStrategy under the Trainer, with 1F1B, zero-bubble, zb-drain and "auto" (which measures its first three
+     steps with zb-drain, then runs the schedule it chose),
    - hand-written torch.distributed.pipelining (PipelineStage + Schedule1F1B) on the same split, no Trainer,
    - DeepSpeed's PipelineEngine on the same split, when a python with deepspeed is given (DS_PYTHON),
    - one process (Trainer, no strategy).
@@ -14,6 +16,10 @@
 2. The measured bubble (idle fraction per rank) of each schedule, with blocks whose forward and weight gradient are
    one square matrix product each and whose input gradient sleeps as long (F = I = W), against the theory
    (p-1)/(m*v+p-1), or the schedule simulator for zero-bubble and zb-drain.
+3. ``--eval``: time per validation batch of the same GPT with pp=2: the whole batch as one micro-batch through the
+   stages one after the other (``TPP_EVAL_WHOLE_BATCH=1``, the path before evaluation was micro-batched) against
+   8 micro-batches (the stages at work at once), and one process; first with stages of controlled cost (sleeps in
+   proportion to the micro-batch's samples), which other work on the machine does not change.
 """
 
 from __future__ import annotations
@@ -132,7 +138,124 @@ def role_trainer(args: argparse.Namespace) -> None:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[timer.callback()])
     trainer.fit(model, torch.utils.data.DataLoader(_data(args.steps), batch_size=BATCH))
-    _save(Path(args.out), args.role, int(os.environ.get("BENCH_JOB", trainer.global_rank)), {"step": timer.times})
+    engine = getattr(trainer.strategy, "_engine", None)  # the schedule that ran last ("auto": the one it chose)
+    _save(Path(args.out), args.role, int(os.environ.get("BENCH_JOB", trainer.global_rank)),
+          {"step": timer.times, "schedule": getattr(engine, "schedule", None)})
+
+
+def role_eval(args: argparse.Namespace) -> None:
+    """``trainer.validate`` of the GPT (its validation_step: the loss, logged) with pp=2, or in one process."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from gpt import GPT
+
+    class EvalGPT(GPT):
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", F.cross_entropy(self(x).flatten(0, 1), y.flatten()), sync_dist=True)
+
+    class Timer(L.Callback):
+        def on_validation_batch_start(self, *args) -> None:
+            self.start = time.perf_counter()
+
+        def on_validation_batch_end(self, *args) -> None:
+            times.append(time.perf_counter() - self.start)
+
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    times: list[float] = []
+    strategy, devices = "auto", 1
+    if args.role == "eval-ours":
+        from lightning_tpp import TensorPipeStrategy
+
+        strategy, devices = TensorPipeStrategy(pp=2, microbatches=MICRO, print_plan=False), 2
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Timer()])
+    trainer.validate(EvalGPT(**SHAPE), torch.utils.data.DataLoader(_data(args.steps), batch_size=BATCH),
+                     verbose=False)
+    _save(Path(args.out), args.name or args.role, int(os.environ.get("BENCH_JOB", trainer.global_rank)),
+          {"step": times})
+
+
+def role_eval_sleep(args: argparse.Namespace) -> None:
+    """``trainer.validate`` with pp=2 of 4 blocks whose forward sleeps in proportion to its micro-batch's samples
+    (``args.product_seconds`` for the whole batch): a stage's cost that other work on this machine cannot change."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from lightning_tpp import TensorPipeStrategy
+
+    seconds = args.product_seconds
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.eye(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(seconds * x.shape[0] / BATCH)
+            return F.linear(x, self.weight)
+
+    class Blocks(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(4)])
+
+        def validation_step(self, batch, batch_idx):
+            x = batch[0]
+            for b in self.blocks:
+                x = b(x)
+            self.log("val_loss", F.mse_loss(x, torch.zeros_like(x)))
+
+    class Timer(L.Callback):
+        def on_validation_batch_start(self, *a) -> None:
+            self.start = time.perf_counter()
+
+        def on_validation_batch_end(self, *a) -> None:
+            times.append(time.perf_counter() - self.start)
+
+    times: list[float] = []
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=TensorPipeStrategy(pp=2, microbatches=MICRO,
+                                                                                  print_plan=False),
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()])
+    data = torch.utils.data.TensorDataset(torch.randn(BATCH * args.steps, 4))
+    trainer.validate(Blocks(), torch.utils.data.DataLoader(data, batch_size=BATCH), verbose=False)
+    _save(Path(args.out), args.name, trainer.global_rank, {"step": times})
+
+
+def run_eval_benchmark(out: Path, steps: int, rounds: int) -> None:
+    """Rounds of (whole batch, micro-batched, one process) one after the other; medians over rounds."""
+    warm = 2
+    med = lambda runs: max(statistics.median(r["step"][warm:]) for r in runs)  # noqa: E731 - slowest rank
+    extra = ["--steps", "6", "--product-seconds", "0.2"]
+    sleep = {name: med(_launch("eval-sleep", 2, out, extra + ["--name", name], name=name, env=env))
+             for name, env in (("sleep-whole", {"TPP_EVAL_WHOLE_BATCH": "1"}), ("sleep-micro", {}))}
+    print(f"Validation with pp=2, stages of controlled cost (2 blocks each, sleeping 0.2 s per block and batch of "
+          f"{BATCH}, in proportion to a micro-batch's samples): whole batch {sleep['sleep-whole'] * 1000:.1f} ms, "
+          f"{MICRO} micro-batches {sleep['sleep-micro'] * 1000:.1f} ms; speedup "
+          f"{sleep['sleep-whole'] / sleep['sleep-micro']:.3f} (limit 2 / (1 + 1/{MICRO}) = {2 / (1 + 1 / MICRO):.3f})",
+          flush=True)
+    rows = []
+    for r in range(rounds):
+        extra = ["--steps", str(steps)]
+        row = {"whole": med(_launch("eval-ours", 2, out, extra + ["--name", "whole"], name="whole",
+                                    env={"TPP_EVAL_WHOLE_BATCH": "1"})),
+               "micro": med(_launch("eval-ours", 2, out, extra + ["--name", "micro"], name="micro")),
+               "single": med(_launch("eval-single", 1, out, extra))}
+        rows.append(row)
+        print(f"  round {r}: " + "  ".join(f"{k} {v * 1000:.1f} ms" for k, v in row.items()), flush=True)
+    t = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+    print(f"Validation, GPT {SHAPE}, batch {BATCH}, pp=2, one thread per process; time per validation batch")
+    print(f"  pp=2, whole batch as one micro-batch (before)   {t['whole'] * 1000:8.1f} ms")
+    print(f"  pp=2, {MICRO} micro-batches                       {t['micro'] * 1000:8.1f} ms")
+    print(f"  one process                                     {t['single'] * 1000:8.1f} ms")
+    print(f"  micro-batched speedup over whole batch = {statistics.median(r['whole'] / r['micro'] for r in rows):.3f}"
+          f" (per round {[round(r['whole'] / r['micro'], 3) for r in rows]}); over one process "
+          f"{statistics.median(r['single'] / r['micro'] for r in rows):.3f}, whole batch over one process "
+          f"{statistics.median(r['single'] / r['whole'] for r in rows):.3f}")
 
 
 def role_torchpp(args: argparse.Namespace) -> None:
@@ -296,9 +419,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--size", type=int, default=512, help="bubble blocks: side of the square product")
     parser.add_argument("--product-seconds", type=float, default=0.01, help="bubble blocks: what the product takes")
+    parser.add_argument("--eval", action="store_true", help="only the validation benchmark (3.)")
+    parser.add_argument("--name", default=None, help="the name a role's results are saved under")
     args = parser.parse_args()
     if args.role in ("single", "ours"):
         return role_trainer(args)
+    if args.role in ("eval-single", "eval-ours"):
+        return role_eval(args)
+    if args.role == "eval-sleep":
+        return role_eval_sleep(args)
     if args.role == "torchpp":
         return role_torchpp(args)
     if args.role == "bubble":
@@ -307,6 +436,8 @@ def main() -> None:
     steps = 6 if args.quick else args.steps
     warm = 2 if args.quick else WARMUP
     out = Path(tempfile.mkdtemp(prefix="tpp-bench-"))
+    if args.eval:
+        return run_eval_benchmark(out, steps, 1 if args.quick else args.rounds)
     med = lambda runs: max(statistics.median(r["step"][warm:]) for r in runs)  # noqa: E731 - slowest rank
     from deepspeed_pipeline import run_deepspeed
 
@@ -318,12 +449,14 @@ def main() -> None:
                "torch": med(_launch("torchpp", 2, out, ["--steps", str(steps)])),
                "ours-zb": med(_launch("ours", 2, out, ["--steps", str(steps), "--schedule", "zero-bubble"])),
                "ours-zbd": med(_launch("ours", 2, out, ["--steps", str(steps), "--schedule", "zb-drain"])),
+               "ours-auto": med(auto := _launch("ours", 2, out, ["--steps", str(steps), "--schedule", "auto"])),
                "single": med(_launch("single", 1, out, ["--steps", str(steps)]))}
         ds = run_deepspeed(out / f"ds{r}", steps, warm)
         if ds is not None:
             row["deepspeed"] = ds
         rows.append(row)
-        print(f"  round {r}: " + "  ".join(f"{k} {v * 1000:.1f} ms" for k, v in row.items()), flush=True)
+        print(f"  round {r}: " + "  ".join(f"{k} {v * 1000:.1f} ms" for k, v in row.items())
+              + f"  (auto chose {auto[0].get('schedule')})", flush=True)
     t_single = statistics.median(row["single"] for row in rows)
     # what two processes can do on this machine at all: two independent one-process runs at the same time
     t_pair = med(_launch("single", 2, out, ["--steps", str(steps)], independent=True))
@@ -335,14 +468,15 @@ def main() -> None:
     print(f"             one process (Trainer)      {t_single * 1000:8.1f} ms")
     print(f"  ours / hand-written pipelining = {vs_torch:.3f}   (goal <= 1.03; per round "
           f"{[round(r['ours'] / r['torch'], 3) for r in rows]})")
-    for name, key in (("zero-bubble", "ours-zb"), ("zb-drain", "ours-zbd")):
+    for name, key in (("zero-bubble", "ours-zb"), ("zb-drain", "ours-zbd"), ("auto", "ours-auto")):
         print(f"             ours, {name:11s} schedule {statistics.median(r[key] for r in rows) * 1000:8.1f} ms   "
               f"(ours 1F1B / {name} = {statistics.median(r['ours'] / r[key] for r in rows):.3f}; per round "
               f"{[round(r['ours'] / r[key], 3) for r in rows]})")
     if all("deepspeed" in r for r in rows):
         t_ds = statistics.median(r["deepspeed"] for r in rows)
         print(f"             DeepSpeed PipelineEngine   {t_ds * 1000:8.1f} ms   (1F1B, its only schedule)")
-        for name, key in (("1F1B", "ours"), ("zero-bubble", "ours-zb"), ("zb-drain", "ours-zbd")):
+        for name, key in (("1F1B", "ours"), ("zero-bubble", "ours-zb"), ("zb-drain", "ours-zbd"),
+                          ("auto", "ours-auto")):
             print(f"  DeepSpeed / ours ({name:11s}) = {statistics.median(r['deepspeed'] / r[key] for r in rows):.3f}"
                   f"   (goal >= 1.05; per round {[round(r['deepspeed'] / r[key], 3) for r in rows]})")
     else:
@@ -353,7 +487,12 @@ def main() -> None:
           f"{[round(r['single'] / r['ours'], 3) for r in rows]}); hand-written "
           f"{statistics.median(r['single'] / r['torch'] for r in rows):.3f}, zero-bubble "
           f"{statistics.median(r['single'] / r['ours-zb'] for r in rows):.3f}, zb-drain "
-          f"{statistics.median(r['single'] / r['ours-zbd'] for r in rows):.3f}")
+          f"{statistics.median(r['single'] / r['ours-zbd'] for r in rows):.3f}, auto "
+          f"{statistics.median(r['single'] / r['ours-auto'] for r in rows):.3f}")
+    fixed = min(("ours", "ours-zb", "ours-zbd"), key=lambda k: statistics.median(r[k] for r in rows))
+    print(f"  auto / best fixed schedule ({fixed}) = "
+          f"{statistics.median(r['ours-auto'] / r[fixed] for r in rows):.3f}   (goal <= 1.00; per round "
+          f"{[round(r['ours-auto'] / r[fixed], 3) for r in rows]})")
     print(f"  this machine's two-process throughput = {2 * t_single / t_pair:.3f} x one process; pipeline "
           f"efficiency against it = {speedup / (2 * t_single / t_pair):.3f}")
 

@@ -55,7 +55,8 @@ from lightning_tpp.parallel_state import (Materialization, ParallelConfig, Paral
                                          shard_state_over_dp)
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.metrics import PipelineMetrics
-from lightning_tpp.pipeline.schedule import ScheduleLike
+from lightning_tpp.pipeline.schedule import AUTO as AUTO_SCHEDULE
+from lightning_tpp.pipeline.schedule import ScheduleLike, check_auto
 from lightning_tpp.pipeline.schedule import normalize as normalize_schedule
 from lightning_tpp.pipeline.schedule import resolve as resolve_schedule
 from lightning_tpp.pipeline.schedule import validate as validate_schedule
@@ -78,6 +79,10 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             ``"zb-drain"`` (see ``docs/pipeline.md``: zero-bubble splits every backward, zb-drain a few), a name added
             with ``register_schedule``, a ``Schedule``, one list per rank of ``(kind, microbatch, chunk)`` actions,
             or ``torch.distributed.pipelining``'s ``ScheduleGPipe``/``Schedule1F1B``/``ScheduleInterleaved1F1B``.
+            ``"auto"`` runs zb-drain for three steps, timing each stage's forward, backward and split backward, then
+            simulates 1F1B, zb-drain, zero-bubble and GPipe with those costs and keeps the fastest (a tie: the
+            simpler), logging its choice on rank 0 (``virtual_stages=1`` only; the choice is not saved in
+            checkpoints: a resumed run measures again).
         virtual_stages: model chunks per pipeline rank (``"interleaved-1f1b"`` needs 2 or more).
         balance: ``"params"`` (balance stages by parameter count), ``"time"`` (by measured block time on the
             module's ``example_input_array``), or blocks per stage, e.g. ``[3, 5]``.
@@ -170,18 +175,22 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         resolve_dims(tp * pp * (dp if isinstance(dp, int) else 1), tp, pp, dp)  # argument types and ranges
-        schedule = normalize_schedule(schedule)  # a registered name, else a Schedule (same repr on every rank)
+        auto = isinstance(schedule, str) and schedule == AUTO_SCHEDULE
+        schedule = AUTO_SCHEDULE if auto else normalize_schedule(schedule)  # a registered name, else a Schedule
         if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
             raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
         if tp_plan != "auto" and not isinstance(tp_plan, Mapping):
             raise TypeError(f"tp_plan must be 'auto' or a mapping of module globs to styles, got {tp_plan!r}")
         self._tp, self._pp, self._dp_arg = tp, pp, dp
-        fixed = resolve_schedule(schedule).fixed  # action lists are written for one micro-batch count
+        fixed = None if auto else resolve_schedule(schedule).fixed  # action lists: for one micro-batch count
         self.microbatches = microbatches if microbatches is not None else fixed[1] if fixed else 2 * pp
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         if pp > 1:
-            validate_schedule(schedule, pp, self.microbatches, virtual_stages)
+            if auto:
+                check_auto(pp, self.microbatches, virtual_stages)
+            else:
+                validate_schedule(schedule, pp, self.microbatches, virtual_stages)
         if isinstance(balance, str) and balance not in ("params", "time"):
             raise ValueError(f"balance={balance!r} must be 'params', 'time' or a list of blocks per stage")
         self._balance, self._split_points, self._blocks = balance, split_points, blocks

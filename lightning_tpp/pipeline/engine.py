@@ -7,6 +7,12 @@
       GradientParking.schedule                         .grad kept across Lightning's zero_grad  (parking)
 
 The logging adapter the strategy wraps around a step (``captured_logs``, ``replay_logs``) lives in ``logging``.
+
+``schedule="auto"``: the first :data:`AUTO_STEPS` full-size steps run ``schedule.AUTO_MEASURE`` (zb-drain: it times
+``F`` and ``B`` on every rank, ``I`` and ``W`` on the others), all but the first measured (each kind's fastest mean:
+a step slowed by another process on the core only adds time); one all-gather over every rank gives each the same
+per-stage costs, from which each simulates the candidates and takes the same schedule for
+the steps after (``choice``; logged once). A switch happens between steps, where no micro-batch state is alive.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, ContextManager, Mapping, Optional
 
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -23,12 +32,24 @@ from lightning_tpp.pipeline.executor import Executor, Step, StepTimes, Trace, ba
 from lightning_tpp.pipeline.logging import captured_logs, load_metric_state, metric_state, replay_logs
 from lightning_tpp.pipeline.parking import GradientParking
 from lightning_tpp.pipeline.partition import Partition
-from lightning_tpp.pipeline.schedule import Action, Schedule, actions
+from lightning_tpp.pipeline.schedule import (
+    AUTO,
+    AUTO_MEASURE,
+    Action,
+    AutoChoice,
+    Schedule,
+    actions,
+    check_auto,
+    choose_schedule,
+    costs_from_times,
+)
 from lightning_tpp.pipeline.stage import StageRuntime
 from lightning_tpp.pipeline.transport import CommSpan, Transport
 
 __all__ = ["PipelineEngine", "PipelineError", "captured_logs", "load_metric_state", "metric_state", "replay_logs",
            "split_batch"]
+
+AUTO_STEPS = 3  # schedule="auto": a warm-up step, then measured ones, before choosing
 
 
 class PipelineEngine:
@@ -38,7 +59,9 @@ class PipelineEngine:
         module: the LightningModule, with this rank's units real (``build.finish_stages``).
         partition, runtime: the stages and the dispatch state of their units.
         rank, pp, virtual: this rank's pp coordinate, the pipeline's ranks, the chunks per rank.
-        schedule, microbatches: a registered schedule name or a ``Schedule``, and micro-batches per step.
+        schedule, microbatches: a registered schedule name, ``"auto"`` or a ``Schedule``, and micro-batches per
+            step. ``schedule`` is what runs (under ``"auto"``: what measures, then what was chosen), ``requested``
+            what was asked for, ``choice`` what ``"auto"`` chose and why (``None`` before).
         group: the pipeline's process group; ``stage_rank``: pp rank -> global rank (same dp and tp coordinates).
         chunk_params: each local chunk's trainable parameters; ``tied``: shared parameters and their groups.
         ancestor_params: parameters of the model itself used before the blocks (first stage).
@@ -51,6 +74,13 @@ class PipelineEngine:
                  ) -> None:
         self.module, self.partition, self.runtime = module, partition, runtime
         self.rank, self.pp, self.virtual = rank, pp, virtual
+        self.requested = schedule
+        self._auto_steps: int = 0  # full-size steps run so far while "auto" measures
+        self._auto_costs: dict[str, tuple[float, int]] = {}  # kind -> (fastest mean seconds per action, actions)
+        self.choice: Optional[AutoChoice] = None
+        if schedule == AUTO:
+            check_auto(pp, microbatches, virtual)
+            schedule = AUTO_MEASURE
         self.schedule, self.microbatches = schedule, microbatches
         self.group, self.stage_rank = group, stage_rank
         self.chunk_params, self.tied, self.ancestor_params = chunk_params, tied, ancestor_params
@@ -66,8 +96,14 @@ class PipelineEngine:
 
     @property
     def splits_backward(self) -> bool:
-        """Whether the schedule adds weight gradients after their backward (zero-bubble ``I``/``W``)."""
-        return any(kind in ("I", "W") for kind, _, _ in self.order)
+        """Whether the schedule adds weight gradients after their backward (zero-bubble ``I``/``W``), or may once
+        ``"auto"`` has chosen (read at setup: FSDP2 reduction at the end of a schedule that splits)."""
+        return self.deciding or any(kind in ("I", "W") for kind, _, _ in self.order)
+
+    @property
+    def deciding(self) -> bool:
+        """``schedule="auto"`` still measures."""
+        return self.requested == AUTO and self.choice is None
 
     def rekey(self, replaced: Mapping[int, nn.Parameter]) -> None:
         """Follow parameters that were replaced by new objects (FSDP2 wraps each in a DTensor)."""
@@ -129,9 +165,45 @@ class PipelineEngine:
         order = self._order(len(micro))
         routes = self.executor.routes("training_step", step, micro[0])
         self.transport.post_headers(self.executor.inbound(routes), len(micro))
-        with self.parking.schedule(stale=stale_grads), self.reduction():
+        # under "auto" the order may or may not split: the end-of-schedule reduction only where it does
+        splits = self.requested != AUTO or any(kind in ("I", "W") for kind, _, _ in order)
+        with self.parking.schedule(stale=stale_grads), (self.reduction if splits else contextlib.nullcontext)():
             total = self.executor.run(order, step, micro, routes, shares, loss_scale)
+        if self.deciding and len(micro) == self.microbatches:
+            self._auto_steps += 1
+            if self._auto_steps > 1:  # the first warms up
+                self._keep_fastest()
+            if self._auto_steps >= AUTO_STEPS:
+                self._choose()
         return self.transport.broadcast_from_last(total)
+
+    def _keep_fastest(self) -> None:
+        """Each kind's fastest mean per action over the measured steps (another process only adds time)."""
+        times = self.executor.times
+        assert times is not None
+        for kind, (total, count) in times.costs.items():
+            if count and (kind not in self._auto_costs or total / count < self._auto_costs[kind][0]):
+                self._auto_costs[kind] = (total / count, count)
+
+    def _choose(self) -> None:
+        """``schedule="auto"``: from the measured action times of every rank (one all-gather over all of them, so
+        that every pipeline, and every tp and dp replica, switches alike), simulate the candidates, switch."""
+        costs = {kind: (mean * count, count) for kind, (mean, count) in self._auto_costs.items()}
+        row = [float(self.rank)] + [x for kind in "FBIW" for x in costs.get(kind, (0.0, 0))]
+        mine = torch.tensor(row, dtype=torch.float64, device=self.runtime.device)
+        if dist.is_available() and dist.is_initialized():
+            every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, mine)
+            rows = torch.stack(every).cpu().tolist()
+        else:
+            rows = [row]
+        measured = [{kind: (sum(r[1 + 2 * k] for r in rows if int(r[0]) == p),
+                            int(sum(r[2 + 2 * k] for r in rows if int(r[0]) == p))) for k, kind in enumerate("FBIW")}
+                    for p in range(self.pp)]  # summed over the replicas of each pp rank: their mean per action
+        self.choice = choose_schedule(self.pp, self.microbatches, costs_from_times(measured))
+        self.schedule = self.choice.schedule
+        self.order = actions(self.schedule, self.rank, self.pp, self.microbatches, self.virtual)
+        rank_zero_info(self.choice.describe())
 
     def _order(self, m: int) -> list[Action]:
         """This rank's actions for ``m`` micro-batches: the configured schedule, or GPipe for a short batch (an

@@ -12,14 +12,16 @@ A :class:`Schedule` names a function producing those lists plus the micro-batch 
 :func:`resolve` also turns a user's explicit per-rank action lists and ``torch.distributed.pipelining`` schedule
 classes into a ``Schedule`` (``schedule_input``), and :func:`validate` checks one before any process runs: every
 micro-batch forwarded once and backwarded once, and :func:`simulate` (sends asynchronous, receives blocking, as the
-engine does) finding no deadlock; it also reports each rank's idle fraction.
+engine does) finding no deadlock; it also reports each rank's idle fraction. For ``schedule="auto"``,
+:func:`choose_schedule` simulates the candidates with each rank's measured costs (:func:`costs_from_times`) and
+returns the fastest (the engine measures, switches and logs).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional, Sequence, Union
+from typing import Callable, Literal, Mapping, Optional, Sequence, Union
 
 Action = tuple[str, int, int]
 Orders = Callable[[int, int, int, int], Sequence[Action]]  # (rank, pp, microbatches, virtual) -> that rank's actions
@@ -275,13 +277,18 @@ class Simulation:
 
 
 def simulate(schedule: Union[str, Schedule], pp: int, microbatches: int, virtual: int = 1, *, f: float = 1.0,
-             b: float = 2.0, w_share: float = 0.5, split_cost: float = 0.0) -> Simulation:
+             b: float = 2.0, w_share: float = 0.5, split_cost: float = 0.0,
+             rank_costs: Optional[Sequence[Mapping[str, float]]] = None) -> Simulation:
     """Run every rank's order with action costs ``f`` (forward) and ``b`` (backward; ``I`` and ``W`` take
     ``(1 - w_share) * b`` and ``w_share * b``, plus half of ``split_cost`` each: what splitting a backward costs
-    beyond it) per stage chunk; raises ``ScheduleConfigError`` on a deadlock."""
+    beyond it) per stage chunk; raises ``ScheduleConfigError`` on a deadlock. ``rank_costs``: instead, one
+    ``{"F", "B", "I", "W"}`` cost mapping per rank (measured stages that differ, see :func:`choose_schedule`)."""
     orders = [actions(schedule, r, pp, microbatches, virtual) for r in range(pp)]
     stages = pp * virtual
-    cost = {"F": f, "B": b, "I": (1 - w_share) * b + split_cost / 2, "W": w_share * b + split_cost / 2}
+    uniform = {"F": f, "B": b, "I": (1 - w_share) * b + split_cost / 2, "W": w_share * b + split_cost / 2}
+    if rank_costs is not None and len(rank_costs) != pp:
+        raise ValueError(f"rank_costs has {len(rank_costs)} entries, one per rank is needed (pp={pp})")
+    per_rank = [uniform] * pp if rank_costs is None else [{k: float(c[k]) for k in "FBIW"} for c in rank_costs]
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, global stage) -> finish time
     clock = [0.0] * pp
     busy = [0.0] * pp
@@ -312,8 +319,8 @@ def simulate(schedule: Union[str, Schedule], pp: int, microbatches: int, virtual
                 if t is None:
                     break
                 start = max(clock[r], t)
-                clock[r] = start + cost[act[0]]
-                busy[r] += cost[act[0]]
+                clock[r] = start + per_rank[r][act[0]]
+                busy[r] += per_rank[r][act[0]]
                 done[(act[0], act[1], act[2] * pp + r)] = clock[r]
                 pos[r] += 1
                 progressed = True
@@ -329,3 +336,82 @@ def simulate(schedule: Union[str, Schedule], pp: int, microbatches: int, virtual
 def theoretical_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
     """(p - 1) / (m * v + p - 1): the idle fraction of GPipe/1F1B (v = 1) and interleaved 1F1B."""
     return (pp - 1) / (microbatches * virtual + pp - 1)
+
+
+# ---- schedule="auto" ------------------------------------------------------------------------------------------------
+AUTO = "auto"
+AUTO_CANDIDATES = ("1f1b", "zb-drain", "zero-bubble", "gpipe")  # the preference on a tie: the simpler schedule first
+AUTO_MEASURE = "zb-drain"  # runs while "auto" measures: times F and B on every rank, I and W on the others
+AUTO_TIE = 0.01  # a schedule simulated less than 1% faster than a simpler one is a tie (noise; more memory held)
+
+
+def check_auto(pp: int, microbatches: int, virtual: int) -> None:
+    """The layouts ``schedule="auto"`` can choose for: one chunk per rank, at least ``pp`` micro-batches."""
+    if virtual != 1:
+        raise ScheduleConfigError(f"schedule='auto' chooses among the one-chunk schedules {AUTO_CANDIDATES}, but "
+                                  f"virtual_stages={virtual}; use schedule='interleaved-1f1b' with virtual_stages="
+                                  f"{virtual}, or virtual_stages=1 with schedule='auto'")
+    if microbatches < pp:
+        raise ScheduleConfigError(f"schedule='auto' measures its first steps with {AUTO_MEASURE!r}, which needs "
+                                  f"microbatches >= pp: got microbatches={microbatches}, pp={pp}. Use "
+                                  f"microbatches={2 * pp}, or schedule='gpipe'")
+
+
+def costs_from_times(measured: Sequence[Mapping[str, tuple[float, int]]]) -> list[dict[str, float]]:
+    """Each rank's seconds per ``F``, ``B``, ``I`` and ``W`` action for :func:`simulate` (``rank_costs``), from what
+    that rank timed in a step of :data:`AUTO_MEASURE` (``kind -> (seconds in all, actions)``, as
+    ``executor.StepTimes.costs``). A kind a rank did not run is derived: ``B`` from ``I + W`` and ``I``/``W`` from
+    ``B`` with the median split overhead and ``W`` share of the ranks that ran both. The first rank's split backward
+    runs whole in ``W`` (no input gradient to send), so there ``I`` costs nothing and ``W`` a whole backward."""
+    means = [{k: t / n for k, (t, n) in m.items() if n} for m in measured]
+    both = [m for m in means if {"I", "W"} <= m.keys() and m["I"] + m["W"] > 0]
+    ratios = [(m["I"] + m["W"]) / m["B"] for m in both if m.get("B", 0) > 0]
+    ratio = sorted(ratios)[len(ratios) // 2] if ratios else 1.0  # I + W over a whole B
+    shares = sorted(m["W"] / (m["I"] + m["W"]) for m in both)
+    share = shares[len(shares) // 2] if shares else 0.5
+    out = []
+    for r, m in enumerate(means):
+        f = m.get("F", 0.0)
+        has_split = {"I", "W"} <= m.keys()
+        b = m["B"] if "B" in m else (m["I"] + m["W"]) / ratio if has_split else 2 * f
+        i, w = (m["I"], m["W"]) if has_split else ((1 - share) * b * ratio, share * b * ratio)
+        out.append({"F": f, "B": b, "I": 0.0, "W": b} if r == 0 else {"F": f, "B": b, "I": i, "W": w})
+    return out
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``schedule="auto"`` chose: the schedule, every candidate's simulated step, the per-rank costs used."""
+
+    schedule: str
+    makespans: dict[str, float]
+    costs: list[dict[str, float]]
+
+    def describe(self) -> str:
+        """One line for the log: the choice, each candidate's simulated step relative to 1F1B, the costs."""
+        base = self.makespans.get("1f1b") or self.makespans[self.schedule]
+        ref = "1f1b" if "1f1b" in self.makespans else self.schedule
+        ratios = ", ".join(f"{n} {t / base:.3f}" for n, t in self.makespans.items())
+        costs = " ".join(f"{k}=" + "/".join(f"{c[k] * 1e3:.2f}" for c in self.costs) for k in "FBIW")
+        return (f"schedule='auto': chose {self.schedule!r} (simulated step {self.makespans[self.schedule] / base:.3f} "
+                f"x {ref}; candidates {ratios}; measured ms per action on pp ranks 0..{len(self.costs) - 1}: "
+                f"{costs})")
+
+
+def choose_schedule(pp: int, microbatches: int, costs: Sequence[Mapping[str, float]], *,
+                    candidates: Sequence[str] = AUTO_CANDIDATES, tie: float = AUTO_TIE) -> AutoChoice:
+    """The candidate whose simulated step with each rank's measured ``costs`` (:func:`costs_from_times`) is
+    shortest; within ``tie`` of the shortest, the first in ``candidates`` (the simpler one). A pure function of its
+    arguments: every rank given the same numbers chooses the same schedule."""
+    makespans: dict[str, float] = {}
+    for name in candidates:
+        try:
+            makespans[name] = simulate(name, pp, microbatches, rank_costs=costs).makespan
+        except ScheduleConfigError:
+            continue  # does not fit this layout
+    if not makespans:
+        raise ScheduleConfigError(f"schedule='auto': none of {tuple(candidates)} fits pp={pp}, "
+                                  f"microbatches={microbatches}")
+    best = min(makespans.values())
+    chosen = next(n for n, t in makespans.items() if t <= best * (1 + tie))
+    return AutoChoice(chosen, makespans, [dict(c) for c in costs])

@@ -97,7 +97,7 @@ class PipelineTimeline(Callback):
         mine = {"rank": rank, "coords": trainer.strategy.dims.coords(rank), "actions": actions, "comms": comms}
         every: list[Any] = [None] * trainer.world_size
         dist.all_gather_object(every, mine)
-        schedule = trainer.strategy.schedule
+        schedule = engine.schedule  # what ran (under schedule='auto': what it measures with, then its choice)
         self.records.append({"step": self._step, "batch": batch_idx,
                              "schedule": schedule if isinstance(schedule, str) else schedule.name,
                              "pp": engine.pp, "virtual": engine.virtual,

@@ -1,0 +1,125 @@
+"""Unit tests of ``schedule="auto"``'s pure parts (``lightning_tpp.pipeline.schedule``): per-rank costs in the
+simulator, costs derived from a measuring step's times, the choice on controlled costs, the configuration checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_tpp.pipeline.schedule import (
+    AUTO_CANDIDATES,
+    AUTO_MEASURE,
+    ScheduleConfigError,
+    check_auto,
+    choose_schedule,
+    costs_from_times,
+    simulate,
+)
+
+
+def _costs(pp: int, *, f: float = 1.0, b: float = 2.0, split: float = 0.0, w_share: float = 0.5) -> list[dict]:
+    """Every rank alike; the first rank's split backward runs whole in W (as the executor runs it)."""
+    i, w = (1 - w_share) * b + split / 2, w_share * b + split / 2
+    return [{"F": f, "B": b, "I": 0.0, "W": b} if r == 0 else {"F": f, "B": b, "I": i, "W": w} for r in range(pp)]
+
+
+# ---- simulate with per-rank costs ------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "zb-drain"])
+@pytest.mark.parametrize("pp, m", [(2, 4), (3, 6), (4, 8)])
+def test_uniform_rank_costs_match_the_old_signature(schedule: str, pp: int, m: int) -> None:
+    old = simulate(schedule, pp, m, f=1.0, b=3.0, w_share=0.4, split_cost=0.2)
+    same = [{"F": 1.0, "B": 3.0, "I": 0.6 * 3.0 + 0.1, "W": 0.4 * 3.0 + 0.1}] * pp
+    new = simulate(schedule, pp, m, rank_costs=same)
+    assert new.makespan == pytest.approx(old.makespan) and new.busy == pytest.approx(old.busy)
+
+
+def test_a_slow_rank_sets_the_step() -> None:
+    """1F1B with a last stage twice as slow: the step is the slow stage's work plus the fast one's first forward and
+    last backward (the slow rank never waits after its first micro-batch)."""
+    costs = [{"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}, {"F": 2.0, "B": 4.0, "I": 2.0, "W": 2.0}]
+    sim = simulate("1f1b", 2, 8, rank_costs=costs)
+    assert sim.makespan == pytest.approx(1.0 + 8 * 6.0 + 2.0)
+    assert sim.bubble[1] < sim.bubble[0]
+
+
+def test_rank_costs_need_one_entry_per_rank() -> None:
+    with pytest.raises(ValueError, match=r"rank_costs has 1 entries, one per rank is needed \(pp=2\)"):
+        simulate("1f1b", 2, 4, rank_costs=[{"F": 1, "B": 2, "I": 1, "W": 1}])
+
+
+# ---- costs from a measuring step ----------------------------------------------------------------------------------
+def test_costs_from_zb_drain_times() -> None:
+    """Rank 0 timed F and B only (zb-drain splits nothing there); rank 1 F, B and, for 2 micro-batches, I and W."""
+    measured = [{"F": (8.0, 8), "B": (16.0, 8), "I": (0.0, 0), "W": (0.0, 0)},
+                {"F": (8.0, 8), "B": (12.0, 6), "I": (2.2, 2), "W": (2.2, 2)}]
+    costs = costs_from_times(measured)
+    assert costs[0] == {"F": 1.0, "B": 2.0, "I": 0.0, "W": 2.0}  # the first stage's split backward runs whole in W
+    assert costs[1] == pytest.approx({"F": 1.0, "B": 2.0, "I": 1.1, "W": 1.1})
+
+
+def test_costs_derive_what_a_rank_did_not_run() -> None:
+    """pp=3, m=3 under zb-drain: the last rank splits every backward (no B timed: B = (I + W) / the other ranks'
+    ratio); a rank that split nothing takes the median ratio and W share."""
+    measured = [{"F": (3.0, 3), "B": (6.0, 3)},
+                {"F": (3.0, 3), "B": (2.0, 1), "I": (1.0, 2), "W": (3.4, 2)},  # I + W = 2.2 = 1.1 x B, W share 0.77
+                {"F": (3.0, 3), "I": (3.3, 3), "W": (3.3, 3)}]
+    costs = costs_from_times(measured)
+    assert costs[2]["B"] == pytest.approx(2.2 / 1.1) and costs[2]["I"] == pytest.approx(1.1)
+    assert costs_from_times([{"F": (2.0, 2)}, {"F": (2.0, 2), "B": (4.0, 2)}])[1] == pytest.approx(
+        {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0})  # nothing split anywhere: W half of B, no overhead
+
+
+# ---- the choice ---------------------------------------------------------------------------------------------------
+def test_free_split_chooses_a_zero_bubble_schedule() -> None:
+    choice = choose_schedule(2, 8, _costs(2))
+    assert choice.schedule == "zb-drain"  # ties zero-bubble at pp=2 and splits fewer backwards: preferred
+    assert choice.makespans["zb-drain"] < choice.makespans["1f1b"]
+    assert choice.schedule == choose_schedule(2, 8, _costs(2)).schedule  # deterministic
+    assert choose_schedule(8, 16, _costs(8)).schedule == "zero-bubble"  # larger pp: every backward split pays
+
+
+def test_costly_split_chooses_1f1b() -> None:
+    """I + W taking a whole forward more than B: zb-drain's few split backwards cost more than the bubble saved."""
+    choice = choose_schedule(2, 8, _costs(2, split=1.5))
+    assert choice.schedule == "1f1b"
+    assert set(choice.makespans) == set(AUTO_CANDIDATES)
+
+
+def test_cpu_like_split_overhead_still_chooses_zb_drain() -> None:
+    """On the benchmark's CPU a split backward costs ~10% more: zb-drain (2 splits on rank 1) still wins."""
+    choice = choose_schedule(2, 8, _costs(2, split=0.2))
+    assert choice.schedule == "zb-drain" and choice.makespans["zb-drain"] < 0.97 * choice.makespans["1f1b"]
+
+
+def test_ties_go_to_the_simpler_schedule() -> None:
+    """GPipe and 1F1B take the same time here (no split schedule allowed): 1F1B, listed first, is chosen; a gain
+    under the tie margin does not switch."""
+    assert choose_schedule(2, 8, _costs(2), candidates=("1f1b", "gpipe")).schedule == "1f1b"
+    assert choose_schedule(2, 8, _costs(2), candidates=("1f1b", "zb-drain"), tie=0.1).schedule == "1f1b"
+
+
+def test_describe_names_the_choice_and_the_costs() -> None:
+    line = choose_schedule(2, 8, _costs(2, f=0.01, b=0.02)).describe()
+    assert line.startswith("schedule='auto': chose 'zb-drain' (simulated step 0.926 x 1f1b; candidates 1f1b 1.000, ")
+    assert "F=10.00/10.00 B=20.00/20.00 I=0.00/10.00 W=20.00/10.00" in line
+
+
+# ---- configuration ------------------------------------------------------------------------------------------------
+def test_check_auto_refuses_layouts_it_cannot_choose_for() -> None:
+    check_auto(2, 4, 1)
+    with pytest.raises(ScheduleConfigError, match=r"virtual_stages=2; use schedule='interleaved-1f1b'"):
+        check_auto(2, 4, 2)
+    with pytest.raises(ScheduleConfigError, match=rf"{AUTO_MEASURE!r}, which needs microbatches >= pp: got "
+                                                  r"microbatches=2, pp=4. Use microbatches=8, or schedule='gpipe'"):
+        check_auto(4, 2, 1)
+
+
+def test_strategy_accepts_auto_and_keeps_it_in_its_config() -> None:
+    from lightning_tpp import TensorPipeStrategy
+
+    strategy = TensorPipeStrategy(pp=2, schedule="auto")
+    assert strategy.schedule == "auto" and strategy.microbatches == 4
+    assert strategy._config()["schedule"] == "'auto'"
+    with pytest.raises(ScheduleConfigError, match="schedule='auto' chooses among the one-chunk schedules"):
+        TensorPipeStrategy(pp=2, schedule="auto", virtual_stages=2)
+    with pytest.raises(ScheduleConfigError, match="needs microbatches >= pp"):
+        TensorPipeStrategy(pp=4, microbatches=2, schedule="auto")
