@@ -35,7 +35,8 @@ class PipelineSteps:
                 return module.training_step(micro, *args[1:], **kwargs)
 
         accumulate = module.trainer.accumulate_grad_batches
-        with captured_logs(module) as logs:
+        executor = self._engine.executor
+        with captured_logs(module, share=lambda: executor.share) as logs:  # micro-batches' values weighted by share
             loss = self._engine.train_step(step, args[0], loss_scale=1.0 / accumulate,
                                            stale_grads=self._zeroed_after_step(module, args, accumulate))
         replay_logs(self._engine, module, logs)

@@ -132,7 +132,7 @@ class Executor:
         self.position: Optional[Action] = None
         self.times: Optional[StepTimes] = None  # of the last schedule run
         self._seed: Optional[int] = None  # this step's, drawn from the global generator (the same on every stage)
-        self.share: Optional[float] = None  # the running evaluation micro-batch's share of the batch (logging reads it)
+        self.share: Optional[float] = None  # the running micro-batch's share of the batch (logging reads it)
         self.eval_microbatches = 0  # micro-batches of the last evaluation step
         self.eval_whole_batch = os.environ.get("TPP_EVAL_WHOLE_BATCH") == "1"  # evaluate as one micro-batch
         self._combine_cache: dict[Any, Optional[tuple[str, ...]]] = {}  # see _eval_split
@@ -299,6 +299,7 @@ class Executor:
                 self.position = (kind, mb, chunk)
                 start, waited, sent = time.perf_counter(), transport.waited, transport.sent
                 if kind == "F":
+                    self.share = shares[mb]  # what the step logs is weighted by it (logging reads it)
                     result = self.forward(mb, chunk, step, micro[mb], states, routes, split=(mb, chunk) in splits)
                     if self.stage(chunk) == self.partition.stages - 1:
                         states[(mb, chunk)].loss = _loss_of(result, self.stage(chunk))
@@ -313,7 +314,7 @@ class Executor:
                     self.trace.append((kind, mb, chunk, start, end, transport.waited - waited))
             transport.flush()
         finally:
-            self.runtime.ctx = None
+            self.runtime.ctx, self.share = None, None
         self.times = StepTimes(first, time.perf_counter(), transport.sent, transport.waited, len(micro), costs)
         self.position = None
         losses = [s.loss.float() * shares[mb] for (mb, _), s in states.items() if s.loss is not None]

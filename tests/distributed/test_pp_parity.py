@@ -139,10 +139,15 @@ def test_tp2_pp2_accumulation_and_clipping(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("microbatches", "batch_size"), [(4, 6), (8, 6), (4, 1)],
                          ids=["uneven", "short-batch", "short-batch-gpipe"])
 def test_pp2_batch_not_divisible_by_microbatches(tmp_path: Path, microbatches: int, batch_size: int) -> None:
-    """Batch 6 in 4 micro-batches (2, 2, 1, 1 samples): losses weighted by share. A batch with fewer samples than
-    micro-batches (an epoch's last) runs one micro-batch per sample, with GPipe if 1F1B needs more than it has."""
+    """Batch 6 in 4 micro-batches (2, 2, 1, 1 samples): losses, and the loss the step logs, weighted by share. A
+    batch with fewer samples than micro-batches (an epoch's last) runs one micro-batch per sample, with GPipe if 1F1B
+    needs more than it has."""
     run_and_compare(tmp_path, ["nanogpt"], extra=("--microbatches", str(microbatches), "--batch-size",
                                                   str(batch_size)), train_kwargs=dict(batch_size=batch_size))
+    want = reference("nanogpt", batch_size=batch_size).logged["train_loss"]
+    for rank in range(2):
+        logged = load_record(tmp_path / f"nanogpt.rank{rank}.pt").logged["train_loss"]
+        assert logged == pytest.approx(want, rel=1e-5), (rank, logged, want)
 
 
 def test_tp2_pp2_sequence_parallel(tmp_path: Path) -> None:
