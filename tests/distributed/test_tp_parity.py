@@ -71,6 +71,16 @@ def test_parity_sequence_parallel_fsdp_checkpointing(tmp_path: Path) -> None:
         assert_parity(load_record(tmp_path / f"llama.rank{rank}.pt"), ref, param_atol=1e-4, where=f"llama rank {rank}")
 
 
+def test_parity_sequence_parallel_fsdp(tmp_path: Path) -> None:
+    """sequence_parallel with FSDP2 over dp, without activation checkpointing: each block's first-call gradient check
+    runs on FSDP2's gathered parameters (inside the unit's forward) and leaves their gradients alone; a conditioning
+    vector whose gradient is summed over the shards."""
+    _run(tmp_path, ["conditioned"], 2, 2, ["--sequence-parallel"])
+    for rank in range(4):
+        assert_parity(load_record(tmp_path / f"conditioned.rank{rank}.pt"), reference("conditioned", 2),
+                      where=f"conditioned sp tp2 x dp2 rank {rank}")
+
+
 @pytest.mark.parametrize(("models", "optimizer", "lr", "param_atol", "dp_sharding"),
                          [(["nanogpt", "llama"], "sgd", 0.1, None, "no_shard"),
                           (["llama"], "adamw", 0.01, 1e-4, "full_shard")])
