@@ -207,8 +207,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         if not isinstance(sequence_parallel, bool):
             raise TypeError(f"sequence_parallel={sequence_parallel!r} must be True or False")
         if sequence_parallel and tp < 2:
-            raise ValueError(f"sequence_parallel=True cuts the sequence over the tensor-parallel ranks and needs tp >= 2, "
-                             f"got tp={tp}")
+            raise ValueError(f"sequence_parallel=True cuts the sequence over the tensor-parallel ranks and needs "
+                             f"tp >= 2, got tp={tp}")
         self._sequence_parallel = sequence_parallel
         self._dp_sharding = normalize_sharding(dp_sharding)
         self._save_sharded = save_distributed_checkpoint

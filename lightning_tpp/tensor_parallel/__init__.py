@@ -16,4 +16,5 @@ from lightning_tpp.tensor_parallel.report import coverage_warning, format_plan
 from lightning_tpp.tensor_parallel.sequence import SequenceParallelError
 
 __all__ = ["STYLES", "SequenceParallelError", "TPPlan", "TensorParallelConfigError", "TensorParallelMismatchError",
-           "apply_plan", "check_divisible", "coverage_warning", "detect", "format_plan", "hf_plan", "overlay", "verify_block"]
+           "apply_plan", "check_divisible", "coverage_warning", "detect", "format_plan", "hf_plan", "overlay",
+           "verify_block"]

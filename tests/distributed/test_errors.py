@@ -43,9 +43,8 @@ SCRIPT = ROOT / "tests" / "distributed" / "worker_errors.py"
     ("pp_tied_cut", 4, r"TensorParallelConfigError: model\.transformer\.wte\.weight = model\.lm_head\.weight is "
                        r"shared by pipeline stages \[0, 1\], but tensor parallelism cut it differently on them "
                        r"\(shapes \[\(32, 32\), \(64, 32\)\]\)"),
-], ids=["heads", "mismatch", "embedding", "sp_positions", "sp_bypassed", "sp_post_norm", "sp_odd_length", "world", "pp_stages",
-        "pp_encdec", "pp_manual", "pp_fp16", "pp_trace",
-        "pp_tied_cut"])
+], ids=["heads", "mismatch", "embedding", "sp_positions", "sp_bypassed", "sp_post_norm", "sp_odd_length", "world",
+        "pp_stages", "pp_encdec", "pp_manual", "pp_fp16", "pp_trace", "pp_tied_cut"])
 def test_error_on_every_rank(scenario: str, devices: int, message: str) -> None:
     import re
 

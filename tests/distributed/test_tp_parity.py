@@ -28,7 +28,8 @@ def _run(tmp: Path, models: list[str], tp: int, dp: int, extra: list[str] = ()) 
     run_ranks(ROOT / "tests" / "parity.py", tp * dp, args, timeout=400).check()
 
 
-@pytest.mark.parametrize(("tp", "dp", "models"), [(2, 1, ALL), (2, 2, ["nanogpt", "llama", "encoder", "hf_gpt2", "conditioned"])],
+@pytest.mark.parametrize(("tp", "dp", "models"),
+                         [(2, 1, ALL), (2, 2, ["nanogpt", "llama", "encoder", "hf_gpt2", "conditioned"])],
                          ids=["tp2", "tp2xdp2"])
 def test_parity_fp32(tmp_path: Path, tp: int, dp: int, models: list[str]) -> None:
     _run(tmp_path, models, tp, dp)
