@@ -17,7 +17,7 @@ import contextlib
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -261,6 +261,21 @@ def reference_copy(block: nn.Module, group: TPGroup, shards: ShardIndex) -> nn.M
     return ref
 
 
+@contextlib.contextmanager
+def against_reference(block: nn.Module, group: TPGroup, shards: ShardIndex) -> Iterator[nn.Module]:
+    """``block`` and its :func:`reference_copy`, both in eval mode (no dropout) for a first-call check; ``block``'s
+    training modes are put back after."""
+    ref = reference_copy(block, group, shards)
+    modes = {m: m.training for m in block.modules()}
+    block.eval()
+    ref.eval()
+    try:
+        yield ref
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
 def _drop_fsdp_hooks(module: nn.Module) -> None:
     """A copied FSDP2 unit keeps its hooks, bound to the state it shares with the original: running the copy would
     reshard the original's parameters."""
@@ -360,16 +375,12 @@ def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:
     """Compare the parallel block with its original on this call's inputs; pick the fused layout that matches."""
     st: BlockState = block._tpp_block  # type: ignore[assignment]
     group = st.scope.group
-    ref = reference_copy(block, group, st.shards)
-    modes = {m: m.training for m in block.modules()}
-    block.eval()
-    ref.eval()
     fused = {n: specs for n, specs in st.info.fused.items() if len(specs) > 1}
     attempts = max((len(s) for s in fused.values()), default=1)
     problem = None
     token = VERIFYING.set(True)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), against_reference(block, group, st.shards) as ref:
             a, k = _isolated(args, kwargs)
             want = ref.forward(*a, **k)
             for i in range(attempts):
@@ -387,8 +398,6 @@ def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:
                     return
     finally:
         VERIFYING.reset(token)
-        for m, mode in modes.items():
-            m.training = mode
     raise TensorParallelMismatchError(
         f"tensor-parallel {st.info.kind} block {st.name!r} ({type(block).__name__}) does not match the original "
         f"model on this rank: {problem or 'another tp rank differs'}. Its forward probably does something the "

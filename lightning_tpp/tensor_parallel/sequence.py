@@ -318,33 +318,25 @@ def row_reduce(y: Tensor) -> Optional[Tensor]:
 
 def _verify(element: nn.Module, args: tuple, kwargs: dict, where: tuple[str, Any]) -> None:
     """The block's sequence-parallel output against the original block on the whole sequence."""
-    from lightning_tpp.tensor_parallel.apply import _close, _isolated, reference_copy
+    from lightning_tpp.tensor_parallel.apply import _close, _isolated, against_reference
 
     st: ElementState = element._tpp_sp  # type: ignore[assignment]
     group = st.group
-    ref = reference_copy(element, group, st.shards)
-    modes = {m: m.training for m in element.modules()}
-    element.eval()
-    ref.eval()
     problem = None
-    try:
-        with torch.no_grad():
-            a, k = _isolated(args, kwargs)
-            a, k = _replace(a, k, where, gather_seq(_get(a, k, where), group))
-            token = VERIFYING.set(True)
-            try:
-                want = ref(*a, **k)
-            finally:
-                VERIFYING.reset(token)
-            a, k = _isolated(args, kwargs)
-            try:
-                got = element._sp_forward(a, k, where)  # type: ignore[attr-defined]
-                problem = _close(got, want, group)
-            except Exception as err:  # noqa: BLE001 - any error of the sequence-parallel forward is a mismatch
-                problem = f"its forward raised {type(err).__name__}: {err}"
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
+    with torch.no_grad(), against_reference(element, group, st.shards) as ref:
+        a, k = _isolated(args, kwargs)
+        a, k = _replace(a, k, where, gather_seq(_get(a, k, where), group))
+        token = VERIFYING.set(True)
+        try:
+            want = ref(*a, **k)
+        finally:
+            VERIFYING.reset(token)
+        a, k = _isolated(args, kwargs)
+        try:
+            got = element._sp_forward(a, k, where)  # type: ignore[attr-defined]
+            problem = _close(got, want, group)
+        except Exception as err:  # noqa: BLE001 - any error of the sequence-parallel forward is a mismatch
+            problem = f"its forward raised {type(err).__name__}: {err}"
     if not all_reduce_flag(problem is None, group.group):
         raise SequenceParallelError(
             f"sequence parallelism: block {st.name!r} ({type(element).__name__}) does not compute on sequence shards "
@@ -359,14 +351,10 @@ def _verify_gradients(element: nn.Module, args: tuple, kwargs: dict, where: tupl
     sequence, for one random output gradient. Catches what the forward check cannot: a replicated value used on
     shards inside an attention or MLP block whose gradient would not be summed."""
     from lightning_tpp.core.comm import gather_with_spec
-    from lightning_tpp.tensor_parallel.apply import _close, _isolated, reference_copy
+    from lightning_tpp.tensor_parallel.apply import _close, _isolated, against_reference
 
     st: ElementState = element._tpp_sp  # type: ignore[assignment]
     group = st.group
-    ref = reference_copy(element, group, st.shards)
-    modes = {m: m.training for m in element.modules()}
-    element.eval()
-    ref.eval()
 
     def leaves(a: tuple, k: dict, stream: Tensor) -> tuple[tuple, dict, list[tuple[Any, Tensor]]]:
         a, k = _replace(*_isolated(a, k), where, stream)
@@ -387,51 +375,50 @@ def _verify_gradients(element: nn.Module, args: tuple, kwargs: dict, where: tupl
         return out if isinstance(out, Tensor) else next(t for t in tree_flatten(out)[0] if isinstance(t, Tensor))
 
     problem = None
-    try:
-        named = [(n, q) for n, q in element.named_parameters() if q.requires_grad]
-        ref_params = dict(ref.named_parameters())
-        named = [(n, q) for n, q in named if n in ref_params]
-        for n, _ in named:  # the gathered copies of shards (replicated parameters are the block's own)
-            ref_params[n].requires_grad_(True)
-        stream = _get(args, kwargs, where).detach()
-        a, k, inputs = leaves(args, kwargs, stream)
-        got = first(element._sp_forward(a, k, where))  # type: ignore[attr-defined]
-        a, k, ref_inputs = leaves(args, kwargs, gather_seq(stream, group))
-        token = VERIFYING.set(True)
+    with against_reference(element, group, st.shards) as ref:
         try:
-            want = first(ref(*a, **k))
-        finally:
-            VERIFYING.reset(token)
-        gen = torch.Generator(device="cpu").manual_seed(20260)
-        cotangent = torch.randn(want.shape, generator=gen, dtype=torch.float32).to(want)
-        part = cotangent if got.shape == want.shape else cotangent.narrow(1, group.rank * got.shape[1], got.shape[1])
-        mine = torch.autograd.grad(got, [t for _, t in inputs] + [q for _, q in named], part, allow_unused=True)
-        theirs = torch.autograd.grad(want, [t for _, t in ref_inputs] + [ref_params[n] for n, _ in named], cotangent,
-                                     allow_unused=True)
-        partial = {id(getattr(m, attr)) for m, attr in st.partial if getattr(m, attr, None) is not None}
-        for i, ((key, _), g) in enumerate(zip(inputs, mine)):
-            if key != where and g is not None:  # a side input: each rank's part of its gradient
-                g = g.clone()
-                torch.distributed.all_reduce(g, group=group.group)
-            problem = problem or _close(g, theirs[i], group, f"gradient of input {key[1]!r}")
-        for (name, q), g, w in zip(named, mine[len(inputs):], theirs[len(inputs):]):
-            if g is None or w is None:
-                if (g is None) != (w is None):
-                    problem = problem or f"gradient of {name!r}: {'none' if g is None else 'one'} on shards, " \
-                                         f"{'none' if w is None else 'one'} on the whole sequence"
-                continue
-            info = st.shards.get(q)
-            if info is not None:
-                g = gather_with_spec(g, info.spec, group)
-            elif id(q) in partial or id(st.shards.stored(q)) in partial:
-                g = g.clone()
-                torch.distributed.all_reduce(g, group=group.group)
-            problem = problem or _close(g, w, group, f"gradient of {name!r}")
-    except Exception as err:  # noqa: BLE001 - any error of the sequence-parallel backward is a mismatch
-        problem = f"its backward raised {type(err).__name__}: {err}"
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
+            named = [(n, q) for n, q in element.named_parameters() if q.requires_grad]
+            ref_params = dict(ref.named_parameters())
+            named = [(n, q) for n, q in named if n in ref_params]
+            for n, _ in named:  # the gathered copies of shards (replicated parameters are the block's own)
+                ref_params[n].requires_grad_(True)
+            stream = _get(args, kwargs, where).detach()
+            a, k, inputs = leaves(args, kwargs, stream)
+            got = first(element._sp_forward(a, k, where))  # type: ignore[attr-defined]
+            a, k, ref_inputs = leaves(args, kwargs, gather_seq(stream, group))
+            token = VERIFYING.set(True)
+            try:
+                want = first(ref(*a, **k))
+            finally:
+                VERIFYING.reset(token)
+            gen = torch.Generator(device="cpu").manual_seed(20260)
+            cotangent = torch.randn(want.shape, generator=gen, dtype=torch.float32).to(want)
+            n_part = got.shape[1]
+            part = cotangent if got.shape == want.shape else cotangent.narrow(1, group.rank * n_part, n_part)
+            mine = torch.autograd.grad(got, [t for _, t in inputs] + [q for _, q in named], part, allow_unused=True)
+            theirs = torch.autograd.grad(want, [t for _, t in ref_inputs] + [ref_params[n] for n, _ in named],
+                                         cotangent, allow_unused=True)
+            partial = {id(getattr(m, attr)) for m, attr in st.partial if getattr(m, attr, None) is not None}
+            for i, ((key, _), g) in enumerate(zip(inputs, mine)):
+                if key != where and g is not None:  # a side input: each rank's part of its gradient
+                    g = g.clone()
+                    torch.distributed.all_reduce(g, group=group.group)
+                problem = problem or _close(g, theirs[i], group, f"gradient of input {key[1]!r}")
+            for (name, q), g, w in zip(named, mine[len(inputs):], theirs[len(inputs):]):
+                if g is None or w is None:
+                    if (g is None) != (w is None):
+                        problem = problem or f"gradient of {name!r}: {'none' if g is None else 'one'} on shards, " \
+                                             f"{'none' if w is None else 'one'} on the whole sequence"
+                    continue
+                info = st.shards.get(q)
+                if info is not None:
+                    g = gather_with_spec(g, info.spec, group)
+                elif id(q) in partial or id(st.shards.stored(q)) in partial:
+                    g = g.clone()
+                    torch.distributed.all_reduce(g, group=group.group)
+                problem = problem or _close(g, w, group, f"gradient of {name!r}")
+        except Exception as err:  # noqa: BLE001 - any error of the sequence-parallel backward is a mismatch
+            problem = f"its backward raised {type(err).__name__}: {err}"
     if not all_reduce_flag(problem is None, group.group):
         raise SequenceParallelError(
             f"sequence parallelism: block {st.name!r} ({type(element).__name__}) does not compute on sequence shards "

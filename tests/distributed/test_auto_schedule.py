@@ -66,29 +66,11 @@ def _worker(out: Path) -> None:
     import torch.nn.functional as F
     from torch import nn
 
+    from worker_pipeline_metrics import Sleep  # importing it makes a marked weight's deferred gradient (W) sleep
+
     from lightning_tpp import TensorPipeStrategy
-    from lightning_tpp.pipeline import wgrad
 
     rank = int(os.environ["LOCAL_RANK"])
-    accumulate = wgrad._accumulate
-
-    def sleepy_accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:  # a deferred weight gradient (W)
-        time.sleep(getattr(param, "sleep_in_w", 0.0))
-        accumulate(param, grad)
-
-    wgrad._accumulate = sleepy_accumulate
-
-    class Sleep(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, seconds):  # type: ignore[override]
-            ctx.seconds = seconds
-            time.sleep(seconds)
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):  # type: ignore[override]
-            time.sleep(ctx.seconds)
-            return grad, None
 
     class Block(nn.Module):
         def __init__(self, seconds: float, w_seconds: float) -> None:
