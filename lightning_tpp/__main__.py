@@ -156,7 +156,8 @@ def _plan_parser(sub: Any) -> None:
     p.add_argument("--microbatches", type=int, default=None, help="per step (default 2 * pp, as the strategy)")
     p.add_argument("--batch-size", type=int, required=True, help="global batch: all dp replicas together")
     p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--schedule", default="auto",
+                   help='as the strategy\'s; "auto" (the default): the most any schedule it may run holds')
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd-momentum", "sgd"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),

@@ -34,6 +34,7 @@ not saved for backward (e.g. the loss's gradient).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -50,7 +51,8 @@ from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.dp_shard import fsdp_units
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.pipeline.partition import Partition, plan_partition
-from lightning_tpp.pipeline.schedule import ScheduleLike, actions, resolve
+from lightning_tpp.pipeline.schedule import (AUTO, AUTO_CANDIDATES, AUTO_MEASURE, ScheduleLike, actions, resolve,
+                                             settle_auto)
 from lightning_tpp.pipeline.stage import meta_twin
 from lightning_tpp.parallel_state import ParallelConfig, cut
 from lightning_tpp.tensor_parallel import TPPlan, apply_plan
@@ -141,7 +143,7 @@ class MemoryReport:
 
 
 def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microbatches: Optional[int] = None,
-                    batch_size: int, seq_len: int, schedule: ScheduleLike = "1f1b", virtual_stages: int = 1,
+                    batch_size: int, seq_len: int, schedule: ScheduleLike = "auto", virtual_stages: int = 1,
                     optimizer: str = "adamw", param_dtype: torch.dtype = torch.float32,
                     activation_checkpointing: bool = False, dp_shard: bool = True, backend: str = "nccl",
                     balance: Union[str, Sequence[int]] = "params", split_points: Optional[Sequence[str]] = None,
@@ -167,15 +169,17 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
                          "supported here; pass balance='params' or blocks per stage, e.g. balance=[10, 10]")
     dims = MeshDims(dp, pp, tp)
     m = (microbatches or 2 * pp) if pp > 1 else 1
-    spec = resolve(schedule)
+    specs = [resolve(n) for n in _runs(schedule, pp, m, virtual_stages, dp > 1 and dp_shard)]
     if pp > 1:
-        spec.check(pp, m, virtual_stages)
+        for spec in specs:
+            spec.check(pp, m, virtual_stages)
     if batch_size % (dp * m):
         raise ValueError(f"batch_size={batch_size} must be divisible by dp * microbatches = {dp} * {m}: each "
                          f"micro-batch holds batch_size / dp / microbatches sequences")
     mb = batch_size // (dp * m)
     whole = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
-    report = MemoryReport([], dims, None, m, mb, seq_len, spec.name, optimizer, param_dtype,
+    name = specs[0].name if len(specs) == 1 else f"auto (the most of {', '.join(s.name for s in specs)})"
+    report = MemoryReport([], dims, None, m, mb, seq_len, name, optimizer, param_dtype,
                           activation_checkpointing, dp_shard, whole)
     cuts = [_cut(module, dims, r, virtual_stages, param_dtype, balance=balance, split_points=split_points,
                  blocks=blocks, tp_plan=tp_plan) for r in range(pp)]
@@ -184,19 +188,36 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     for _, p, _ in cuts:
         plan.styles.update(p.styles)
         plan.blocks.update(p.blocks)
-    splits = pp > 1 and any(kind in ("I", "W") for kind, _, _ in spec.orders(0, pp, m, virtual_stages))
     per_stage, saved, recompute = _activations(module, plan, report.partition, dims, mb, seq_len, param_dtype,
                                                activation_checkpointing, forward)
     for r, (rank_copy, _, _) in enumerate(cuts):
         params, grads, optim, count = _state_bytes(rank_copy, optimizer, dp if dp_shard else 1)
         stages = tuple(c * pp + r for c in range(virtual_stages)) if pp > 1 else (0,)
-        in_flight, held = _held(spec, r, pp, m, virtual_stages, [per_stage.get(g, 0) for g in stages])
-        held_saved = _held(spec, r, pp, m, virtual_stages, [saved.get(g, 0) for g in stages])[1]
         extra = max((recompute.get(g, 0) for g in stages), default=0)
-        gathered = _gathered(rank_copy, report.partition, splits, backend) if dp_shard and dp > 1 else 0
-        report.ranks += [RankMemory(r, t, stages, count, params, grads, optim, held + extra, in_flight,
-                                    held - held_saved, extra, gathered) for t in range(tp)]
+        options = []  # per schedule "auto" may run: the rank holds the most of them
+        for spec in specs:
+            splits = pp > 1 and any(kind in ("I", "W") for kind, _, _ in spec.orders(0, pp, m, virtual_stages))
+            in_flight, held = _held(spec, r, pp, m, virtual_stages, [per_stage.get(g, 0) for g in stages])
+            held_saved = _held(spec, r, pp, m, virtual_stages, [saved.get(g, 0) for g in stages])[1]
+            gathered = _gathered(rank_copy, report.partition, splits, backend) if dp_shard and dp > 1 else 0
+            options.append(RankMemory(r, 0, stages, count, params, grads, optim, held + extra, in_flight,
+                                      held - held_saved, extra, gathered))
+        most = max(options, key=lambda o: o.total)
+        report.ranks += [dataclasses.replace(most, tp_rank=t) for t in range(tp)]
     return report
+
+
+def _runs(schedule: ScheduleLike, pp: int, microbatches: int, virtual: int, dp_sharded: bool) -> list[ScheduleLike]:
+    """The schedules a strategy given ``schedule`` runs: itself, or for ``"auto"`` the one the layout decides
+    (``TensorPipeStrategy``: FSDP2 over dp keeps 1F1B), else every candidate (one measures first)."""
+    if not (isinstance(schedule, str) and schedule == AUTO):
+        return [schedule]
+    if pp == 1:
+        return ["1f1b"]
+    settled = settle_auto(pp, microbatches, virtual)
+    if settled is not None or dp_sharded:
+        return [settled.schedule if settled else "1f1b"]
+    return [AUTO_MEASURE, *(c for c in AUTO_CANDIDATES if c != AUTO_MEASURE)]
 
 
 def _gathered(cut: nn.Module, partition: Optional[Partition], splits_backward: bool, backend: str) -> int:

@@ -56,7 +56,7 @@ from lightning_tpp.parallel_state import (Materialization, ParallelConfig, Paral
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.metrics import PipelineMetrics
 from lightning_tpp.pipeline.schedule import AUTO as AUTO_SCHEDULE
-from lightning_tpp.pipeline.schedule import ScheduleLike, check_auto
+from lightning_tpp.pipeline.schedule import ScheduleLike, settle_auto
 from lightning_tpp.pipeline.schedule import normalize as normalize_schedule
 from lightning_tpp.pipeline.schedule import resolve as resolve_schedule
 from lightning_tpp.pipeline.schedule import validate as validate_schedule
@@ -79,10 +79,13 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             ``"zb-drain"`` (see ``docs/pipeline.md``: zero-bubble splits every backward, zb-drain a few), a name added
             with ``register_schedule``, a ``Schedule``, one list per rank of ``(kind, microbatch, chunk)`` actions,
             or ``torch.distributed.pipelining``'s ``ScheduleGPipe``/``Schedule1F1B``/``ScheduleInterleaved1F1B``.
-            ``"auto"`` runs zb-drain for three steps, timing each stage's forward, backward and split backward, then
-            simulates 1F1B, zb-drain, zero-bubble and GPipe with those costs and keeps the fastest (a tie: the
-            simpler), logging its choice on rank 0 (``virtual_stages=1`` only; the choice is not saved in
-            checkpoints: a resumed run measures again).
+            ``"auto"`` (the default) runs zb-drain for three steps, timing each stage's forward, backward and split
+            backward, then simulates 1F1B, zb-drain, zero-bubble and GPipe with those costs and keeps the fastest (a
+            tie: the simpler), logging its choice on rank 0 (the choice is not saved in checkpoints: a resumed run
+            measures again). Where the layout decides, it measures nothing: ``"interleaved-1f1b"`` for
+            ``virtual_stages`` > 1, ``"gpipe"`` for fewer micro-batches than ``pp``, ``"1f1b"`` when FSDP2 shards
+            the parameters over dp (a split backward would keep the stage's parameters and gradients gathered until
+            the step ends).
         virtual_stages: model chunks per pipeline rank (``"interleaved-1f1b"`` needs 2 or more).
         balance: ``"params"`` (balance stages by parameter count), ``"time"`` (by measured block time on the
             module's ``example_input_array``), or blocks per stage, e.g. ``[3, 5]``.
@@ -145,7 +148,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         dp: Union[int, Literal["auto"]] = "auto",
         *,
         microbatches: Optional[int] = None,
-        schedule: ScheduleLike = "1f1b",
+        schedule: ScheduleLike = "auto",
         virtual_stages: int = 1,
         balance: Union[Literal["params", "time"], list[int]] = "params",
         split_points: Optional[list[str]] = None,
@@ -188,7 +191,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         self.virtual_stages = virtual_stages
         if pp > 1:
             if auto:
-                check_auto(pp, self.microbatches, virtual_stages)
+                settle_auto(pp, self.microbatches, virtual_stages)  # raises for a layout no schedule fits
             else:
                 validate_schedule(schedule, pp, self.microbatches, virtual_stages)
         if isinstance(balance, str) and balance not in ("params", "time"):

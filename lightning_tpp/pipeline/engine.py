@@ -39,9 +39,9 @@ from lightning_tpp.pipeline.schedule import (
     AutoChoice,
     Schedule,
     actions,
-    check_auto,
     choose_schedule,
     costs_from_times,
+    settle_auto,
 )
 from lightning_tpp.pipeline.stage import StageRuntime
 from lightning_tpp.pipeline.transport import CommSpan, Transport
@@ -77,10 +77,9 @@ class PipelineEngine:
         self.requested = schedule
         self._auto_steps: int = 0  # full-size steps run so far while "auto" measures
         self._auto_costs: dict[str, tuple[float, int]] = {}  # kind -> (fastest mean seconds per action, actions)
-        self.choice: Optional[AutoChoice] = None
+        self.choice: Optional[AutoChoice] = settle_auto(pp, microbatches, virtual) if schedule == AUTO else None
         if schedule == AUTO:
-            check_auto(pp, microbatches, virtual)
-            schedule = AUTO_MEASURE
+            schedule = self.choice.schedule if self.choice else AUTO_MEASURE
         self.schedule, self.microbatches = schedule, microbatches
         self.group, self.stage_rank = group, stage_rank
         self.chunk_params, self.tied, self.ancestor_params = chunk_params, tied, ancestor_params
@@ -91,6 +90,8 @@ class PipelineEngine:
                                  ancestor_params=ancestor_params)
         self.parking = GradientParking([p for chunk in chunk_params for p in chunk], tied)
         self.order = actions(schedule, rank, pp, microbatches, virtual)
+        if self.choice is not None:  # "auto" where the layout alone decides
+            rank_zero_info(self.choice.describe())
         # around a schedule: how gradients sharded over dp are reduced (FSDP2: per backward, or once at the end)
         self.reduction: Callable[[], ContextManager[None]] = contextlib.nullcontext
 
@@ -200,10 +201,13 @@ class PipelineEngine:
         measured = [{kind: (sum(r[1 + 2 * k] for r in rows if int(r[0]) == p),
                             int(sum(r[2 + 2 * k] for r in rows if int(r[0]) == p))) for k, kind in enumerate("FBIW")}
                     for p in range(self.pp)]  # summed over the replicas of each pp rank: their mean per action
-        self.choice = choose_schedule(self.pp, self.microbatches, costs_from_times(measured))
-        self.schedule = self.choice.schedule
+        self.settle(choose_schedule(self.pp, self.microbatches, costs_from_times(measured)))
+
+    def settle(self, choice: AutoChoice) -> None:
+        """``schedule="auto"``: run ``choice`` from the next step on, and say so."""
+        self.choice, self.schedule = choice, choice.schedule
         self.order = actions(self.schedule, self.rank, self.pp, self.microbatches, self.virtual)
-        rank_zero_info(self.choice.describe())
+        rank_zero_info(choice.describe())
 
     def _order(self, m: int) -> list[Action]:
         """This rank's actions for ``m`` micro-batches: the configured schedule, or GPipe for a short batch (an

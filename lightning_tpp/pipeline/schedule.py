@@ -345,16 +345,18 @@ AUTO_MEASURE = "zb-drain"  # runs while "auto" measures: times F and B on every 
 AUTO_TIE = 0.01  # a schedule simulated less than 1% faster than a simpler one is a tie (noise; more memory held)
 
 
-def check_auto(pp: int, microbatches: int, virtual: int) -> None:
-    """The layouts ``schedule="auto"`` can choose for: one chunk per rank, at least ``pp`` micro-batches."""
-    if virtual != 1:
-        raise ScheduleConfigError(f"schedule='auto' chooses among the one-chunk schedules {AUTO_CANDIDATES}, but "
-                                  f"virtual_stages={virtual}; use schedule='interleaved-1f1b' with virtual_stages="
-                                  f"{virtual}, or virtual_stages=1 with schedule='auto'")
+def settle_auto(pp: int, microbatches: int, virtual: int) -> Optional[AutoChoice]:
+    """What ``schedule="auto"`` takes without measuring, where one schedule alone fits the layout: interleaved 1F1B
+    with several chunks per rank, GPipe with fewer micro-batches than stages (what measures, zb-drain, and 1F1B need
+    at least ``pp``). ``None``: measure and choose among :data:`AUTO_CANDIDATES`."""
+    if virtual > 1:
+        check("interleaved-1f1b", pp, microbatches, virtual)
+        return AutoChoice("interleaved-1f1b", {}, [], reason=f"virtual_stages={virtual}: the one schedule with "
+                                                             f"several chunks per rank")
     if microbatches < pp:
-        raise ScheduleConfigError(f"schedule='auto' measures its first steps with {AUTO_MEASURE!r}, which needs "
-                                  f"microbatches >= pp: got microbatches={microbatches}, pp={pp}. Use "
-                                  f"microbatches={2 * pp}, or schedule='gpipe'")
+        return AutoChoice("gpipe", {}, [], reason=f"microbatches={microbatches} < pp={pp}: the one schedule that "
+                                                  f"runs fewer micro-batches than stages")
+    return None
 
 
 def costs_from_times(measured: Sequence[Mapping[str, tuple[float, int]]]) -> list[dict[str, float]]:
@@ -386,9 +388,12 @@ class AutoChoice:
     schedule: str
     makespans: dict[str, float]
     costs: list[dict[str, float]]
+    reason: str = ""  # why, where the layout alone decided (nothing measured)
 
     def describe(self) -> str:
         """One line for the log: the choice, each candidate's simulated step relative to 1F1B, the costs."""
+        if not self.makespans:
+            return f"schedule='auto': chose {self.schedule!r} ({self.reason})"
         base = self.makespans.get("1f1b") or self.makespans[self.schedule]
         ref = "1f1b" if "1f1b" in self.makespans else self.schedule
         ratios = ", ".join(f"{n} {t / base:.3f}" for n, t in self.makespans.items())

@@ -25,11 +25,12 @@ def reference(name: str, dp: int = 1, **kwargs):
 
 
 def run_and_compare(tmp: Path, models: list[str], *, tp: int = 1, pp: int = 2, dp: int = 1, extra: tuple = (),
-                    train_kwargs: dict | None = None, schedules: tuple[str, ...] = ()) -> None:
-    """``schedules``: several schedules run in one launch (records named ``<model>.<schedule>``)."""
+                    train_kwargs: dict | None = None, schedules: tuple[str, ...] = ()) -> list[str]:
+    """``schedules``: several schedules run in one launch (records named ``<model>.<schedule>``). Returns each
+    rank's output."""
     args = ["--models", ",".join(models), "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--out", str(tmp),
             *extra, *(("--schedule", ",".join(schedules)) if schedules else ())]
-    run_ranks(ROOT / "tests" / "parity.py", tp * pp * dp, args, timeout=400).check()
+    outputs = run_ranks(ROOT / "tests" / "parity.py", tp * pp * dp, args, timeout=400).check().outputs
     for name in models:
         ref = reference(name, dp, **(train_kwargs or {}))
         for stem in [f"{name}.{s}" for s in schedules] or [name]:
@@ -38,6 +39,7 @@ def run_and_compare(tmp: Path, models: list[str], *, tp: int = 1, pp: int = 2, d
                     ranks = [(d * pp + s) * tp + t for s in range(pp)]
                     got = merge_stages([load_record(tmp / f"{stem}.rank{r}.pt") for r in ranks])
                     assert_parity(got, ref, where=f"{stem} tp={tp} pp={pp} dp={dp} ranks {ranks}")
+    return outputs
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "zb-drain"])
@@ -124,9 +126,11 @@ def test_pp2_dp2(tmp_path: Path) -> None:
 def test_pp2_dp2_sharded_every_schedule(tmp_path: Path) -> None:
     """Parameters, gradients and optimizer state sharded over dp (FSDP2, the default) under every schedule: gradients
     reduce-scattered after each backward (GPipe, 1F1B, interleaved) or once after the schedule, where zero-bubble
-    adds weight gradients after their backward. nanoGPT with 4 blocks and its tied embedding/head."""
-    run_and_compare(tmp_path, ["nanogpt4"], dp=2, extra=("--virtual", "2"),
-                    schedules=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-drain"))
+    adds weight gradients after their backward. nanoGPT with 4 blocks and its tied embedding/head. "auto" (the
+    default) takes 1F1B here without measuring, and says why."""
+    outputs = run_and_compare(tmp_path, ["nanogpt4"], dp=2, extra=("--virtual", "2"),
+                              schedules=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-drain", "auto"))
+    assert "schedule='auto': chose '1f1b' (parameters sharded over dp=2 (full_shard, FSDP2)" in outputs[0]
 
 
 def test_tp2_pp2_accumulation_and_clipping(tmp_path: Path) -> None:

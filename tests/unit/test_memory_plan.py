@@ -53,6 +53,23 @@ def test_tensor_parallelism_halves_the_sharded_parameters() -> None:
     assert all(r.param_count == (_count(llama) - norms) // 2 + norms for r in report.ranks)
 
 
+def test_auto_schedule_counts_the_most_it_may_run() -> None:
+    """schedule="auto" (the default) measures with zb-drain and may choose any candidate: each rank gets the most of
+    them; where the layout decides (FSDP2 over dp: 1F1B; fewer micro-batches than stages: GPipe), that one."""
+    llama = _meta(lambda: TinyLlama(n_layers=4))
+    kw = dict(tp=1, pp=2, batch_size=MB, seq_len=SEQ)
+    auto = estimate_memory(llama, **kw)
+    fixed = {s: estimate_memory(llama, schedule=s, **kw) for s in ("1f1b", "zb-drain", "zero-bubble", "gpipe")}
+    assert auto.schedule == "auto (the most of zb-drain, 1f1b, zero-bubble, gpipe)"
+    for r, rank in enumerate(auto.ranks):
+        assert rank.total == max(f.ranks[r].total for f in fixed.values())
+    assert auto.ranks[0].total > fixed["1f1b"].ranks[0].total  # a split backward holds more
+    sharded = estimate_memory(llama, dp=2, **{**kw, "batch_size": 2 * MB})
+    assert sharded.schedule == "1f1b"
+    assert sharded.ranks == estimate_memory(llama, dp=2, schedule="1f1b", **{**kw, "batch_size": 2 * MB}).ranks
+    assert estimate_memory(llama, microbatches=1, **kw).schedule == "gpipe"
+
+
 def test_first_stage_follows_the_strategy_cut() -> None:
     """As the strategy cuts: under a pipeline the first stage's embedding is paired with the head on the last stage
     and halved like the blocks' linear layers; norms stay replicated."""
@@ -65,7 +82,7 @@ def test_first_stage_follows_the_strategy_cut() -> None:
 
 def test_dp_sharding_divides_the_states() -> None:
     llama = _meta(lambda: TinyLlama(n_layers=4))
-    kw = dict(tp=2, pp=2, batch_size=2 * MB, seq_len=SEQ)
+    kw = dict(tp=2, pp=2, batch_size=2 * MB, seq_len=SEQ, schedule="1f1b")
     replicated = estimate_memory(llama, dp=2, dp_shard=False, **kw)
     sharded = estimate_memory(llama, dp=2, **kw)
     for a, b in zip(replicated.ranks, sharded.ranks):
@@ -85,7 +102,7 @@ def test_dp_sharding_divides_the_states() -> None:
     with pytest.raises(ValueError, match="backend='mpi' is not one of"):
         estimate_memory(llama, dp=2, backend="mpi", **kw)
     assert rank.total == rank.states + rank.activations + rank.gathered
-    zb = estimate_memory(llama, dp=2, schedule="zero-bubble", **kw).ranks[0]
+    zb = estimate_memory(llama, dp=2, **{**kw, "schedule": "zero-bubble"}).ranks[0]
     assert zb.gathered == 2 * zb.param_count * 2 * 4  # the stage's tp shard (twice its dp part), params + grads
 
 
@@ -155,7 +172,7 @@ def test_nothing_is_allocated_or_changed() -> None:
     (dict(batch_size=6), r"batch_size=6 must be divisible by dp \* microbatches = 1 \* 4"),
     (dict(balance="time"), r"balance='time' is not supported here"),
     (dict(optimizer="lion"), r"optimizer='lion' is not one of"),
-    (dict(microbatches=1), r"needs microbatches >= pp"),
+    (dict(microbatches=1, schedule="1f1b"), r"needs microbatches >= pp"),
 ])
 def test_errors(kwargs: dict, message: str) -> None:
     llama = _meta(lambda: TinyLlama(n_layers=4))

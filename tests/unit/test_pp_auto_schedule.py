@@ -7,11 +7,10 @@ import pytest
 
 from lightning_tpp.pipeline.schedule import (
     AUTO_CANDIDATES,
-    AUTO_MEASURE,
     ScheduleConfigError,
-    check_auto,
     choose_schedule,
     costs_from_times,
+    settle_auto,
     simulate,
 )
 
@@ -104,13 +103,15 @@ def test_describe_names_the_choice_and_the_costs() -> None:
 
 
 # ---- configuration ------------------------------------------------------------------------------------------------
-def test_check_auto_refuses_layouts_it_cannot_choose_for() -> None:
-    check_auto(2, 4, 1)
-    with pytest.raises(ScheduleConfigError, match=r"virtual_stages=2; use schedule='interleaved-1f1b'"):
-        check_auto(2, 4, 2)
-    with pytest.raises(ScheduleConfigError, match=rf"{AUTO_MEASURE!r}, which needs microbatches >= pp: got "
-                                                  r"microbatches=2, pp=4. Use microbatches=8, or schedule='gpipe'"):
-        check_auto(4, 2, 1)
+def test_auto_settles_where_the_layout_decides() -> None:
+    assert settle_auto(2, 4, 1) is None  # measure, then choose
+    choice = settle_auto(2, 4, 2)
+    assert choice.schedule == "interleaved-1f1b"
+    assert choice.describe() == ("schedule='auto': chose 'interleaved-1f1b' (virtual_stages=2: the one schedule "
+                                 "with several chunks per rank)")
+    assert settle_auto(4, 2, 1).schedule == "gpipe"  # zb-drain (which measures) and 1F1B need m >= pp
+    with pytest.raises(ScheduleConfigError, match="needs microbatches divisible by pp=2, got 3"):
+        settle_auto(2, 3, 2)
 
 
 def test_strategy_accepts_auto_and_keeps_it_in_its_config() -> None:
@@ -119,7 +120,8 @@ def test_strategy_accepts_auto_and_keeps_it_in_its_config() -> None:
     strategy = TensorPipeStrategy(pp=2, schedule="auto")
     assert strategy.schedule == "auto" and strategy.microbatches == 4
     assert strategy._config()["schedule"] == "'auto'"
-    with pytest.raises(ScheduleConfigError, match="schedule='auto' chooses among the one-chunk schedules"):
-        TensorPipeStrategy(pp=2, schedule="auto", virtual_stages=2)
-    with pytest.raises(ScheduleConfigError, match="needs microbatches >= pp"):
-        TensorPipeStrategy(pp=4, microbatches=2, schedule="auto")
+    assert TensorPipeStrategy(pp=2).schedule == "auto"  # the default
+    TensorPipeStrategy(pp=2, virtual_stages=2)  # interleaved 1F1B
+    TensorPipeStrategy(pp=4, microbatches=2)  # GPipe
+    with pytest.raises(ScheduleConfigError, match="needs microbatches divisible by pp=2, got 3"):
+        TensorPipeStrategy(pp=2, microbatches=3, virtual_stages=2)
