@@ -308,6 +308,15 @@ def fsdp_track_gradients(unit: Any, comm: Any) -> None:
     handle = unit.register_forward_pre_hook(register)
 
 
+def fsdp_no_backward_prefetch(unit: Any) -> None:
+    """No all-gather issued ahead in backward for ``unit``: FSDP2 otherwise gathers the unit its forward ran before
+    (the next micro-batch's last block, once a stage's backward reaches its first unit) while this one's gathered
+    weight and gradient are alive. ``set_modules_to_backward_prefetch([])`` does not turn it off: an empty list
+    means FSDP2's default prefetch (torch 2.13)."""
+    for group in fsdp_state(unit)._fsdp_param_groups:
+        group._backward_prefetch = lambda: None  # FSDPParamGroup.pre_backward calls it (default prefetch)
+
+
 def fsdp_drop_gather_keepalive(unit: Any) -> None:
     """After FSDP2 gathers ``unit``'s parameters for its forward, drop the flat all-gather buffer it keeps alive until
     the next unit's gather (so that a GPU's copy-out may overlap the next collective). On a CPU the copy-out is done

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_tpp._compat import (
     fsdp_drop_gather_keepalive,
     fsdp_lazy_init,
+    fsdp_no_backward_prefetch,
     fsdp_reduce_now,
     fsdp_sharded_params,
     fsdp_state,
@@ -207,7 +208,7 @@ def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str],
             fsdp_track_gradients(modules[name], reduce_scatter)
         if cpu:
             fsdp_drop_gather_keepalive(modules[name])
-            modules[name].set_modules_to_backward_prefetch([])
+            fsdp_no_backward_prefetch(modules[name])
     # one root enclosing every unit (FSDP2 shares its per-step state through the root): the LightningModule, with its
     # own parameters ignored, made the root now; it keeps the user's class (no method of FSDP's is called on it)
     cls = type(module)

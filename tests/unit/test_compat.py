@@ -366,3 +366,33 @@ def test_module_initializers_still_exist() -> None:
         model = transformers.LlamaForCausalLM(cfg)
     assert _compat.is_hf_pretrained(model) and not _compat.is_hf_pretrained(model.lm_head)
     assert "module" in inspect.signature(model._init_weights).parameters
+
+
+def test_fsdp2_backward_prefetch_turned_off(tmp_path: Path) -> None:
+    """FSDP2 gathers the unit before in backward ahead of time by default, even after
+    ``set_modules_to_backward_prefetch([])``; ``fsdp_no_backward_prefetch`` stops it (over gloo a gathered unit
+    would only sit beside the running one's weight and gradient)."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def prefetches(turn_off: bool) -> list[str]:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+            layer.set_modules_to_backward_prefetch([])
+            if turn_off:
+                _compat.fsdp_no_backward_prefetch(layer)
+        fully_shard(model, mesh=mesh)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model(torch.ones(3, 4)).sum().backward()
+        return [e.name for e in prof.events() if e.name.startswith("FSDP::backward_prefetch")]
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        assert prefetches(False)  # FSDP2's default, which an empty list keeps
+        assert prefetches(True) == []
+    finally:
+        dist.destroy_process_group()
