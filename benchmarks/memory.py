@@ -186,8 +186,8 @@ class Measure(L.Callback):
         result = dict(params=sum(_nbytes(p) for p in params),
                       grads=sum(_nbytes(p.grad) for p in params if p.grad is not None),
                       optimizer=state, peak=peak, setup_peak=self.setup_peak, activations=self.activations,
-                      overhead=self.overhead,
-                      rank=trainer.global_rank)
+                      overhead=self.overhead, rank=trainer.global_rank,
+                      schedule=getattr(getattr(trainer.strategy, "_engine", None), "schedule", None))
         (self.out / f"rank.{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
@@ -217,14 +217,15 @@ def run_rank(args: argparse.Namespace) -> None:
 # the driver
 
 
-def _estimate(config: dict, layout: dict, checkpointing: bool, seq: int) -> Any:
+def _estimate(config: dict, layout: dict, checkpointing: bool, seq: int, schedule: Optional[str] = None) -> Any:
     from lightning_tpp import estimate_memory
 
     with torch.device("meta"):
         module = LlamaLM(config)
         module.configure_model()
     return estimate_memory(module, **layout, microbatches=MICROBATCHES, batch_size=LOCAL_BATCH * layout["dp"],
-                           seq_len=seq, activation_checkpointing=checkpointing, dp_shard=True, backend="gloo")
+                           seq_len=seq, activation_checkpointing=checkpointing, dp_shard=True, backend="gloo",
+                           **({"schedule": schedule} if schedule else {}))
 
 
 def _table(name: str, measured: list[dict], report: Any) -> None:
@@ -300,7 +301,8 @@ def main() -> None:
     has_ckpt = "activation_checkpointing" in inspect.signature(TensorPipeStrategy.__init__).parameters
     whole = _estimate(config, dict(tp=1, pp=1, dp=1), False, args.seq).whole_params
     print(f"Llama-style model of {whole / 1e6:.1f} M parameters built in configure_model, AdamW, fp32, "
-          f"{args.steps} step(s), {MICROBATCHES} micro-batches of 1 x {args.seq} tokens per dp replica, 1F1B")
+          f"{args.steps} step(s), {MICROBATCHES} micro-batches of 1 x {args.seq} tokens per dp replica, the default "
+          f"schedule ('auto': zb-drain while it measures, 1F1B under FSDP2); est. for the schedule that ran")
     print("states = params + grads + optimizer state of the rank; peak = ru_maxrss increase over the RSS at the start "
           "of fit (before configure_model, which builds on the meta device); setup = the same at the first step's start "
           "(after the strategy's setup); activ. = most bytes saved "
@@ -320,8 +322,9 @@ def main() -> None:
                 extra = ["--layout", json.dumps(layout), "--steps", str(args.steps), "--seq", str(args.seq),
                          *(["--quick"] if args.quick else []), *(["--checkpointing"] if checkpointing else [])]
                 measured = launch("rank", world, Path(tmp), extra, timeout=900, script=__file__)
-            report = _estimate(config, layout, checkpointing, args.seq)
-            print(f"\n{label} ({time.monotonic() - start:.0f}s)")
+            ran = measured[0].get("schedule")  # the default "auto": what its measuring steps (or the layout) ran
+            report = _estimate(config, layout, checkpointing, args.seq, ran)
+            print(f"\n{label}, schedule {ran!r} ({time.monotonic() - start:.0f}s)")
             _table(name, measured, report)
 
 

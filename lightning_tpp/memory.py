@@ -54,6 +54,7 @@ from lightning_tpp.pipeline.partition import Partition, plan_partition
 from lightning_tpp.pipeline.schedule import (AUTO, AUTO_CANDIDATES, AUTO_MEASURE, ScheduleLike, actions, resolve,
                                              settle_auto)
 from lightning_tpp.pipeline.stage import meta_twin
+from lightning_tpp.pipeline.wgrad import deferred_product
 from lightning_tpp.parallel_state import ParallelConfig, cut
 from lightning_tpp.tensor_parallel import TPPlan, apply_plan
 
@@ -188,8 +189,9 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     for _, p, _ in cuts:
         plan.styles.update(p.styles)
         plan.blocks.update(p.blocks)
-    per_stage, saved, recompute = _activations(module, plan, report.partition, dims, mb, seq_len, param_dtype,
-                                               activation_checkpointing, forward)
+    per_stage, saved, recompute, waiting = _activations(module, plan, report.partition, dims, mb, seq_len,
+                                                        param_dtype, activation_checkpointing, forward)
+    waiting_saved = {g: max(w - (per_stage.get(g, 0) - saved.get(g, 0)), 0) for g, w in waiting.items()}  # not sent
     for r, (rank_copy, _, _) in enumerate(cuts):
         params, grads, optim, count = _state_bytes(rank_copy, optimizer, dp if dp_shard else 1)
         stages = tuple(c * pp + r for c in range(virtual_stages)) if pp > 1 else (0,)
@@ -197,8 +199,10 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
         options = []  # per schedule "auto" may run: the rank holds the most of them
         for spec in specs:
             splits = pp > 1 and any(kind in ("I", "W") for kind, _, _ in spec.orders(0, pp, m, virtual_stages))
-            in_flight, held = _held(spec, r, pp, m, virtual_stages, [per_stage.get(g, 0) for g in stages])
-            held_saved = _held(spec, r, pp, m, virtual_stages, [saved.get(g, 0) for g in stages])[1]
+            in_flight, held = _held(spec, r, pp, m, virtual_stages, [per_stage.get(g, 0) for g in stages],
+                                    [waiting.get(g, 0) for g in stages])
+            held_saved = _held(spec, r, pp, m, virtual_stages, [saved.get(g, 0) for g in stages],
+                               [waiting_saved.get(g, 0) for g in stages])[1]
             gathered = _gathered(rank_copy, report.partition, splits, backend) if dp_shard and dp > 1 else 0
             options.append(RankMemory(r, 0, stages, count, params, grads, optim, held + extra, in_flight,
                                       held - held_saved, extra, gathered))
@@ -278,20 +282,30 @@ def _state_bytes(cut: nn.Module, optimizer: str, dp: int) -> tuple[int, int, int
     return params, grads, optim, count
 
 
-def _held(spec: Any, rank: int, pp: int, m: int, virtual: int, chunk_bytes: Sequence[int]) -> tuple[int, int]:
-    """(most micro-batches held at once, most activation bytes held at once) over ``rank``'s actions: held from
-    ``F`` until ``B``, or until ``W`` when the backward is split into ``I`` and ``W``."""
+def _held(spec: Any, rank: int, pp: int, m: int, virtual: int, chunk_bytes: Sequence[int],
+          waiting_bytes: Optional[Sequence[int]] = None) -> tuple[int, int]:
+    """(most micro-batches held at once, most activation bytes held at once) over ``rank``'s actions: ``chunk_bytes``
+    from ``F`` until ``B`` or ``I``, then ``waiting_bytes`` (what the weight products keep; all of it by default)
+    until ``W`` when the backward is split."""
     if pp == 1:
         return 1, chunk_bytes[0]
-    held: set[tuple[int, int]] = set()
+    waiting_bytes = chunk_bytes if waiting_bytes is None else waiting_bytes
+    full: set[tuple[int, int]] = set()
+    waiting: set[tuple[int, int]] = set()
     most = most_bytes = 0
     for kind, mb, chunk in actions(spec, rank, pp, m, virtual):
+        key = (mb, chunk)
         if kind == "F":
-            held.add((mb, chunk))
-        elif kind in "BW":
-            held.discard((mb, chunk))
-        most = max(most, len(held))
-        most_bytes = max(most_bytes, sum(chunk_bytes[c] for _, c in held))
+            full.add(key)
+        elif kind in "BI":
+            full.discard(key)
+            if kind == "I":
+                waiting.add(key)
+        elif kind == "W":
+            waiting.discard(key)
+        most = max(most, len(full | waiting))
+        most_bytes = max(most_bytes, sum(chunk_bytes[c] for _, c in full) +
+                         sum(min(waiting_bytes[c], chunk_bytes[c]) for _, c in waiting))
     return most, most_bytes
 
 
@@ -301,22 +315,27 @@ def _held(spec: Any, rank: int, pp: int, m: int, virtual: int, chunk_bytes: Sequ
 
 def _activations(module: nn.Module, plan: TPPlan, partition: Optional[Partition], dims: MeshDims, mb: int,
                  seq_len: int, dtype: torch.dtype, checkpointing: bool, forward: Optional[ForwardFn]
-                 ) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+                 ) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[int, int]]:
     """Bytes held per micro-batch by each stage (saved tensors plus the outputs sent to the next stage; saved
-    tensors alone), and what comes on top at a stage's peak: under checkpointing, its largest block's activations
-    while it recomputes."""
+    tensors alone), what comes on top at a stage's peak (under checkpointing, its largest block's activations
+    while it recomputes), and what a split backward keeps from ``I`` until ``W``."""
     owners = partition.owners() if partition is not None else {}
     blocks = _block_names(module, partition)
     full = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, False, forward)
     last = partition.stages - 1 if partition is not None else 0
+    # after a split backward's I: the weight products' operands and the sent outputs; the first stage runs its
+    # backward whole in W (it sends no input gradient), so it keeps everything until then
+    waiting = {g: full.weight_operands.get(g, 0) + (full.sent.get(g, 0) if g < last else 0) for g in range(last + 1)}
     if not checkpointing:
-        return _per_stage(full, last), dict(full.saved), {}
+        per_stage = _per_stage(full, last)
+        return per_stage, dict(full.saved), {}, {**waiting, 0: per_stage.get(0, 0)}
     held = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, True, forward)
     recompute: dict[int, int] = {}
     for name, b in full.blocks.items():
         g = owners.get(name, 0)
         recompute[g] = max(recompute.get(g, 0), b)
-    return _per_stage(held, last), dict(held.saved), recompute
+    per_stage = _per_stage(held, last)
+    return per_stage, dict(held.saved), recompute, {**waiting, 0: per_stage.get(0, 0)}
 
 
 def _block_names(module: nn.Module, partition: Optional[Partition]) -> tuple[str, ...]:
@@ -337,6 +356,7 @@ class _Measured:
     saved: dict[int, int] = field(default_factory=dict)  # stage -> bytes saved for backward
     sent: dict[int, int] = field(default_factory=dict)  # stage -> bytes of its last unit's outputs
     blocks: dict[str, int] = field(default_factory=dict)  # block -> bytes saved inside it
+    weight_operands: dict[int, int] = field(default_factory=dict)  # stage -> bytes a split backward keeps until W
 
 
 def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks: Sequence[str], dims: MeshDims,
@@ -359,13 +379,15 @@ def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks:
         modules[name].forward = functools.partial(repeats.run, name, modules[name], modules[name].forward,
                                                   checkpointing)
 
+    def stage() -> int:
+        return owners.get(running[0], 0) if running else last[0]
+
     def pack(t: Tensor) -> Tensor:
         base = t._base if t._base is not None else t
         if id(base) in params or id(base) in seen:
             return t
         seen[id(base)] = base
-        stage = owners.get(running[0], 0) if running else last[0]
-        out.saved[stage] = out.saved.get(stage, 0) + base.nbytes
+        out.saved[stage()] = out.saved.get(stage(), 0) + base.nbytes
         if running and running[0] in block_set:
             out.blocks[running[0]] = out.blocks.get(running[0], 0) + base.nbytes
         return t
@@ -385,7 +407,8 @@ def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks:
         handles.append(modules[name].register_forward_hook(functools.partial(leave, name)))
     ids = torch.zeros(mb, seq_len, dtype=torch.long, device="meta")
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttention():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttention(), \
+                _WeightOperands(out.weight_operands, stage):
             (forward or _default_forward)(copy, ids)
     except (RuntimeError, NotImplementedError, TypeError) as err:
         raise ValueError(f"estimate_memory runs the model's forward on the meta device to measure activations, and "
@@ -411,6 +434,27 @@ class _FlashSaves(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:  # pragma: no cover - shapes only, never run
         raise NotImplementedError
+
+
+class _WeightOperands(TorchFunctionMode):
+    """What a split backward (zero-bubble's ``I`` then ``W``) keeps of a micro-batch after ``I``: for each weight
+    product ``pipeline.wgrad`` defers, its input (each storage once) and its output's gradient."""
+
+    def __init__(self, into: dict[int, int], stage: Callable[[], int]) -> None:
+        super().__init__()
+        self.into, self.stage = into, stage
+        self.seen: dict[int, Tensor] = {}  # keeps counted inputs alive, so that ids are not reused
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        product = deferred_product(func, args, kwargs or {}) if torch.is_grad_enabled() else None
+        if product is not None and isinstance(result, Tensor):
+            x = product[0]
+            base = x._base if x._base is not None else x
+            size = result.nbytes + (0 if id(base) in self.seen else base.nbytes)
+            self.seen[id(base)] = base
+            self.into[self.stage()] = self.into.get(self.stage(), 0) + size
+        return result
 
 
 class _FusedAttention(TorchFunctionMode):

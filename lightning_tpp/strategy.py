@@ -80,7 +80,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             with ``register_schedule``, a ``Schedule``, one list per rank of ``(kind, microbatch, chunk)`` actions,
             or ``torch.distributed.pipelining``'s ``ScheduleGPipe``/``Schedule1F1B``/``ScheduleInterleaved1F1B``.
             ``"auto"`` (the default) runs zb-drain for three steps, timing each stage's forward, backward and split
-            backward, then simulates 1F1B, zb-drain, zero-bubble and GPipe with those costs and keeps the fastest (a
+            backward, then simulates 1F1B, zb-drain and zero-bubble with those costs and keeps the fastest (a
             tie: the simpler), logging its choice on rank 0 (the choice is not saved in checkpoints: a resumed run
             measures again). Where the layout decides, it measures nothing: ``"interleaved-1f1b"`` for
             ``virtual_stages`` > 1, ``"gpipe"`` for fewer micro-batches than ``pp``, ``"1f1b"`` when FSDP2 shards

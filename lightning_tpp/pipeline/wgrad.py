@@ -118,18 +118,26 @@ class DeferWeightGrads(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if torch.is_grad_enabled():
-            if func is F.linear and len(args) <= 3 and set(kwargs) <= set(_LINEAR_ARGS[len(args):]):
-                given = {**dict(zip(_LINEAR_ARGS, args)), **kwargs}
-                x, weight, bias = given["input"], given["weight"], given.get("bias")
-                if type(x) is Tensor and _deferrable(weight, bias):
-                    return _Product.apply(x, weight, bias, False, self.into)
-            elif func is torch.addmm and not kwargs and len(args) == 3:
-                bias, x, weight = args
-                if type(x) is Tensor and x.dim() == 2 and _deferrable(weight, bias) and bias.dim() == 1:
-                    return _Product.apply(x, weight, bias, True, self.into)
-            elif func in (torch.matmul, Tensor.matmul, Tensor.__matmul__) and not kwargs and len(args) == 2:
-                x, weight = args
-                if type(x) is Tensor and x.dim() >= 2 and _deferrable(weight):
-                    return _Product.apply(x, weight, None, True, self.into)
+        product = deferred_product(func, args, kwargs) if torch.is_grad_enabled() else None
+        if product is not None:
+            return _Product.apply(*product, self.into)
         return func(*args, **kwargs)
+
+
+def deferred_product(func: Any, args: tuple, kwargs: dict) -> Optional[tuple[Tensor, Tensor, Any, bool]]:
+    """``(x, weight, bias, transposed)`` where :class:`DeferWeightGrads` puts off the weight gradient of this call
+    (``memory.estimate_memory`` counts what such products hold until ``W``), else ``None``."""
+    if func is F.linear and len(args) <= 3 and set(kwargs) <= set(_LINEAR_ARGS[len(args):]):
+        given = {**dict(zip(_LINEAR_ARGS, args)), **kwargs}
+        x, weight, bias = given["input"], given["weight"], given.get("bias")
+        if type(x) is Tensor and _deferrable(weight, bias):
+            return x, weight, bias, False
+    elif func is torch.addmm and not kwargs and len(args) == 3:
+        bias, x, weight = args
+        if type(x) is Tensor and x.dim() == 2 and _deferrable(weight, bias) and bias.dim() == 1:
+            return x, weight, bias, True
+    elif func in (torch.matmul, Tensor.matmul, Tensor.__matmul__) and not kwargs and len(args) == 2:
+        x, weight = args
+        if type(x) is Tensor and x.dim() >= 2 and _deferrable(weight):
+            return x, weight, None, True
+    return None
