@@ -28,8 +28,8 @@ a micro-batch is held from its ``F`` until its ``B`` (or its ``W`` when the back
 into dp pieces, padded): parameters, gradients and optimizer state are divided by dp, and ``gathered`` counts what
 FSDP2 holds whole beside them (the largest unit's gathered parameters, unsharded gradient and reduce-scatter input,
 the next block prefetched; the whole stage's parameters and gradients under zero-bubble schedules).
-``dp_shard=False`` is ``dp_sharding="no_shard"`` (replication over dp). Not counted: framework and allocator overhead, communication buffers, temporaries that are
-not saved for backward (e.g. the loss's gradient).
+``dp_shard=False`` is ``dp_sharding="no_shard"`` (replication over dp). Not counted: framework and allocator
+overhead, communication buffers, temporaries that are not saved for backward (e.g. the loss's gradient).
 """
 
 from __future__ import annotations
