@@ -192,13 +192,14 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     per_stage, saved, recompute, waiting = _activations(module, plan, report.partition, dims, mb, seq_len,
                                                         param_dtype, activation_checkpointing, forward)
     waiting_saved = {g: max(w - (per_stage.get(g, 0) - saved.get(g, 0)), 0) for g, w in waiting.items()}  # not sent
+    splitting = [pp > 1 and any(kind in ("I", "W") for kind, _, _ in spec.orders(0, pp, m, virtual_stages))
+                 for spec in specs]
     for r, (rank_copy, _, _) in enumerate(cuts):
         params, grads, optim, count = _state_bytes(rank_copy, optimizer, dp if dp_shard else 1)
         stages = tuple(c * pp + r for c in range(virtual_stages)) if pp > 1 else (0,)
         extra = max((recompute.get(g, 0) for g in stages), default=0)
         options = []  # per schedule "auto" may run: the rank holds the most of them
-        for spec in specs:
-            splits = pp > 1 and any(kind in ("I", "W") for kind, _, _ in spec.orders(0, pp, m, virtual_stages))
+        for spec, splits in zip(specs, splitting):
             in_flight, held = _held(spec, r, pp, m, virtual_stages, [per_stage.get(g, 0) for g in stages],
                                     [waiting.get(g, 0) for g in stages])
             held_saved = _held(spec, r, pp, m, virtual_stages, [saved.get(g, 0) for g in stages],
@@ -213,14 +214,14 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
 
 def _runs(schedule: ScheduleLike, pp: int, microbatches: int, virtual: int, dp_sharded: bool) -> list[ScheduleLike]:
     """The schedules a strategy given ``schedule`` runs: itself, or for ``"auto"`` the one the layout decides
-    (``TensorPipeStrategy``: FSDP2 over dp keeps 1F1B), else every candidate (one measures first)."""
+    (:func:`settle_auto`, as ``TensorPipeStrategy`` asks it), else every candidate (one measures first)."""
     if not (isinstance(schedule, str) and schedule == AUTO):
         return [schedule]
     if pp == 1:
         return ["1f1b"]
-    settled = settle_auto(pp, microbatches, virtual)
-    if settled is not None or dp_sharded:
-        return [settled.schedule if settled else "1f1b"]
+    settled = settle_auto(pp, microbatches, virtual, dp_sharded="dp (FSDP2)" if dp_sharded else None)
+    if settled is not None:
+        return [settled.schedule]
     return [AUTO_MEASURE, *(c for c in AUTO_CANDIDATES if c != AUTO_MEASURE)]
 
 
@@ -326,14 +327,12 @@ def _activations(module: nn.Module, plan: TPPlan, partition: Optional[Partition]
     # after a split backward's I: the weight products' operands and the sent outputs; the first stage runs its
     # backward whole in W (it sends no input gradient), so it keeps everything until then
     waiting = {g: full.weight_operands.get(g, 0) + (full.sent.get(g, 0) if g < last else 0) for g in range(last + 1)}
-    if not checkpointing:
-        per_stage = _per_stage(full, last)
-        return per_stage, dict(full.saved), {}, {**waiting, 0: per_stage.get(0, 0)}
-    held = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, True, forward)
-    recompute: dict[int, int] = {}
-    for name, b in full.blocks.items():
-        g = owners.get(name, 0)
-        recompute[g] = max(recompute.get(g, 0), b)
+    held, recompute = full, dict[int, int]()
+    if checkpointing:
+        held = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, True, forward)
+        for name, b in full.blocks.items():
+            g = owners.get(name, 0)
+            recompute[g] = max(recompute.get(g, 0), b)
     per_stage = _per_stage(held, last)
     return per_stage, dict(held.saved), recompute, {**waiting, 0: per_stage.get(0, 0)}
 

@@ -32,7 +32,7 @@ from lightning_tpp.core.recompute import recompute_blocks
 from lightning_tpp.pipeline.build import PreparedStages, TiedWeight, finish_stages, format_partition, prepare_stages
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.partition import PipelinePartitionError, block_modules, describe, find_block_sequences
-from lightning_tpp.pipeline.schedule import AutoChoice
+from lightning_tpp.pipeline.schedule import settle_auto
 from lightning_tpp.pipeline.stage import end_stage_forward_last
 from lightning_tpp.tensor_parallel.sequence import ElementState, apply_sequence_parallel
 from lightning_tpp.tensor_parallel import (
@@ -318,13 +318,14 @@ def shard_state_over_dp(module: nn.Module, state: ParallelState, blocks: Optiona
         state.engine.rekey(state.dp.replaced)
         end_stage_forward_last(module)  # FSDP2's post-forward hooks run before a stage's forward is cut short
         dp = state.dp
-        if state.engine.deciding:
-            state.engine.settle(AutoChoice("1f1b", {}, [], reason=(
-                f"parameters sharded over dp={state.groups.mesh['dp'].size()} ({sharding}, FSDP2): a schedule that "
-                f"splits backward would keep the stage's parameters and gradients gathered until the step ends; "
-                f"schedule='zb-drain' trades that memory for speed")))
-        if state.engine.splits_backward:
-            state.engine.reduction = lambda: dp.reduce_at_end(module)
+        engine = state.engine
+        if engine.deciding:
+            choice = settle_auto(engine.pp, engine.microbatches, engine.virtual,
+                                 dp_sharded=f"dp={state.groups.mesh['dp'].size()} ({sharding}, FSDP2)")
+            assert choice is not None  # always one with dp_sharded
+            engine.settle(choice)
+        if engine.splits_backward:
+            engine.reduction = lambda: dp.reduce_at_end(module)
     if print_plan:
         rank_zero_info(state.dp.describe(*sharded_numel(module)))
 

@@ -347,10 +347,13 @@ AUTO_MEASURE = "zb-drain"  # runs while "auto" measures: times F and B on every 
 AUTO_TIE = 0.01  # a schedule simulated less than 1% faster than a simpler one is a tie (noise; more memory held)
 
 
-def settle_auto(pp: int, microbatches: int, virtual: int) -> Optional[AutoChoice]:
-    """What ``schedule="auto"`` takes without measuring, where one schedule alone fits the layout: interleaved 1F1B
-    with several chunks per rank, GPipe with fewer micro-batches than stages (what measures, zb-drain, and 1F1B need
-    at least ``pp``). ``None``: measure and choose among :data:`AUTO_CANDIDATES`."""
+def settle_auto(pp: int, microbatches: int, virtual: int, *, dp_sharded: Optional[str] = None
+                ) -> Optional[AutoChoice]:
+    """What ``schedule="auto"`` takes without measuring, where the layout leaves one sensible schedule: interleaved
+    1F1B with several chunks per rank, GPipe with fewer micro-batches than stages (what measures, zb-drain, and 1F1B
+    need at least ``pp``), 1F1B when FSDP2 shards the parameters over dp (``dp_sharded`` says how, e.g.
+    ``"dp=2 (full_shard, FSDP2)"``): a split backward would keep them gathered until the step ends. ``None``:
+    measure and choose among :data:`AUTO_CANDIDATES`."""
     if virtual > 1:
         check("interleaved-1f1b", pp, microbatches, virtual)
         return AutoChoice("interleaved-1f1b", {}, [], reason=f"virtual_stages={virtual}: the one schedule with "
@@ -358,6 +361,11 @@ def settle_auto(pp: int, microbatches: int, virtual: int) -> Optional[AutoChoice
     if microbatches < pp:
         return AutoChoice("gpipe", {}, [], reason=f"microbatches={microbatches} < pp={pp}: the one schedule that "
                                                   f"runs fewer micro-batches than stages")
+    if dp_sharded is not None:
+        return AutoChoice("1f1b", {}, [], reason=(
+            f"parameters sharded over {dp_sharded}: a schedule that splits backward would keep the stage's "
+            f"parameters and gradients gathered until the step ends; schedule='zb-drain' trades that memory for "
+            f"speed"))
     return None
 
 
