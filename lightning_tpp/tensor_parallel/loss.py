@@ -43,6 +43,11 @@ class VocabShardedLogits(Tensor):
         out._tpp_local, out._tpp_group, out._tpp_start = local, group, start
         return out
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (``torch.save`` of a prediction, a tensor sent to another process) as the plain tensor it is: the
+        link to this rank's shard and process group means nothing elsewhere."""
+        return self.as_subclass(Tensor).__reduce_ex__(protocol)
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}

@@ -118,3 +118,12 @@ def test_shape_operations_keep_the_shard(group: TPGroup) -> None:
                                F.cross_entropy(plain, torch.tensor([0, 1, 2]), weight=torch.ones(6)))
     probs = torch.softmax(torch.randn(3, 6), -1)
     torch.testing.assert_close(F.cross_entropy(w, probs), F.cross_entropy(plain, probs))
+
+
+def test_saved_logits_are_plain_tensors(group: TPGroup, tmp_path) -> None:
+    """A prediction returned by the head (``trainer.predict``) can be saved: the process group stays behind."""
+    whole = torch.randn(2, 3, 6)
+    x = VocabShardedLogits.wrap(whole, whole.clone(), group, 0)
+    torch.save({"pred": x}, tmp_path / "p.pt")
+    back = torch.load(tmp_path / "p.pt", weights_only=True)["pred"]
+    assert type(back) is torch.Tensor and torch.equal(back, whole)
