@@ -127,11 +127,11 @@ class Materialization:
     loaded: frozenset[str] = frozenset()
 
 
-def _no_loss_parallel(module: nn.Module) -> None:
-    """Cross-entropy on whole (gathered) logits for every tensor-parallel LM head of ``module``."""
-    for m in module.modules():
+def _no_loss_parallel(module: nn.Module, keep: Sequence[str] = ()) -> None:
+    """Cross-entropy on whole (gathered) logits for every tensor-parallel LM head of ``module`` (but ``keep``)."""
+    for name, m in module.named_modules():
         layer = getattr(m, "_tpp_layer", None)
-        if layer is not None:
+        if layer is not None and name not in keep:
             layer.loss_parallel = False
 
 
@@ -298,7 +298,7 @@ def _check_tied(module: nn.Module, state: ParallelState, device: torch.device) -
 
 
 def shard_state_over_dp(module: nn.Module, state: ParallelState, blocks: Optional[Union[str, Sequence[str]]], *,
-                        sharding: str, print_plan: bool) -> None:
+                        sharding: str, print_plan: bool, vocab_exchange: bool = True) -> None:
     """FSDP2 over the dp mesh axis, last (after tensor parallelism, the stages, materialising and loading weights):
     each block of this rank one unit, the other parameters grouped by the module holding them. Everything that held
     the replaced parameter objects follows them."""
@@ -309,9 +309,11 @@ def shard_state_over_dp(module: nn.Module, state: ParallelState, blocks: Optiona
         if blocks is not None:
             raise
         names = []  # no block sequence: a unit per module holding parameters
-    state.dp = shard_over_dp(module, state.groups.mesh["dp"], blocks=names, sharding=sharding)
-    _no_loss_parallel(module)  # FSDP2 gathers a unit for backward when its output's gradient arrives: a loss
-    #                            computed from the head's shards would bypass that output
+    state.dp = shard_over_dp(module, state.groups.mesh["dp"], blocks=names, sharding=sharding,
+                             vocab_exchange=vocab_exchange)
+    # FSDP2 gathers a unit for backward when its output's gradient arrives: a loss computed from the head's shards
+    # would bypass that output (a head computed over dp has no such hook)
+    _no_loss_parallel(module, keep=[r.name for r in state.dp.rows])
     state.shards.rekey(state.dp.replaced)
     state.shards.resolve = state.dp.sharded_of
     if state.engine is not None:

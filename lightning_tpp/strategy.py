@@ -101,8 +101,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             one more forward of the blocks per step. See ``docs/pipeline.md``.
         loss_parallel: ``F.cross_entropy`` of a vocabulary-parallel LM head's logits is computed from each rank's
             shard of the vocabulary (the logits are still gathered for any other use), so neither the
-            cross-entropy's saved log-softmax nor the logits' gradient is ever whole. Not under dp sharding
-            (FSDP2). See ``docs/tensor_parallel.md``.
+            cross-entropy's saved log-softmax nor the logits' gradient is ever whole. Not for a head that FSDP2
+            gathers (``vocab_exchange=False`` under dp sharding). See ``docs/tensor_parallel.md``.
         sequence_parallel: with tp > 1, Megatron's sequence parallelism: the blocks of the model's block sequence
             run norms, dropout and residual adds on this rank's part of the sequence (dim 1), gathering it before
             each attention/MLP and reduce-scattering after it (the bytes of the all-reduces they replace), so those
@@ -117,6 +117,10 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             ``"shard_grad_op"`` (the same, parameters kept gathered from forward to backward: one all-gather less
             per block and step, more memory) or ``"no_shard"`` (replicated, gradients all-reduced). Lightning's
             spellings (``"FULL_SHARD"``, ...) are accepted. See ``docs/large_models.md``.
+        vocab_exchange: with dp sharding, the vocabulary matrices (an embedding or LM head larger than a block)
+            stay cut by rows over dp and each rank computes with its rows on every dp rank's tokens (tokens are
+            exchanged, the matrix is never gathered: FSDP2's gather of it set the peak). ``False``: FSDP2 gathers
+            them like every other unit. See ``docs/large_models.md``.
         print_plan: print the plan table on global rank 0 at setup.
         process_group_backend: ``"gloo"``/``"nccl"``; default by device.
         timeout: how long a collective may wait, and how long a silent peer is tolerated before every rank stops
@@ -159,6 +163,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         loss_parallel: bool = True,
         sequence_parallel: bool = False,
         dp_sharding: DPSharding = "full_shard",
+        vocab_exchange: bool = True,
         print_plan: bool = True,
         save_distributed_checkpoint: bool = True,
         on_nonfinite: Literal["raise", "skip", "warn"] = "raise",
@@ -214,6 +219,9 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
                              f"tp >= 2, got tp={tp}")
         self._sequence_parallel = sequence_parallel
         self._dp_sharding = normalize_sharding(dp_sharding)
+        if not isinstance(vocab_exchange, bool):
+            raise TypeError(f"vocab_exchange={vocab_exchange!r} must be True or False")
+        self._vocab_exchange = vocab_exchange
         self._save_sharded = save_distributed_checkpoint
         if on_nonfinite not in ("raise", "skip", "warn"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'raise', 'skip' or 'warn'")
@@ -329,7 +337,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             rank_zero_info(loaded.describe())
         if self.dims.dp > 1 and self._dp_sharding != "no_shard":
             self.precision_plugin.convert_module(module)  # before FSDP2 fixes the dtype it gathers in (bf16-true)
-            shard_state_over_dp(module, state, self._blocks, sharding=self._dp_sharding, print_plan=self._print_plan)
+            shard_state_over_dp(module, state, self._blocks, sharding=self._dp_sharding,
+                                vocab_exchange=self._vocab_exchange, print_plan=self._print_plan)
         return state
 
     def _observe(self) -> None:
@@ -358,7 +367,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
                                                      "virtual_stages", "_tp_plan_arg", "_balance", "_split_points",
                                                      "_blocks", "_save_sharded", "_on_nonfinite", "_weights",
                                                      "_weights_prefix", "_activation_checkpointing",
-                                                     "_dp_sharding", "_sequence_parallel")}
+                                                     "_dp_sharding", "_vocab_exchange", "_sequence_parallel")}
 
     def _fingerprint(self, module: nn.Module) -> dict[str, Any]:
         return {"configuration": self._config(), "model": model_structure(module),

@@ -169,6 +169,8 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     parser.add_argument("--meta", action="store_true", help="build the model in configure_model (meta device)")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--dp-sharding", default="full_shard")
+    parser.add_argument("--no-vocab-exchange", dest="vocab_exchange", action="store_false",
+                        help="FSDP2 gathers the embedding and head too (vocab_exchange=False)")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--seed-by-rank", action="store_true", help="each rank builds its model from seed = rank")
     args = parser.parse_args()
@@ -187,7 +189,8 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
             strategy = TensorPipeStrategy(tp=args.tp, pp=args.pp, schedule=schedule, microbatches=args.microbatches,
                                           virtual_stages=virtual, blocks=args.blocks,
                                           activation_checkpointing=args.activation_checkpointing,
-                                          dp_sharding=args.dp_sharding, sequence_parallel=args.sequence_parallel,
+                                          dp_sharding=args.dp_sharding, vocab_exchange=args.vocab_exchange,
+                                          sequence_parallel=args.sequence_parallel,
                                           print_plan=rank == 0 and name == "nanogpt")
             record = train(name, strategy=strategy, devices=args.tp * args.dp * args.pp, dp=args.dp,
                            steps=args.steps, batch_size=args.batch_size, accumulate=args.accumulate, clip=args.clip,

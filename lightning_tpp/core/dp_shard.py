@@ -11,6 +11,9 @@ What is one FSDP unit (one all-gather / reduce-scatter)::
     for every other parameter: the smallest module holding all   model.embed_tokens, model.norm, lm_head,
     its aliases (a tied embedding and head: their common parent)  model (tied wte / lm_head)
 
+The vocabulary matrices (an embedding or LM head larger than a block) are no unit by default: they stay cut by rows
+and are computed over dp where they lie (``core.dp_rows``), so FSDP2 never gathers them.
+
 A unit's hooks run when its ``forward`` is called; the LightningModule's own forward may never be (``training_step``
 calls the model), so parameters held only by the LightningModule itself stay replicated and are averaged over dp as
 before (``replicated``).
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Literal, Optional, Sequence
+from typing import Any, Container, Iterable, Iterator, Literal, Optional, Sequence
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -41,6 +44,7 @@ from lightning_tpp._compat import (
     fsdp_track_gradients,
     in_place_reduce_scatter,
 )
+from lightning_tpp.core.dp_rows import RowsOverDP, candidates, shard_rows_over_dp
 
 DPSharding = Literal["full_shard", "shard_grad_op", "no_shard"]
 SHARDINGS: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard")
@@ -87,6 +91,7 @@ class DPShards:
     replicated: list[str] = field(default_factory=list)
     replaced: dict[int, nn.Parameter] = field(default_factory=dict)
     modules: list[nn.Module] = field(default_factory=list)
+    rows: list[RowsOverDP] = field(default_factory=list)  # vocabulary matrices computed over dp (core.dp_rows)
 
     @contextlib.contextmanager
     def reduce_at_end(self, root: nn.Module) -> Iterator[None]:
@@ -115,6 +120,9 @@ class DPShards:
     def describe(self, total: int, sharded: int) -> str:
         lines = [f"Data-parallel sharding ({self.sharding}, FSDP2): {len(self.units)} units, "
                  f"{sharded / max(total, 1):.0%} of this rank's parameters sharded over dp"]
+        if self.rows:
+            lines.append(f"  cut by rows over dp and computed there (tokens exchanged, the matrix never gathered): "
+                         f"{', '.join(r.name for r in self.rows)}")
         if self.replicated:
             lines.append(f"  replicated (held by the LightningModule itself, whose forward the step may not call): "
                          f"{', '.join(self.replicated)}")
@@ -157,13 +165,14 @@ def _common_parent(names: Iterable[str]) -> str:
     return ".".join(common)
 
 
-def fsdp_units(module: nn.Module, blocks: Sequence[str]) -> tuple[list[str], list[str]]:
-    """The modules to wrap (children before parents) and the parameters that stay replicated (by name)."""
+def fsdp_units(module: nn.Module, blocks: Sequence[str], skip: Container[int] = ()) -> tuple[list[str], list[str]]:
+    """The modules to wrap (children before parents) and the parameters that stay replicated (by name); parameters
+    whose id is in ``skip`` are left out (sharded otherwise)."""
     holders: dict[int, list[str]] = {}
     first_name: dict[int, str] = {}
     for mname, m in module.named_modules(remove_duplicate=False):
         for pname, p in m._parameters.items():
-            if p is not None:
+            if p is not None and id(p) not in skip:
                 holders.setdefault(id(p), []).append(mname)
                 first_name.setdefault(id(p), f"{mname}.{pname}" if mname else pname)
     units = set(blocks)
@@ -186,14 +195,17 @@ def fsdp_units(module: nn.Module, blocks: Sequence[str]) -> tuple[list[str], lis
     return ordered, replicated
 
 
-def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str], sharding: str) -> DPShards:
+def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str], sharding: str,
+                  vocab_exchange: bool = True) -> DPShards:
     """``fully_shard`` each unit of ``module`` (this rank's stage, tensor-parallel shards as plain parameters) over the
-    1-d ``mesh``. Returns what was done, with old parameter -> new parameter (FSDP2 replaces the objects)."""
+    1-d ``mesh``; with ``vocab_exchange``, the vocabulary matrices cut by rows instead (``core.dp_rows``). Returns
+    what was done, with old parameter -> new parameter (FSDP2 replaces the objects)."""
     from torch.distributed.fsdp import fully_shard
 
-    units, replicated = fsdp_units(module, blocks)
     before = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
-    ignored = {module.get_parameter(n) for n in replicated}
+    rows, moved = shard_rows_over_dp(module, candidates(module, blocks) if vocab_exchange else [], mesh)
+    units, replicated = fsdp_units(module, blocks, skip={id(p) for p in moved.values()})
+    ignored = {module.get_parameter(n) for n in replicated} | set(moved.values())
     modules = dict(module.named_modules())
     # gloo (CPU): a reduce-scatter that neither clones its input nor keeps it (nor the gradient FSDP2 leaks through
     # it), no all-gather buffer kept for overlap, no all-gather issued ahead in backward (a CPU collective does not
@@ -216,7 +228,7 @@ def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str],
     fsdp_lazy_init(module)
     module.__class__ = cls
     replaced = {id(p): m._parameters[name] for m, name, p in before if m._parameters[name] is not p}
-    return DPShards(sharding, units, replicated, replaced, [modules[n] for n in units])
+    return DPShards(sharding, units, replicated, replaced, [modules[n] for n in units], rows)
 
 
 def sharded_numel(module: nn.Module) -> tuple[int, int]:

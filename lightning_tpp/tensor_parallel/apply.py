@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_tpp._compat import MHA_FAST_PATH_FLAG
-from lightning_tpp.core.dp_shard import fsdp_classes_hidden, local, shard_dp_like
+from lightning_tpp.core.dp_shard import fsdp_classes_hidden, gather_dp, is_dp_sharded, local, shard_dp_like
 from lightning_tpp.core.comm import TPGroup, TPScope, all_reduce_flag, gather_with_spec
 from lightning_tpp.core.params import ShardIndex, ShardInfo
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
@@ -251,8 +251,12 @@ def reference_copy(block: nn.Module, group: TPGroup, shards: ShardIndex) -> nn.M
     memo: dict[int, Any] = {id(o): o for o in slots(block)}
     for p in block.parameters():
         spec = shards.spec(p)
-        memo[id(p)] = p if spec is None else nn.Parameter(gather_with_spec(p.detach(), spec, group),
-                                                          requires_grad=False)
+        if spec is not None or is_dp_sharded(p):  # a weight computed over dp (core.dp_rows): its rows gathered
+            whole = gather_dp(p.detach())
+            memo[id(p)] = nn.Parameter(whole if spec is None else gather_with_spec(whole, spec, group),
+                                       requires_grad=False)
+        else:
+            memo[id(p)] = p
     with fsdp_classes_hidden(block) as shared:
         ref = copy.deepcopy(block, {**memo, **shared})
     for m in ref.modules():

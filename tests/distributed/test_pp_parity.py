@@ -119,8 +119,9 @@ def test_pp2_zero_bubble_short_batch(tmp_path: Path) -> None:
 
 def test_pp2_dp2(tmp_path: Path) -> None:
     """dp_sharding='shard_grad_op': parameters kept gathered from forward to backward (every schedule runs the
-    default 'full_shard' below)."""
-    run_and_compare(tmp_path, ["nanogpt", "llama"], dp=2, extra=("--dp-sharding", "shard_grad_op"))
+    default 'full_shard' below); vocab_exchange=False: FSDP2 gathers the embedding and head too."""
+    run_and_compare(tmp_path, ["nanogpt", "llama"], dp=2, extra=("--dp-sharding", "shard_grad_op",
+                                                                 "--no-vocab-exchange"))
 
 
 def test_pp2_dp2_sharded_every_schedule(tmp_path: Path) -> None:

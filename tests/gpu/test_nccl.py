@@ -42,3 +42,16 @@ def test_tp1_pp2_parity_nccl(tmp_path: Path) -> None:
             ref = train(name, accelerator="gpu", steps=3)
             got = merge_stages([load_record(out / f"{name}.rank{r}.pt") for r in range(2)])
             assert_parity(got, ref, rtol=1e-4, atol=1e-4, where=f"{name} {schedule}")
+
+
+def test_dp2_vocab_exchange_nccl(tmp_path: Path) -> None:
+    """FSDP2 over dp on NCCL with the embedding and head computed over dp (``core.dp_rows``: all-gather of the
+    tokens, all-to-all of the logits on the GPUs), a tied embedding/head included."""
+    models = ["nanogpt", "hf_gpt2"]
+    run_ranks(ROOT / "tests" / "parity.py", 2, ["--models", ",".join(models), "--dp", "2", "--out", str(tmp_path),
+                                                "--accelerator", "gpu", "--steps", "3"], timeout=400).check()
+    for name in models:
+        ref = train(name, accelerator="gpu", steps=3, dp=2)
+        for rank in range(2):
+            assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), ref, rtol=1e-4, atol=1e-4,
+                          where=f"{name} dp2 rank {rank}")

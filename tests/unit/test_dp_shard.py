@@ -1,10 +1,12 @@
-"""Which modules become FSDP2 units (``core.dp_shard.fsdp_units``), and the dp_sharding argument."""
+"""Which modules become FSDP2 units (``core.dp_shard.fsdp_units``), which are computed over dp by rows instead
+(``core.dp_rows.candidates``), and the dp_sharding argument."""
 
 from __future__ import annotations
 
 import pytest
 from torch import nn
 
+from lightning_tpp.core.dp_rows import candidates
 from lightning_tpp.core.dp_shard import fsdp_units, normalize_sharding
 
 
@@ -47,6 +49,34 @@ def test_parameters_of_the_root_and_weights_tied_across_it_stay_replicated() -> 
 def test_no_blocks_each_holder_is_a_unit() -> None:
     units, _ = fsdp_units(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)), [])
     assert units == ["0", "2"]
+
+
+BLOCKS = ["model.layers.0", "model.layers.1"]
+
+
+def test_vocabulary_matrices_are_computed_over_dp() -> None:
+    m = TiedLM()
+    m.wide = nn.Linear(10, 4)  # more columns than rows: not a vocabulary matrix
+    m.renormed = nn.Embedding(10, 4, max_norm=1.0)  # renormalises rows in place: its own table needed whole
+    assert candidates(m, BLOCKS) == ["model.embed", "head"]
+    assert candidates(m, []) == []  # no block sequence: FSDP2's units
+
+
+def test_a_weight_tied_across_the_root_is_computed_over_dp_not_replicated() -> None:
+    m = TiedLM()
+    m.head.weight = m.model.embed.weight
+    rows = candidates(m, BLOCKS)
+    assert rows == ["model.embed", "head"]
+    units, replicated = fsdp_units(m, BLOCKS, skip={id(m.head.weight)})
+    assert units == ["model.layers.0", "model.layers.1", "model.norm"] and replicated == []
+
+
+def test_a_weight_also_held_by_another_kind_of_module_stays_with_fsdp() -> None:
+    m = TiedLM()
+    m.scale = nn.LayerNorm(4)
+    m.head = nn.Linear(4, 4, bias=False)
+    m.scale.weight = m.head.weight  # the norm computes with it too: not only F.linear / F.embedding
+    assert candidates(m, BLOCKS) == ["model.embed"]
 
 
 def test_sharding_names() -> None:
