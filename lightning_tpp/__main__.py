@@ -98,6 +98,7 @@ def plan(args: argparse.Namespace) -> MemoryReport:
     kwargs = dict(tp=args.tp, pp=args.pp, dp=args.dp, microbatches=args.microbatches, batch_size=args.batch_size,
                   seq_len=args.seq_len, schedule=args.schedule, virtual_stages=args.virtual_stages,
                   optimizer=args.optimizer, param_dtype=getattr(torch, args.dtype), dp_shard=args.dp_shard,
+                  vocab_exchange=args.vocab_exchange,
                   backend=args.backend)
     report = estimate_memory(model, activation_checkpointing=args.activation_checkpointing, **kwargs)
     if report.partition is not None:
@@ -164,6 +165,9 @@ def _plan_parser(sub: Any) -> None:
                    help="parameter dtype (gradients and optimizer state follow it, as in torch.optim)")
     p.add_argument("--no-dp-shard", dest="dp_shard", action="store_false",
                    help="states replicated over dp (dp_sharding=\"no_shard\") instead of FSDP2-sharded (the default)")
+    p.add_argument("--no-vocab-exchange", dest="vocab_exchange", action="store_false",
+                   help="vocabulary matrices gathered by FSDP2 like other units (vocab_exchange=False) instead of "
+                        "computed over dp where their rows lie (the default)")
     p.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
                    help="the process groups' backend: nccl (GPUs, the default) or gloo (CPU processes)")
     p.add_argument("--device-memory", default="80GB", help="e.g. 80GB (10^9 bytes) or 80GiB (2^30 bytes)")

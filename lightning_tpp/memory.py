@@ -28,8 +28,10 @@ a micro-batch is held from its ``F`` until its ``B`` (or its ``W`` when the back
 into dp pieces, padded): parameters, gradients and optimizer state are divided by dp, and ``gathered`` counts what
 FSDP2 holds whole beside them (the largest unit's gathered parameters, unsharded gradient and reduce-scatter input,
 the next block prefetched; the whole stage's parameters and gradients under zero-bubble schedules).
-``dp_shard=False`` is ``dp_sharding="no_shard"`` (replication over dp). Not counted: framework and allocator
-overhead, communication buffers, temporaries that are not saved for backward (e.g. the loss's gradient).
+``dp_shard=False`` is ``dp_sharding="no_shard"`` (replication over dp). The optimizer step is a moment of its own
+(``step``): torch's default Adam/AdamW (``foreach``) allocates one temporary the size of the rank's parameters
+(``sqrt`` of the second moments) beside the states. Not counted: framework and allocator overhead, communication
+buffers, temporaries that are not saved for backward (e.g. the loss's gradient).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_tpp._compat import tree_map
 from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.core.dp_rows import candidates
 from lightning_tpp.core.dp_shard import fsdp_units
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.pipeline.partition import Partition, plan_partition
@@ -79,6 +82,7 @@ class RankMemory:
     sent: int = 0  # of which: outputs sent to the next stage, held until their gradients come back
     recompute: int = 0  # of which: one block's activations while it recomputes (activation checkpointing)
     gathered: int = 0  # FSDP2's gathered parameters and unsharded gradients in flight (dp-sharded states)
+    step: int = 0  # the optimizer step's temporary (torch's foreach Adam/AdamW: one tensor per parameter)
 
     @property
     def states(self) -> int:
@@ -87,7 +91,8 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return self.states + self.activations + self.gathered
+        """The states, and at their most either the backward's (activations, gathered) or the optimizer step's."""
+        return self.states + max(self.activations + self.gathered, self.step)
 
 
 @dataclass
@@ -136,7 +141,11 @@ class MemoryReport:
             tps = f"0-{d.tp - 1}" if d.tp > 1 else "0"
             lines.append(f"{r.pp_rank:>3} {tps:>5} {','.join(map(str, r.stages)):>8} {r.params / scale:9.2f} "
                          f"{r.grads / scale:9.2f} {r.optimizer / scale:10.2f} {r.activations / scale:12.2f} "
-                         f"{r.in_flight:>9} {r.gathered / scale:9.2f} {r.total / scale:9.2f}")
+                         f"{r.in_flight:>9} {r.gathered / scale:9.2f} {r.total / scale:9.2f}"
+                         f"{' *' if r.step > r.activations + r.gathered else ''}")
+        if any(r.step > r.activations + r.gathered for r in self.ranks):
+            lines.append("* set by the optimizer step: AdamW's temporary, the size of the rank's parameters, is more "
+                         "than its activations + gathered")
         lines.append(f"largest rank: {self.largest.total / scale:.2f} {unit} (pp rank {self.largest.pp_rank}); "
                      f"ideal share of params+grads+optimizer: {self.ideal_share() / scale:.2f} {unit}")
         lines += [f"note: {n}" for n in self.notes]
@@ -146,7 +155,8 @@ class MemoryReport:
 def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microbatches: Optional[int] = None,
                     batch_size: int, seq_len: int, schedule: ScheduleLike = "auto", virtual_stages: int = 1,
                     optimizer: str = "adamw", param_dtype: torch.dtype = torch.float32,
-                    activation_checkpointing: bool = False, dp_shard: bool = True, backend: str = "nccl",
+                    activation_checkpointing: bool = False, dp_shard: bool = True, vocab_exchange: bool = True,
+                    backend: str = "nccl",
                     balance: Union[str, Sequence[int]] = "params", split_points: Optional[Sequence[str]] = None,
                     blocks: Optional[Union[str, Sequence[str]]] = None,
                     tp_plan: Union[str, Mapping[str, str]] = "auto",
@@ -159,7 +169,8 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     ``2 * pp`` as in the strategy; 1 without a pipeline). ``forward(model, ids)`` replaces the default call
     (``model(ids)`` and a cross-entropy on the logits; a Hugging Face model's own loss). ``balance``,
     ``split_points``, ``blocks`` and ``tp_plan`` are the strategy's. ``backend`` is the process groups' ("nccl" on
-    GPUs; "gloo" for CPU processes, where FSDP2 runs with ``core.dp_shard``'s CPU collectives). See the module
+    GPUs; "gloo" for CPU processes, where FSDP2 runs with ``core.dp_shard``'s CPU collectives). ``vocab_exchange``
+    is the strategy's (vocabulary matrices computed over dp, ``core.dp_rows``, instead of gathered). See the module
     docstring for the method."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not one of {tuple(OPTIMIZER_STATES)}")
@@ -204,9 +215,11 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
                                     [waiting.get(g, 0) for g in stages])
             held_saved = _held(spec, r, pp, m, virtual_stages, [saved.get(g, 0) for g in stages],
                                [waiting_saved.get(g, 0) for g in stages])[1]
-            gathered = _gathered(rank_copy, report.partition, splits, backend) if dp_shard and dp > 1 else 0
+            gathered = _gathered(rank_copy, report.partition, splits, backend,
+                                 mb * seq_len if vocab_exchange else 0, dp) if dp_shard and dp > 1 else 0
+            step = params if optimizer in ("adam", "adamw") else 0
             options.append(RankMemory(r, 0, stages, count, params, grads, optim, held + extra, in_flight,
-                                      held - held_saved, extra, gathered))
+                                      held - held_saved, extra, gathered, step))
         most = max(options, key=lambda o: o.total)
         report.ranks += [dataclasses.replace(most, tp_rank=t) for t in range(tp)]
     return report
@@ -225,19 +238,26 @@ def _runs(schedule: ScheduleLike, pp: int, microbatches: int, virtual: int, dp_s
     return [AUTO_MEASURE, *(c for c in AUTO_CANDIDATES if c != AUTO_MEASURE)]
 
 
-def _gathered(cut: nn.Module, partition: Optional[Partition], splits_backward: bool, backend: str) -> int:
-    """What FSDP2 holds whole beside the dp shards, at its most: during the backward of the largest unit (often the
-    vocabulary matrix, an embedding or head, not a block) its gathered parameters, its unsharded gradient and the
-    reduce-scatter's input copy of it (FSDP2 keeps the gradient alive through the reduce-scatter), with the next
-    block prefetched. Over gloo (``core.dp_shard``'s CPU collectives) two of the three at a time (the gradient is
-    freed after its copy-in) and nothing prefetched. Under a schedule that splits backward (zero-bubble): the
-    stage's parameters and gradients, which stay whole until the schedule ends."""
-    if splits_backward:
-        return 2 * sum(p.numel() * p.element_size() for p in {id(p): p for p in cut.parameters()}.values())
+def _gathered(cut: nn.Module, partition: Optional[Partition], splits_backward: bool, backend: str,
+              exchanged_tokens: int, dp: int) -> int:
+    """What dp sharding holds whole beside the shards, at its most. FSDP2: during the backward of the largest unit
+    its gathered parameters, its unsharded gradient and the reduce-scatter's input copy of it (FSDP2 keeps the
+    gradient alive through the reduce-scatter), with the next block prefetched; over gloo (``core.dp_shard``'s CPU
+    collectives) two of the three at a time (the gradient is freed after its copy-in) and nothing prefetched. Under
+    a schedule that splits backward (zero-bubble): the stage's parameters and gradients, which stay whole until the
+    schedule ends. The vocabulary matrices computed over dp (``core.dp_rows``; ``exchanged_tokens`` per micro-batch
+    and rank, 0 when they are FSDP2 units) are never gathered: what they hold is their all-to-all's buffers, the
+    send and the receive side of a head's logits (``_exchange_bytes``)."""
     blocks = _block_names(cut, partition)
-    units, _ = fsdp_units(cut, blocks)
+    exchanged = candidates(cut, blocks) if exchanged_tokens else []
+    rows = {id(p) for n in exchanged for p in cut.get_submodule(n).parameters()}
+    exchange = max((_exchange_bytes(cut.get_submodule(n), exchanged_tokens, dp) for n in exchanged), default=0)
+    if splits_backward:
+        return max(exchange, 2 * sum(p.numel() * p.element_size() for p in {id(p): p for p in cut.parameters()
+                                                                            if id(p) not in rows}.values()))
+    units, _ = fsdp_units(cut, blocks, skip=rows)
     modules = dict(cut.named_modules())
-    claimed: set[int] = set()
+    claimed: set[int] = set(rows)
     sizes = {}
     for name in units:  # children first: a unit holds what no unit inside it holds
         own = {id(p): p for p in modules[name].parameters() if id(p) not in claimed}
@@ -245,8 +265,18 @@ def _gathered(cut: nn.Module, partition: Optional[Partition], splits_backward: b
         sizes[name] = sum(p.numel() * p.element_size() for p in own.values())
     largest = max(sizes.values(), default=0)
     if backend == "gloo":
-        return 2 * largest
-    return 3 * largest + max((sizes.get(n, 0) for n in blocks), default=0)
+        return max(exchange, 2 * largest)
+    return max(exchange, 3 * largest + max((sizes.get(n, 0) for n in blocks), default=0))
+
+
+def _exchange_bytes(layer: nn.Module, tokens: int, dp: int) -> int:
+    """What a layer computed over dp holds in flight for a micro-batch of ``tokens`` per rank: a head, the two sides
+    of its logits' all-to-all (tokens x its rows); an embedding, its partial lookup of every dp rank's tokens and the
+    sum's copy (dp x tokens x hidden each)."""
+    w = layer.weight
+    if isinstance(layer, nn.Embedding):
+        return 2 * dp * tokens * w.shape[1] * w.element_size()
+    return 2 * tokens * w.shape[0] * w.element_size()
 
 
 def _cut(module: nn.Module, dims: MeshDims, pp_rank: int, virtual: int, dtype: torch.dtype, *,
