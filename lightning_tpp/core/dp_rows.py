@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -78,8 +79,7 @@ class RowsOverDP:
         flat = x.reshape(-1, hidden)
         sizes = _token_counts(flat.shape[0], self.group, self.size, x.device)
         x_all = _GatherRows.apply(flat, self, sizes)
-        y_all = F.linear(x_all, self.weight.to_local(), bias.to_local() if bias is not None else None)
-        return _Exchange.apply(y_all, self, sizes).reshape(*lead, -1)
+        return _Head.apply(x_all, self.weight, bias, self, sizes).reshape(*lead, -1)
 
     def embedding(self, ids: Tensor, padding_idx: Optional[int]) -> Tensor:
         flat = ids.reshape(-1)
@@ -91,11 +91,7 @@ class RowsOverDP:
         if padding_idx is not None:
             padding_idx = padding_idx + sum(self.rows) if padding_idx < 0 else padding_idx
             pad = padding_idx - self.start if 0 <= padding_idx - self.start < self.rows[self.rank] else None
-        weight = self.weight.to_local()
-        if weight.shape[0]:
-            e_all = F.embedding(local.masked_fill(outside, 0), weight, pad).masked_fill(outside.unsqueeze(-1), 0.0)
-        else:  # no rows here (vocabulary < dp): zeros, still on the weight's graph so that backward's gather runs
-            e_all = weight.new_zeros(len(ids_all), weight.shape[1]) + weight.sum()
+        e_all = _Lookup.apply(local.masked_fill(outside, 0), outside, self.weight, pad)
         return _SumRows.apply(e_all, self, sizes).reshape(*ids.shape, -1)
 
 
@@ -136,7 +132,7 @@ def _all_to_all(send: Tensor, send_counts: Sequence[int], recv_counts: Sequence[
 
 class _GatherRows(torch.autograd.Function):
     """(this rank's tokens, k) -> (every rank's tokens, k); backward: the gradient summed over dp, this rank's part,
-    times dp (the head's :class:`_Exchange` hands back its gradients divided by dp, for the weight's sake)."""
+    times dp (:class:`_Head` hands back its gradients divided by dp, for the weight's sake)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, layer: RowsOverDP, sizes: list[int]) -> Tensor:
@@ -150,7 +146,7 @@ class _GatherRows(torch.autograd.Function):
 
 class _SumRows(torch.autograd.Function):
     """(every rank's tokens, k), partial -> (this rank's tokens, k) summed over dp; backward: an all-gather, divided
-    by dp (an embedding's lookup is all it flows into: the weight's gradient is the average over dp, as FSDP2's)."""
+    by dp (a :class:`_Lookup` is all it flows into: the weight's gradient is the average over dp, as FSDP2's)."""
 
     @staticmethod
     def forward(ctx: Any, y: Tensor, layer: RowsOverDP, sizes: list[int]) -> Tensor:
@@ -162,31 +158,90 @@ class _SumRows(torch.autograd.Function):
         return _gather_rows(grad.contiguous(), ctx.sizes, ctx.layer.group).div_(ctx.layer.size), None, None
 
 
-class _Exchange(torch.autograd.Function):
-    """(every rank's tokens, this rank's rows) -> (this rank's tokens, every rank's rows): one all-to-all each way.
-    The rows of one rank's tokens are consecutive in ``y_all``, and so are the gradients coming back: only the
-    receiving side of the forward and the sending side of the backward copy (columns are not consecutive).
+def _add_grad(param: Tensor, a: Tensor, b: Optional[Tensor] = None) -> None:
+    """``param.grad += a @ b`` (``+= a`` without ``b``) on this rank's rows, in place where the dtypes allow: no
+    gradient-sized temporary beside the gradient (autograd's accumulation would make one per micro-batch)."""
+    if param.grad is None:
+        grad = (a @ b if b is not None else a).to(param.dtype)
+        param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
+                                        shape=param.shape, stride=param.stride())
+        return
+    local = param.grad.to_local()  # shares the gradient's storage
+    if b is not None and a.dtype == b.dtype == local.dtype:
+        local.addmm_(a, b)
+    else:
+        local.add_(a @ b if b is not None else a)
 
-    Backward divides the gradient by dp in place: the weight's (and bias's) gradient is then the average over dp, as
-    FSDP2's reduce-scatter makes it, without a second weight-sized tensor; :class:`_GatherRows` multiplies the
-    input's gradient back."""
+
+class _Head(torch.autograd.Function):
+    """(every rank's tokens, hidden) -> (this rank's tokens, every rank's rows): the product with this rank's rows,
+    then one all-to-all; the rows of one rank's tokens are consecutive, so only the received side is rearranged.
+    One function, so that neither the product nor the received pieces outlive it.
+
+    Backward: the all-to-all back (the sending side rearranged), divided by dp in place, so that the weight's (and
+    bias's) gradient is the average over dp as FSDP2's reduce-scatter makes it (:class:`_GatherRows` multiplies the
+    input's gradient back); the weight's gradient is added into ``.grad`` in place (``_add_grad``). Under autocast
+    the product runs in its dtype, as ``F.linear`` would."""
 
     @staticmethod
-    def forward(ctx: Any, y_all: Tensor, layer: RowsOverDP, sizes: list[int]) -> Tensor:
-        ctx.layer, ctx.sizes = layer, sizes
+    def forward(ctx: Any, x_all: Tensor, weight: Tensor, bias: Optional[Tensor], layer: RowsOverDP,
+                sizes: list[int]) -> Tensor:
+        w, b = weight.to_local(), bias.to_local() if bias is not None else None
+        device = x_all.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            x_all, w, b = (t.to(dtype) if t is not None and t.is_floating_point() else t for t in (x_all, w, b))
+        with torch.autocast(device, enabled=False):
+            y_all = F.linear(x_all, w, b)
+        ctx.save_for_backward(x_all, w)
+        ctx.weight, ctx.bias, ctx.layer, ctx.sizes = weight, bias, layer, sizes
         n, mine = sizes[layer.rank], layer.rows[layer.rank]
-        got = _all_to_all(y_all.contiguous().view(-1), [s * mine for s in sizes], [n * r for r in layer.rows],
-                          layer.group)
+        got = _all_to_all(y_all.view(-1), [s * mine for s in sizes], [n * r for r in layer.rows], layer.group)
+        del y_all
         return torch.cat([part.view(n, r) for part, r in zip(got.split([n * r for r in layer.rows]), layer.rows)],
                          dim=1)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None, None]:
+        x_all, w = ctx.saved_tensors
         layer, sizes = ctx.layer, ctx.sizes
         n, mine = sizes[layer.rank], layer.rows[layer.rank]
-        send = torch.cat([part.reshape(-1) for part in grad.split(layer.rows, dim=1)])
-        got = _all_to_all(send, [n * r for r in layer.rows], [s * mine for s in sizes], layer.group)
-        return got.div_(layer.size).view(sum(sizes), mine), None, None
+        send = torch.cat([part.reshape(-1) for part in grad.to(w.dtype).split(layer.rows, dim=1)])
+        dy = _all_to_all(send, [n * r for r in layer.rows], [s * mine for s in sizes], layer.group)
+        del send
+        dy = dy.div_(layer.size).view(sum(sizes), mine)
+        if ctx.needs_input_grad[1]:
+            _add_grad(ctx.weight, dy.t(), x_all)
+        if ctx.bias is not None and ctx.needs_input_grad[2]:
+            _add_grad(ctx.bias, dy.sum(0))
+        return (dy @ w if ctx.needs_input_grad[0] else None), None, None, None, None
+
+
+class _Lookup(torch.autograd.Function):
+    """This rank's rows looked up for every rank's ids (``ids`` local, ``outside`` where an id is not among them:
+    zeros). Backward: the rows' gradient added into ``.grad`` in place (``index_add_``); the padding row gets none."""
+
+    @staticmethod
+    def forward(ctx: Any, ids: Tensor, outside: Tensor, weight: Tensor, pad: Optional[int]) -> Tensor:
+        w = weight.to_local()
+        out = F.embedding(ids, w) if w.shape[0] else w.new_zeros(len(ids), w.shape[1])
+        ctx.save_for_backward(ids, outside)
+        ctx.weight, ctx.pad = weight, pad
+        return out.masked_fill_(outside.unsqueeze(-1), 0.0)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, None]:
+        ids, outside = ctx.saved_tensors
+        param = ctx.weight
+        if ctx.needs_input_grad[2]:
+            if param.grad is None:  # (an empty one on a rank without rows, as FSDP2 gives)
+                _add_grad(param, torch.zeros_like(param.to_local()))
+            if param.to_local().shape[0]:
+                skip = outside if ctx.pad is None else outside | (ids == ctx.pad)
+                param.grad.to_local().index_add_(0, ids, grad.to(param.dtype).masked_fill(skip.unsqueeze(-1), 0.0))
+        return None, None, None, None
 
 
 _LINEAR = ("input", "weight", "bias")

@@ -1,5 +1,5 @@
 """Vocabulary matrices cut by rows over dp (``core.dp_rows``): outputs, input gradients and weight gradients against
-the whole layer, in 3 processes."""
+the whole layer, in 3 processes; and the tensor-parallel all-gather of a large tensor, received in pieces."""
 
 from __future__ import annotations
 
@@ -23,6 +23,11 @@ def test_rows_over_dp_match_the_whole_layer(results: list[dict], layer: str) -> 
     for rank, got in enumerate(results):
         checks = {k: v for k, v in got[layer].items() if not k.endswith(".rows")}
         assert all(checks.values()), f"rank {rank}: {layer} differs: {checks}"
+
+
+def test_large_gather_along_the_last_dim_is_exact(results: list[dict]) -> None:
+    for rank, got in enumerate(results):
+        assert got["gather"] == {"out": True, "grad": True, "pieces_needed": True}, rank
 
 
 def test_uneven_rows(results: list[dict]) -> None:

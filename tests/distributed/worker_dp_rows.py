@@ -1,6 +1,7 @@
 """A rank of the dp-rows check (3 ranks, gloo): embeddings and linear layers cut by rows over dp compute what the
-whole layer computes on each rank's tokens, and their gradients are the dp average of every rank's, for uneven row
-splits (7 rows: 3, 3, 1; 2 rows: 1, 1, 0), uneven token counts, a padding id, a bias and a subclass's own forward."""
+whole layer computes on each rank's tokens, and their gradients are the dp average of every rank's (accumulated over
+two backward passes), for uneven row splits (7 rows: 3, 3, 1; 2 rows: 1, 1, 0), uneven token counts, a padding id, a
+bias and a subclass's own forward."""
 
 from __future__ import annotations
 
@@ -47,20 +48,21 @@ def check(make, inputs, size: int, rank: int, mesh, name: str) -> dict:
             weight_grads[k] += v.grad / size
         outs.append(out.detach())
     x = inputs(rank)
-    out = got(x)
-    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    for _ in range(2):  # two micro-batches: the second adds into the gradients the first left
+        out = got(x)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     result = {"out": torch.allclose(out, outs[rank], rtol=1e-5, atol=1e-6)}
     for k, p in got.named_parameters():
         rows = p.to_local().shape[0]
         start = sum(p.shape[0] // size + (1 if p.shape[0] % size else 0) for _ in range(rank))
-        want = weight_grads[k][start:start + rows]
+        want = 2 * weight_grads[k][start:start + rows]
         result[k] = bool(torch.allclose(p.grad.to_local(), want, rtol=1e-5, atol=1e-6))
         result[f"{k}.rows"] = rows
     if x.is_floating_point():
         x_ref = inputs(rank).requires_grad_(True)
         o = ref(x_ref)
         (o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum().backward()
-        result["input_grad"] = bool(torch.allclose(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6))
+        result["input_grad"] = bool(torch.allclose(x.grad, 2 * x_ref.grad, rtol=1e-5, atol=1e-6))
     return result
 
 
@@ -77,6 +79,16 @@ def main() -> None:
                                                                        generator=torch.Generator().manual_seed(r)),
                         size, rank, mesh, "linear"),
     }
+    # the tensor-parallel all-gather along the last dim, received in pieces when large (core.comm._GatherFromTP)
+    from lightning_tpp.core.comm import TPGroup, gather_from_tp
+
+    parts = [torch.randn(3, 100, 2000, generator=torch.Generator().manual_seed(100 + r)) for r in range(size)]
+    x = parts[rank].clone().requires_grad_(True)
+    whole = gather_from_tp(x, TPGroup(dist.group.WORLD, rank, size))
+    (whole * 2).sum().backward()
+    out["gather"] = {"out": bool(torch.equal(whole, torch.cat(parts, dim=-1))),
+                     "grad": bool(torch.equal(x.grad, torch.full_like(x, 2.0))),
+                     "pieces_needed": whole.numel() * 4 > 4 * 2 ** 20}
     holder = nn.Module()
     holder.layer = Misuse(3, 6)
     shard_rows_over_dp(holder, ["layer"], mesh)
