@@ -68,7 +68,7 @@ class LlamaLM(L.LightningModule):
             return
         import transformers
 
-        cfg = transformers.LlamaConfig(**self.config, max_position_embeddings=4096, tie_word_embeddings=False)
+        cfg = transformers.LlamaConfig(**{"tie_word_embeddings": False, **self.config}, max_position_embeddings=4096)
         cfg._attn_implementation = "sdpa"
         self.model = transformers.LlamaForCausalLM(cfg)
 
@@ -200,7 +200,7 @@ def run_rank(args: argparse.Namespace) -> None:
     extra = {"activation_checkpointing": True} if args.checkpointing else {}
     extra.update(json.loads(args.extra))
     strategy = TensorPipeStrategy(**layout, microbatches=MICROBATCHES, verify=False, print_plan=False, **extra)
-    config = QUICK if args.quick else FULL
+    config = _config(args)
     world = layout["tp"] * layout["pp"] * layout["dp"]
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, config["vocab_size"], (args.steps * LOCAL_BATCH * layout["dp"], args.seq + 1),
@@ -217,7 +217,13 @@ def run_rank(args: argparse.Namespace) -> None:
 # the driver
 
 
-def _estimate(config: dict, layout: dict, checkpointing: bool, seq: int, schedule: Optional[str] = None) -> Any:
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    """The model's Hugging Face Llama configuration: the full or quick shape, with ``--shape`` laid over it."""
+    return {**(QUICK if args.quick else FULL), **json.loads(args.shape)}
+
+
+def _estimate(config: dict, layout: dict, checkpointing: bool, seq: int, schedule: Optional[str] = None,
+              vocab_exchange: bool = True) -> Any:
     from lightning_tpp import estimate_memory
 
     with torch.device("meta"):
@@ -225,6 +231,7 @@ def _estimate(config: dict, layout: dict, checkpointing: bool, seq: int, schedul
         module.configure_model()
     return estimate_memory(module, **layout, microbatches=MICROBATCHES, batch_size=LOCAL_BATCH * layout["dp"],
                            seq_len=seq, activation_checkpointing=checkpointing, dp_shard=True, backend="gloo",
+                           vocab_exchange=vocab_exchange,
                            **({"schedule": schedule} if schedule else {}))
 
 
@@ -253,7 +260,7 @@ def levers(args: argparse.Namespace) -> None:
     """tp=2 (2 processes), the same model and batches, with each activation lever on and off: per rank, the most
     bytes saved for backward alive at once, and the peak (resident growth, without the fixed part)."""
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    config = QUICK if args.quick else FULL
+    config = _config(args)
     print(f"tp=2, vocabulary {config['vocab_size']}, {MICROBATCHES} x 1 x {args.seq} tokens per step (one batch), "
           f"AdamW, {args.steps} step(s); activ. = most bytes saved for backward alive at once")
     base = None
@@ -263,6 +270,7 @@ def levers(args: argparse.Namespace) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             extra = ["--layout", json.dumps(dict(tp=2, pp=1, dp=1)), "--steps", str(args.steps), "--seq",
                      str(args.seq), "--extra", json.dumps(dict(sequence_parallel=sp, loss_parallel=lp)),
+                     "--shape", args.shape,
                      *(["--quick"] if args.quick else [])]
             measured = launch("rank", 2, Path(tmp), extra, timeout=900, script=__file__)
         act = max(m["activations"] for m in measured)
@@ -283,6 +291,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--extra", default="{}", help="more TensorPipeStrategy arguments (JSON)")
+    parser.add_argument("--shape", default="{}", help="LlamaConfig arguments laid over the model's (JSON), e.g. "
+                        "'{\"vocab_size\": 50304, \"tie_word_embeddings\": true}'")
     parser.add_argument("--levers", action="store_true", help="tp=2 with and without sequence/loss parallelism")
     args = parser.parse_args()
     args.steps = args.steps or (1 if args.quick else 3)
@@ -297,7 +307,7 @@ def main() -> None:
     # parameters over and over): RSS then counts memory no tensor holds (peak 3.2-3.8 x instead of 1.7-1.8 x at
     # tp2 x pp2 x dp2). A fixed threshold returns them to the system, so that RSS follows what is alive.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    config = QUICK if args.quick else FULL
+    config = _config(args)
     has_ckpt = "activation_checkpointing" in inspect.signature(TensorPipeStrategy.__init__).parameters
     whole = _estimate(config, dict(tp=1, pp=1, dp=1), False, args.seq).whole_params
     print(f"Llama-style model of {whole / 1e6:.1f} M parameters built in configure_model, AdamW, fp32, "
@@ -320,10 +330,12 @@ def main() -> None:
             start = time.monotonic()
             with tempfile.TemporaryDirectory() as tmp:
                 extra = ["--layout", json.dumps(layout), "--steps", str(args.steps), "--seq", str(args.seq),
+                         "--extra", args.extra, "--shape", args.shape,
                          *(["--quick"] if args.quick else []), *(["--checkpointing"] if checkpointing else [])]
                 measured = launch("rank", world, Path(tmp), extra, timeout=900, script=__file__)
             ran = measured[0].get("schedule")  # the default "auto": what its measuring steps (or the layout) ran
-            report = _estimate(config, layout, checkpointing, args.seq, ran)
+            report = _estimate(config, layout, checkpointing, args.seq, ran,
+                               json.loads(args.extra).get("vocab_exchange", True))
             print(f"\n{label}, schedule {ran!r} ({time.monotonic() - start:.0f}s)")
             _table(name, measured, report)
 

@@ -270,13 +270,16 @@ def _gathered(cut: nn.Module, partition: Optional[Partition], splits_backward: b
 
 
 def _exchange_bytes(layer: nn.Module, tokens: int, dp: int) -> int:
-    """What a layer computed over dp holds in flight for a micro-batch of ``tokens`` per rank: a head, the two sides
-    of its logits' all-to-all (tokens x its rows); an embedding, its partial lookup of every dp rank's tokens and the
-    sum's copy (dp x tokens x hidden each)."""
+    """What a layer computed over dp holds in flight for a micro-batch of ``tokens`` per rank: a head, its output
+    (tokens x its rows) beside the other side of its all-to-all, or beside the whole logits when tensor parallelism
+    gathers them (tp x its output); an embedding, its partial lookup of every dp rank's tokens and the sum's copy
+    (dp x tokens x hidden each)."""
     w = layer.weight
     if isinstance(layer, nn.Embedding):
         return 2 * dp * tokens * w.shape[1] * w.element_size()
-    return 2 * tokens * w.shape[0] * w.element_size()
+    tp = getattr(layer, "_tpp_layer", None)
+    beside = tp.group.size if tp is not None and tp.gather else 1
+    return (1 + beside) * tokens * w.shape[0] * w.element_size()
 
 
 def _cut(module: nn.Module, dims: MeshDims, pp_rank: int, virtual: int, dtype: torch.dtype, *,
