@@ -61,9 +61,10 @@ def test_meta_built_parity_tp2_pp2_dp2_sharded_with_activation_checkpointing(tmp
 def test_setup_allocates_only_the_share(tmp_path: Path) -> None:
     """tp2 x pp2 of a ~150 MB Llama: every rank's peak resident memory grows by well under half the whole model while
     the strategy cuts it and materialises its shards (eagerly it holds the whole model at least once: 1.0 x; measured
-    here: ~0.40 x, the rank's quarter plus process-group buffers and one module at full size). The ranks run with
-    glibc's mmap threshold fixed, as benchmarks/memory.py's: freed large blocks go back to the system, so resident
-    memory follows what is alive (with the dynamic threshold the growth varied from 58 to 82 MiB between runs)."""
+    here: ~0.40 x, the rank's quarter plus process-group buffers and one module at full size). The peak is the
+    rank's own (``VmHWM``): ``ru_maxrss`` carries the parent's high-water mark through (v)fork + exec, and grew with
+    the pytest process (55 MiB alone, 80 MiB after other tests). The ranks run with glibc's mmap threshold fixed, as
+    benchmarks/memory.py's, so that freed large blocks leave resident memory."""
     run_ranks(Path(__file__).parent / "worker_meta_memory.py", 4, [str(tmp_path), "2", "2"], timeout=300,
               fresh=True, env={"MALLOC_MMAP_THRESHOLD_": "65536"}).check()
     import transformers
