@@ -74,7 +74,7 @@ class RowsOverDP:
     def linear(self, x: Tensor, bias: Optional[Tensor]) -> Tensor:
         if bias is not None and bias is not self.bias:
             raise RuntimeError(f"{self.name}: F.linear on its dp-row-sharded weight with a bias that is not its own "
-                               f"({tuple(bias.shape)}); construct the strategy with vocab_exchange=False")
+                               f"(shape {tuple(bias.shape)}); construct the strategy with vocab_exchange=False")
         lead, hidden = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, hidden)
         sizes = _token_counts(flat.shape[0], self.group, self.size, x.device)

@@ -4,7 +4,6 @@ the whole layer, in 3 processes; and the tensor-parallel all-gather of a large t
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -39,6 +38,10 @@ def test_uneven_rows(results: list[dict]) -> None:
 def test_other_use_of_the_weight_is_named(results: list[dict]) -> None:
     assert "layer: its forward uses its weight in" in results[0]["misuse"]
     assert "vocab_exchange=False" in results[0]["misuse"]
+    assert "layer: F.linear on its dp-row-sharded weight with a bias that is not its own (shape (6,))" in \
+        results[0]["foreign_bias"]
+    assert "layer: F.embedding with max_norm, scale_grad_by_freq or sparse" in results[0]["max_norm"]
+    assert all("vocab_exchange=False" in r[k] for r in results for k in ("foreign_bias", "max_norm"))
 
 
 def test_row_counts_follow_dtensor() -> None:

@@ -26,6 +26,16 @@ class Misuse(nn.Linear):  # uses its weight outside F.linear
         return x @ self.weight.t()
 
 
+class ForeignBias(nn.Linear):  # F.linear on its weight with a bias that is not its own
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, torch.zeros(self.out_features))
+
+
+class RenormedLookup(nn.Embedding):  # F.embedding on its weight with max_norm (renormalises rows in place)
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.weight, max_norm=1.0)
+
+
 def tokens(rank: int, n_of: list[int], vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (n_of[rank], 2), generator=torch.Generator().manual_seed(10 + rank))
 
@@ -89,14 +99,17 @@ def main() -> None:
     out["gather"] = {"out": bool(torch.equal(whole, torch.cat(parts, dim=-1))),
                      "grad": bool(torch.equal(x.grad, torch.full_like(x, 2.0))),
                      "pieces_needed": whole.numel() * 4 > 4 * 2 ** 20}
-    holder = nn.Module()
-    holder.layer = Misuse(3, 6)
-    shard_rows_over_dp(holder, ["layer"], mesh)
-    try:
-        holder.layer(torch.randn(2, 3))
-        out["misuse"] = "no error"
-    except RuntimeError as err:
-        out["misuse"] = str(err)
+    for key, layer, x in (("misuse", Misuse(3, 6), torch.randn(2, 3)),
+                          ("foreign_bias", ForeignBias(3, 6, bias=False), torch.randn(2, 3)),
+                          ("max_norm", RenormedLookup(6, 3), torch.tensor([0, 5]))):
+        holder = nn.Module()
+        holder.layer = layer
+        shard_rows_over_dp(holder, ["layer"], mesh)
+        try:
+            holder.layer(x)
+            out[key] = "no error"
+        except RuntimeError as err:
+            out[key] = str(err)
     with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
