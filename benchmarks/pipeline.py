@@ -1,13 +1,13 @@
 """Pipeline benchmark (not a test): ratios measured side by side in one run on this machine.
 
-    python benchmarks/pipeline.py            # about 11 minutes on 2 cores (3 rounds)
+    python benchmarks/pipeline.py            # about 16 minutes on 2 cores (3 rounds)
     python benchmarks/pipeline.py --quick    # one round, fewer steps
     python benchmarks/pipeline.py --eval     # 3. only (about 10 minutes; --quick: 3)
     DS_PYTHON=/tmp/dsvenv/bin/python python benchmarks/pipeline.py   # with DeepSpeed (benchmarks/deepspeed_pipeline.py)
 
 1. Step time of one GPT-style model (the one in examples/gpt.py, larger) with pp=2 and 8 micro-batches:
-   - TensorPipeStrategy under the Trainer, with 1F1B, zero-bubble, zb-drain and "auto", the default (which measures its
-     first three steps with zb-drain, then runs the schedule it chose),
+   - TensorPipeStrategy under the Trainer, with 1F1B, zero-bubble, zb-drain, zb-lead and "auto", the default (which
+     measures its first three steps with zb-drain, then runs the schedule it chose),
    - hand-written torch.distributed.pipelining (PipelineStage + Schedule1F1B) on the same split, no Trainer,
    - DeepSpeed's PipelineEngine on the same split, when a python with deepspeed is given (DS_PYTHON),
    - one process (Trainer, no strategy).
@@ -15,7 +15,9 @@
    2 / (1 + 1/8) = 1.78.
 2. The measured bubble (idle fraction per rank) of each schedule, with blocks whose forward and weight gradient are
    one square matrix product each and whose input gradient sleeps as long (F = I = W), against the theory
-   (p-1)/(m*v+p-1), or the schedule simulator for zero-bubble and zb-drain.
+   (p-1)/(m*v+p-1), or the schedule simulator for zero-bubble, zb-drain and zb-lead.
+   Then the fixed schedules once more, alternated step by step in one run (``--role alternate``): each ratio
+   compares steps seconds apart, which this machine's drift between runs minutes apart does not move.
 3. ``--eval``: time per validation batch of the same GPT with pp=2: the whole batch as one micro-batch through the
    stages one after the other (``TPP_EVAL_WHOLE_BATCH=1``, the path before evaluation was micro-batched) against
    8 micro-batches (the stages at work at once), and one process; first with stages of controlled cost (sleeps in
@@ -258,6 +260,42 @@ def run_eval_benchmark(out: Path, steps: int, rounds: int) -> None:
           f"{statistics.median(r['single'] / r['whole'] for r in rows):.3f}")
 
 
+ALTERNATED = ("1f1b", "zb-drain", "zb-lead", "zero-bubble")
+
+
+def role_alternate(args: argparse.Namespace) -> None:
+    """One run of TensorPipeStrategy(pp=2) switching schedule every step, in turn through :data:`ALTERNATED` (the
+    engine switches between steps as ``"auto"`` does): each schedule's step times, after two warm-up steps."""
+    import lightning as L
+    import torch
+    from gpt import GPT
+
+    from lightning_tpp import TensorPipeStrategy
+    from lightning_tpp.pipeline.schedule import actions
+
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    times: dict[str, list[float]] = {s: [] for s in ALTERNATED}
+
+    class Alternate(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            engine = trainer.strategy._engine
+            self.schedule = engine.schedule = ALTERNATED[batch_idx % len(ALTERNATED)]
+            engine.order = actions(self.schedule, engine.rank, engine.pp, engine.microbatches, engine.virtual)
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx >= 2:
+                times[self.schedule].append(time.perf_counter() - self.start)
+
+    steps = 2 + args.steps * len(ALTERNATED)
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
+                        strategy=TensorPipeStrategy(pp=2, microbatches=MICRO, schedule="1f1b", print_plan=False),
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Alternate()])
+    trainer.fit(GPT(**SHAPE), torch.utils.data.DataLoader(_data(steps), batch_size=BATCH))
+    _save(Path(args.out), args.role, trainer.global_rank, times)
+
+
 def role_torchpp(args: argparse.Namespace) -> None:
     """Hand-written torch.distributed.pipelining on the same split (blocks 0-3 | 4-7 + head), same optimizer."""
     import torch
@@ -432,6 +470,8 @@ def main() -> None:
         return role_torchpp(args)
     if args.role == "bubble":
         return role_bubble(args)
+    if args.role == "alternate":
+        return role_alternate(args)
 
     steps = 6 if args.quick else args.steps
     warm = 2 if args.quick else WARMUP
@@ -449,6 +489,7 @@ def main() -> None:
                "torch": med(_launch("torchpp", 2, out, ["--steps", str(steps)])),
                "ours-zb": med(_launch("ours", 2, out, ["--steps", str(steps), "--schedule", "zero-bubble"])),
                "ours-zbd": med(_launch("ours", 2, out, ["--steps", str(steps), "--schedule", "zb-drain"])),
+               "ours-zbl": med(_launch("ours", 2, out, ["--steps", str(steps), "--schedule", "zb-lead"])),
                "ours-auto": med(auto := _launch("ours", 2, out, ["--steps", str(steps), "--schedule", "auto"])),
                "single": med(_launch("single", 1, out, ["--steps", str(steps)]))}
         ds = run_deepspeed(out / f"ds{r}", steps, warm)
@@ -468,7 +509,8 @@ def main() -> None:
     print(f"             one process (Trainer)      {t_single * 1000:8.1f} ms")
     print(f"  ours / hand-written pipelining = {vs_torch:.3f}   (goal <= 1.03; per round "
           f"{[round(r['ours'] / r['torch'], 3) for r in rows]})")
-    for name, key in (("zero-bubble", "ours-zb"), ("zb-drain", "ours-zbd"), ("auto", "ours-auto")):
+    for name, key in (("zero-bubble", "ours-zb"), ("zb-drain", "ours-zbd"), ("zb-lead", "ours-zbl"),
+                      ("auto", "ours-auto")):
         print(f"             ours, {name:11s} schedule {statistics.median(r[key] for r in rows) * 1000:8.1f} ms   "
               f"(ours 1F1B / {name} = {statistics.median(r['ours'] / r[key] for r in rows):.3f}; per round "
               f"{[round(r['ours'] / r[key], 3) for r in rows]})")
@@ -476,7 +518,7 @@ def main() -> None:
         t_ds = statistics.median(r["deepspeed"] for r in rows)
         print(f"             DeepSpeed PipelineEngine   {t_ds * 1000:8.1f} ms   (1F1B, its only schedule)")
         for name, key in (("1F1B", "ours"), ("zero-bubble", "ours-zb"), ("zb-drain", "ours-zbd"),
-                          ("auto", "ours-auto")):
+                          ("zb-lead", "ours-zbl"), ("auto", "ours-auto")):
             goal = "goal >= 1.05 for the default, auto; " if key == "ours-auto" else ""
             print(f"  DeepSpeed / ours ({name:11s}) = {statistics.median(r['deepspeed'] / r[key] for r in rows):.3f}"
                   f"   ({goal}per round {[round(r['deepspeed'] / r[key], 3) for r in rows]})")
@@ -490,24 +532,33 @@ def main() -> None:
           f"{statistics.median(r['single'] / r['ours-zb'] for r in rows):.3f}, zb-drain "
           f"{statistics.median(r['single'] / r['ours-zbd'] for r in rows):.3f}, auto "
           f"{statistics.median(r['single'] / r['ours-auto'] for r in rows):.3f}")
-    fixed = min(("ours", "ours-zb", "ours-zbd"), key=lambda k: statistics.median(r[k] for r in rows))
+    fixed = min(("ours", "ours-zb", "ours-zbd", "ours-zbl"), key=lambda k: statistics.median(r[k] for r in rows))
     print(f"  auto / best fixed schedule ({fixed}) = "
           f"{statistics.median(r['ours-auto'] / r[fixed] for r in rows):.3f}   (goal <= 1.00; per round "
           f"{[round(r['ours-auto'] / r[fixed], 3) for r in rows]})")
     print(f"  this machine's two-process throughput = {2 * t_single / t_pair:.3f} x one process; pipeline "
           f"efficiency against it = {speedup / (2 * t_single / t_pair):.3f}")
 
+    # slowest rank per step (the ranks' steps end together within milliseconds): ratios of steps in the same cycle
+    alternated = _launch("alternate", 2, out, ["--steps", str(4 if args.quick else 12)])
+    steps = {s: [max(r[s][k] for r in alternated) for k in range(len(alternated[0][s]))] for s in ALTERNATED}
+    print(f"\nAlternated step by step in one run ({len(steps['1f1b'])} steps each), median step and 1F1B / schedule "
+          f"(median over cycles of the ratio of steps in the same cycle):")
+    for s in ALTERNATED:
+        ratio = statistics.median(a / b for a, b in zip(steps["1f1b"], steps[s]))
+        print(f"  {s:12s} {statistics.median(steps[s]) * 1000:8.1f} ms   1F1B / {s} = {ratio:.3f}")
+
     from lightning_tpp.pipeline.schedule import simulate, theoretical_bubble
 
     size, took = _product_size(0.010)
     print(f"\nBubble (idle fraction per rank), pp=2, m={MICRO}, stages of 2 blocks: F and W one {size}x{size} matrix "
           f"product each ({took * 1000:.1f} ms here), I a sleep as long")
-    for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-drain"):
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-drain", "zb-lead"):
         v = 2 if schedule == "interleaved-1f1b" else 1
         runs = _launch("bubble", 2, out, ["--schedule", schedule, "--size", str(size), "--product-seconds", str(took)],
                        name=f"bubble-{schedule}")
         measured = [statistics.median(r["idle"]) for r in runs]
-        split = schedule in ("zero-bubble", "zb-drain")  # the simulator (F = I = W); the formula otherwise
+        split = schedule in ("zero-bubble", "zb-drain", "zb-lead")  # the simulator (F = I = W); the formula otherwise
         theory = simulate(schedule, 2, MICRO, v).bubble if split else [theoretical_bubble(2, MICRO, v)] * 2
         print(f"  {schedule:17s} measured {[f'{m:.3f}' for m in measured]}  theory {[f'{t:.3f}' for t in theory]}")
 

@@ -27,7 +27,7 @@ from lightning_tpp.pipeline.schedule import actions, simulate, theoretical_bubbl
 
 STAGE_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")
 KIND_COLORS = {"F": "#4c72b0", "B": "#c44e52", "I": "#dd8452", "W": "#55a868"}
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1), ("zb-drain", 1))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1), ("zb-drain", 1), ("zb-lead", 1))
 PNG = {"metadata": {"Software": None}, "dpi": 110}  # no version stamp: the same figure gives the same bytes
 
 

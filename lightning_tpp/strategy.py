@@ -76,16 +76,17 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         dp: data-parallel size, or ``"auto"`` for ``world_size // (tp * pp)``.
         microbatches: micro-batches per step for the pipeline (default ``2 * pp``).
         schedule: pipeline schedule, one of ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble"``,
-            ``"zb-drain"`` (see ``docs/pipeline.md``: zero-bubble splits every backward, zb-drain a few), a name added
-            with ``register_schedule``, a ``Schedule``, one list per rank of ``(kind, microbatch, chunk)`` actions,
-            or ``torch.distributed.pipelining``'s ``ScheduleGPipe``/``Schedule1F1B``/``ScheduleInterleaved1F1B``.
+            ``"zb-drain"``, ``"zb-lead"`` (see ``docs/pipeline.md``: zero-bubble splits every backward, zb-drain a
+            few, zb-lead as zb-drain with upstream ranks one forward ahead), a name added with
+            ``register_schedule``, a ``Schedule``, one list per rank of ``(kind, microbatch, chunk)`` actions, or
+            ``torch.distributed.pipelining``'s ``ScheduleGPipe``/``Schedule1F1B``/``ScheduleInterleaved1F1B``.
             ``"auto"`` (the default) runs zb-drain for three steps, timing each stage's forward, backward and split
-            backward, then simulates 1F1B, zb-drain and zero-bubble with those costs and keeps the fastest (a
-            tie: the simpler), logging its choice on rank 0 (the choice is not saved in checkpoints: a resumed run
-            measures again). Where the layout decides, it measures nothing: ``"interleaved-1f1b"`` for
-            ``virtual_stages`` > 1, ``"gpipe"`` for fewer micro-batches than ``pp``, ``"1f1b"`` when FSDP2 shards
-            the parameters over dp (a split backward would keep the stage's parameters and gradients gathered until
-            the step ends).
+            backward and how much they vary, then simulates 1F1B, zb-drain, zero-bubble and zb-lead with those
+            costs, varying as measured, and keeps the fastest (a tie: the simpler), logging its choice on rank 0
+            (the choice is not saved in checkpoints: a resumed run measures again). Where the layout decides, it
+            measures nothing: ``"interleaved-1f1b"`` for ``virtual_stages`` > 1, ``"gpipe"`` for fewer micro-batches
+            than ``pp``, ``"1f1b"`` when FSDP2 shards the parameters over dp (a split backward would keep the
+            stage's parameters and gradients gathered until the step ends).
         virtual_stages: model chunks per pipeline rank (``"interleaved-1f1b"`` needs 2 or more).
         balance: ``"params"`` (balance stages by parameter count), ``"time"`` (by measured block time on the
             module's ``example_input_array``), or blocks per stage, e.g. ``[3, 5]``.

@@ -9,10 +9,10 @@
 The logging adapter the strategy wraps around a step (``captured_logs``, ``replay_logs``) lives in ``logging``.
 
 ``schedule="auto"``: the first :data:`AUTO_STEPS` full-size steps run ``schedule.AUTO_MEASURE`` (zb-drain: it times
-``F`` and ``B`` on every rank, ``I`` and ``W`` on the others), all but the first measured (each kind's fastest mean:
-a step slowed by another process on the core only adds time); one all-gather over every rank gives each the same
-per-stage costs, from which each simulates the candidates and takes the same schedule for
-the steps after (``choice``; logged once). A switch happens between steps, where no micro-batch state is alive.
+``F`` and ``B`` on every rank, ``I`` and ``W`` on the others), all but the first measured (each kind's mean per
+action over them, and how much the ``F`` and ``B`` actions varied); one all-gather over every rank gives each the
+same per-stage costs and variation, with which each simulates the candidates and takes the same schedule for the
+steps after (``choice``; logged once). A switch happens between steps, where no micro-batch state is alive.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class PipelineEngine:
         self.rank, self.pp, self.virtual = rank, pp, virtual
         self.requested = schedule
         self._auto_steps: int = 0  # full-size steps run so far while "auto" measures
-        self._auto_costs: dict[str, tuple[float, int]] = {}  # kind -> (fastest mean seconds per action, actions)
+        self._auto_moments: dict[str, tuple[int, float, float]] = {}  # kind -> (actions, seconds, squared seconds)
         self.choice: Optional[AutoChoice] = settle_auto(pp, microbatches, virtual) if schedule == AUTO else None
         if schedule == AUTO:
             schedule = self.choice.schedule if self.choice else AUTO_MEASURE
@@ -173,24 +173,40 @@ class PipelineEngine:
         if self.deciding and len(micro) == self.microbatches:
             self._auto_steps += 1
             if self._auto_steps > 1:  # the first warms up
-                self._keep_fastest()
+                self._add_measured()
             if self._auto_steps >= AUTO_STEPS:
                 self._choose()
         return self.transport.broadcast_from_last(total)
 
-    def _keep_fastest(self) -> None:
-        """Each kind's fastest mean per action over the measured steps (another process only adds time)."""
+    def _add_measured(self) -> None:
+        """Add this measured step's action times: per kind, the actions, their seconds and squared seconds. Their
+        means over the measured steps are the costs (not each kind's fastest step: the kinds a rank runs only a few
+        of, ``I`` and ``W``, would come out lowest by chance and make splitting look cheap)."""
         times = self.executor.times
         assert times is not None
         for kind, (total, count) in times.costs.items():
-            if count and (kind not in self._auto_costs or total / count < self._auto_costs[kind][0]):
-                self._auto_costs[kind] = (total / count, count)
+            if count:
+                n, seconds, squares = self._auto_moments.get(kind, (0, 0.0, 0.0))
+                self._auto_moments[kind] = (n + count, seconds + total, squares + times.squares.get(kind, 0.0))
+
+    def _jitter(self) -> float:
+        """How much this rank's ``F`` and ``B`` actions varied over the measured steps: the coefficient of variation
+        of each kind, weighted by its actions."""
+        spread, weight = 0.0, 0
+        for kind in "FB":
+            n, seconds, squares = self._auto_moments.get(kind, (0, 0.0, 0.0))
+            if n > 1 and seconds > 0:
+                mean = seconds / n
+                spread += n * max(squares / n - mean * mean, 0.0) ** 0.5 / mean
+                weight += n
+        return spread / weight if weight else 0.0
 
     def _choose(self) -> None:
-        """``schedule="auto"``: from the measured action times of every rank (one all-gather over all of them, so
-        that every pipeline, and every tp and dp replica, switches alike), simulate the candidates, switch."""
-        costs = {kind: (mean * count, count) for kind, (mean, count) in self._auto_costs.items()}
-        row = [float(self.rank)] + [x for kind in "FBIW" for x in costs.get(kind, (0.0, 0))]
+        """``schedule="auto"``: from the measured action times of every rank and how much they varied (one
+        all-gather over all of them, so that every pipeline, and every tp and dp replica, switches alike), simulate
+        the candidates, switch."""
+        costs = {kind: (seconds, n) for kind, (n, seconds, _) in self._auto_moments.items()}
+        row = [float(self.rank)] + [x for kind in "FBIW" for x in costs.get(kind, (0.0, 0))] + [self._jitter()]
         mine = torch.tensor(row, dtype=torch.float64, device=self.runtime.device)
         if dist.is_available() and dist.is_initialized():
             every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -201,7 +217,8 @@ class PipelineEngine:
         measured = [{kind: (sum(r[1 + 2 * k] for r in rows if int(r[0]) == p),
                             int(sum(r[2 + 2 * k] for r in rows if int(r[0]) == p))) for k, kind in enumerate("FBIW")}
                     for p in range(self.pp)]  # summed over the replicas of each pp rank: their mean per action
-        self.settle(choose_schedule(self.pp, self.microbatches, costs_from_times(measured)))
+        jitter = sum(r[-1] for r in rows) / len(rows)  # every rank's, alike
+        self.settle(choose_schedule(self.pp, self.microbatches, costs_from_times(measured), jitter=jitter))
 
     def settle(self, choice: AutoChoice) -> None:
         """``schedule="auto"``: run ``choice`` from the next step on, and say so."""

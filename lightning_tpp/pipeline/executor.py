@@ -45,7 +45,8 @@ class StepTimes:
     """Where one schedule's time went on this rank (``perf_counter`` seconds): from the first action's start to the
     completion of the last send, of which ``send`` sending and ``recv`` blocked receiving; the rest is compute.
     ``costs``: per action kind, the compute seconds in all and the actions (``I``/``W`` off the first stage only:
-    there a split backward runs whole in ``W``, having no input gradient to send)."""
+    there a split backward runs whole in ``W``, having no input gradient to send); ``squares``: per kind, the sum
+    of the squared seconds of those actions (how much they vary: ``schedule="auto"``'s jitter)."""
 
     start: float
     end: float
@@ -53,6 +54,7 @@ class StepTimes:
     recv: float
     microbatches: int
     costs: dict[str, tuple[float, int]] = field(default_factory=dict)
+    squares: dict[str, float] = field(default_factory=dict)
 
     @property
     def span(self) -> float:
@@ -293,6 +295,7 @@ class Executor:
         transport = self.transport
         transport.waited = transport.sent = 0.0
         costs = {kind: (0.0, 0) for kind in "FBIW"}
+        squares = dict.fromkeys("FBIW", 0.0)
         first = time.perf_counter()
         try:
             for kind, mb, chunk in order:
@@ -308,14 +311,16 @@ class Executor:
                 end = time.perf_counter()
                 if kind in "FB" or self.stage(chunk) > 0:
                     total, count = costs[kind]
-                    costs[kind] = (total + end - start - (transport.waited - waited) - (transport.sent - sent),
-                                   count + 1)
+                    took = end - start - (transport.waited - waited) - (transport.sent - sent)
+                    costs[kind] = (total + took, count + 1)
+                    squares[kind] += took * took
                 if self.trace is not None:
                     self.trace.append((kind, mb, chunk, start, end, transport.waited - waited))
             transport.flush()
         finally:
             self.runtime.ctx, self.share = None, None
-        self.times = StepTimes(first, time.perf_counter(), transport.sent, transport.waited, len(micro), costs)
+        self.times = StepTimes(first, time.perf_counter(), transport.sent, transport.waited, len(micro), costs,
+                               squares)
         self.position = None
         losses = [s.loss.float() * shares[mb] for (mb, _), s in states.items() if s.loss is not None]
         return torch.stack(losses).sum() if losses else torch.zeros((), device=self.runtime.device)

@@ -8,7 +8,7 @@ input gradient only, ``W`` weight gradient only (zero-bubble and zb-drain split 
                     rank 3:  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7
 
 A :class:`Schedule` names a function producing those lists plus the micro-batch constraints it relies on;
-:data:`SCHEDULES` is the registry of named ones (the five built-ins, and any added with :func:`register_schedule`).
+:data:`SCHEDULES` is the registry of named ones (the six built-ins, and any added with :func:`register_schedule`).
 :func:`resolve` also turns a user's explicit per-rank action lists and ``torch.distributed.pipelining`` schedule
 classes into a ``Schedule`` (``schedule_input``), and :func:`validate` checks one before any process runs: every
 micro-batch forwarded once and backwarded once, and :func:`simulate` (sends asynchronous, receives blocking, as the
@@ -19,6 +19,7 @@ returns the fastest (the engine measures, switches and logs).
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Optional, Sequence, Union
@@ -113,8 +114,9 @@ def register_schedule(schedule: Schedule, *, replace: bool = False) -> Schedule:
     return schedule
 
 
-def _one_f_one_b(rank: int, pp: int, m: int, v: int = 1) -> list[Action]:
-    warmup = min(pp - rank - 1, m)
+def _one_f_one_b(rank: int, pp: int, m: int, v: int = 1, *, lead: int = 0) -> list[Action]:
+    """``lead``: forwards run ahead of 1F1B's warm-up before the first backward (see :func:`_zb_lead`)."""
+    warmup = min(pp - rank - 1 + lead, m)
     order: list[Action] = [("F", i, 0) for i in range(warmup)]
     for i in range(m - warmup):
         order += [("F", warmup + i, 0), ("B", i, 0)]
@@ -152,13 +154,32 @@ def _zb_drain(rank: int, pp: int, m: int, v: int = 1) -> list[Action]:
     costs (on CPU ``I`` + ``W`` take ~10% more than ``B``, the weight products re-reading their operands), this is
     the faster of the two; where it is free, zero-bubble's every-backward split leaves less bubble at larger ``pp``.
     Holds the weight-gradient operands of up to ``r`` micro-batches until the drain."""
-    order = _one_f_one_b(rank, pp, m)
+    return _drain_splits(_one_f_one_b(rank, pp, m), rank, m)
+
+
+def _drain_splits(order: list[Action], rank: int, m: int) -> list[Action]:
+    """zb-drain's splits of a 1F1B-like ``order``: the first ``rank`` backwards and the last, their ``W`` at the end."""
     if rank == 0:  # nothing upstream waits for its input gradients
         return order
     early = list(range(min(rank, m - 1)))
     split = set(early) | {m - 1}
     order = [("I", mb, chunk) if kind == "B" and mb in split else (kind, mb, chunk) for kind, mb, chunk in order]
     return order + [("W", mb, 0) for mb in [*early, m - 1]]
+
+
+def _zb_lead(rank: int, pp: int, m: int, v: int = 1) -> list[Action]:
+    """zb-drain in which every rank but the last runs one forward more before its first backward::
+
+        pp=2, m=8, rank 0:  F0 F1 F2 B0 F3 B1 ... F7 B5 B6 B7     (zb-drain: F0 F1 B0 F2 B1 ...)
+                   rank 1:  F0 I0 F1 B1 F2 B2 ... F6 B6 F7 I7 W0 W7
+
+    With every action taking its mean time it finishes when zb-drain does: the last stage sets the pace. But in
+    zb-drain an upstream rank sends each forward only a little before the next stage needs it (pp=2: F + B of one
+    stage against the next's), so any action that runs long there makes the later stages wait. Running one
+    micro-batch ahead leaves them a forward's time of slack. ``schedule="auto"`` takes it where the measured
+    action times vary enough for that to pay (:func:`choose_schedule`'s ``jitter``). Holds one more micro-batch of
+    activations on every rank but the last."""
+    return _drain_splits(_one_f_one_b(rank, pp, m, lead=int(rank < pp - 1)), rank, m)
 
 
 def _interleaved(rank: int, pp: int, m: int, v: int) -> list[Action]:
@@ -182,7 +203,7 @@ def _gpipe(rank: int, pp: int, m: int, v: int = 1) -> list[Action]:
 
 _BUILTINS = (Schedule("gpipe", _gpipe, min_microbatches=1), Schedule("1f1b", _one_f_one_b),
              Schedule("interleaved-1f1b", _interleaved, interleaved=True),
-             Schedule("zero-bubble", _zero_bubble), Schedule("zb-drain", _zb_drain))
+             Schedule("zero-bubble", _zero_bubble), Schedule("zb-drain", _zb_drain), Schedule("zb-lead", _zb_lead))
 for _builtin in _BUILTINS:
     register_schedule(_builtin)
 
@@ -278,17 +299,39 @@ class Simulation:
 
 def simulate(schedule: Union[str, Schedule], pp: int, microbatches: int, virtual: int = 1, *, f: float = 1.0,
              b: float = 2.0, w_share: float = 0.5, split_cost: float = 0.0,
-             rank_costs: Optional[Sequence[Mapping[str, float]]] = None) -> Simulation:
+             rank_costs: Optional[Sequence[Mapping[str, float]]] = None, jitter: float = 0.0,
+             samples: int = 32) -> Simulation:
     """Run every rank's order with action costs ``f`` (forward) and ``b`` (backward; ``I`` and ``W`` take
     ``(1 - w_share) * b`` and ``w_share * b``, plus half of ``split_cost`` each: what splitting a backward costs
     beyond it) per stage chunk; raises ``ScheduleConfigError`` on a deadlock. ``rank_costs``: instead, one
-    ``{"F", "B", "I", "W"}`` cost mapping per rank (measured stages that differ, see :func:`choose_schedule`)."""
+    ``{"F", "B", "I", "W"}`` cost mapping per rank (measured stages that differ, see :func:`choose_schedule`).
+
+    ``jitter``: every action takes its cost times ``1 + jitter * z`` (``z`` standard normal, the factor kept within
+    [0.5, 1.5]), as on a machine whose speed varies; the result is the mean of ``samples`` such runs, drawn from a
+    fixed seed (the same numbers give the same result in every process)."""
     orders = [actions(schedule, r, pp, microbatches, virtual) for r in range(pp)]
-    stages = pp * virtual
     uniform = {"F": f, "B": b, "I": (1 - w_share) * b + split_cost / 2, "W": w_share * b + split_cost / 2}
     if rank_costs is not None and len(rank_costs) != pp:
         raise ValueError(f"rank_costs has {len(rank_costs)} entries, one per rank is needed (pp={pp})")
     per_rank = [uniform] * pp if rank_costs is None else [{k: float(c[k]) for k in "FBIW"} for c in rank_costs]
+    name = schedule if isinstance(schedule, str) else schedule.name
+    if jitter <= 0:
+        return _play(name, orders, per_rank, microbatches, virtual, lambda: 1.0)
+    rng = random.Random(0)
+
+    def factor() -> float:
+        return min(max(1.0 + jitter * rng.gauss(0.0, 1.0), 0.5), 1.5)
+
+    runs = [_play(name, orders, per_rank, microbatches, virtual, factor) for _ in range(samples)]
+    return Simulation(sum(r.makespan for r in runs) / samples,
+                      [sum(r.busy[k] for r in runs) / samples for k in range(pp)])
+
+
+def _play(name: str, orders: list[list[Action]], per_rank: list[dict[str, float]], microbatches: int, virtual: int,
+          factor: Callable[[], float]) -> Simulation:
+    """One run of ``orders`` (sends asynchronous, receives blocking), each action's cost times ``factor()``."""
+    pp = len(orders)
+    stages = pp * virtual
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, global stage) -> finish time
     clock = [0.0] * pp
     busy = [0.0] * pp
@@ -318,15 +361,14 @@ def simulate(schedule: Union[str, Schedule], pp: int, microbatches: int, virtual
                 t = ready(r, act)
                 if t is None:
                     break
-                start = max(clock[r], t)
-                clock[r] = start + per_rank[r][act[0]]
-                busy[r] += per_rank[r][act[0]]
+                cost = per_rank[r][act[0]] * factor()
+                clock[r] = max(clock[r], t) + cost
+                busy[r] += cost
                 done[(act[0], act[1], act[2] * pp + r)] = clock[r]
                 pos[r] += 1
                 progressed = True
         if not progressed:
             stuck = {r: orders[r][pos[r]] for r in range(pp) if pos[r] < len(orders[r])}
-            name = schedule if isinstance(schedule, str) else schedule.name
             raise ScheduleConfigError(f"schedule {name!r} deadlocks (pp={pp}, m={microbatches}, v={virtual}): "
                                       f"ranks wait at {stuck}; each rank's next action waits for one that another "
                                       f"rank runs only later: reorder them")
@@ -342,7 +384,7 @@ def theoretical_bubble(pp: int, microbatches: int, virtual: int = 1) -> float:
 AUTO = "auto"
 # the preference on a tie: the simpler schedule first. Not GPipe: with the same costs it never finishes before 1F1B
 # (the simulator on 3000 random per-rank cost profiles, pp 2-8) and holds every micro-batch at once
-AUTO_CANDIDATES = ("1f1b", "zb-drain", "zero-bubble")
+AUTO_CANDIDATES = ("1f1b", "zb-drain", "zero-bubble", "zb-lead")
 AUTO_MEASURE = "zb-drain"  # runs while "auto" measures: times F and B on every rank, I and W on the others
 AUTO_TIE = 0.01  # a schedule simulated less than 1% faster than a simpler one is a tie (noise; more memory held)
 
@@ -399,6 +441,7 @@ class AutoChoice:
     makespans: dict[str, float]
     costs: list[dict[str, float]]
     reason: str = ""  # why, where the layout alone decided (nothing measured)
+    jitter: float = 0.0  # how much the measured action times varied (the simulation's ``jitter``)
 
     def describe(self) -> str:
         """One line for the log: the choice, each candidate's simulated step relative to 1F1B, the costs."""
@@ -410,18 +453,23 @@ class AutoChoice:
         costs = " ".join(f"{k}=" + "/".join(f"{c[k] * 1e3:.2f}" for c in self.costs) for k in "FBIW")
         return (f"schedule='auto': chose {self.schedule!r} (simulated step {self.makespans[self.schedule] / base:.3f} "
                 f"x {ref}; candidates {ratios}; measured ms per action on pp ranks 0..{len(self.costs) - 1}: "
-                f"{costs})")
+                f"{costs}; action times vary by {self.jitter:.1%})")
 
 
 def choose_schedule(pp: int, microbatches: int, costs: Sequence[Mapping[str, float]], *,
-                    candidates: Sequence[str] = AUTO_CANDIDATES, tie: float = AUTO_TIE) -> AutoChoice:
+                    candidates: Sequence[str] = AUTO_CANDIDATES, tie: float = AUTO_TIE,
+                    jitter: float = 0.0) -> AutoChoice:
     """The candidate whose simulated step with each rank's measured ``costs`` (:func:`costs_from_times`) is
-    shortest; within ``tie`` of the shortest, the first in ``candidates`` (the simpler one). A pure function of its
-    arguments: every rank given the same numbers chooses the same schedule."""
+    shortest; within ``tie`` of the shortest, the first in ``candidates`` (the simpler one). ``jitter``: how much
+    the measured action times vary (their coefficient of variation); the steps are then simulated with actions
+    that vary as much (:func:`simulate`), which is where zb-lead's slack pays. A pure function of its arguments:
+    every rank given the same numbers chooses the same schedule."""
     makespans: dict[str, float] = {}
+    samples = max(4, min(32, 50_000 // (3 * pp * microbatches)))  # under a second or so in all, at any size
     for name in candidates:
         try:
-            makespans[name] = simulate(name, pp, microbatches, rank_costs=costs).makespan
+            makespans[name] = simulate(name, pp, microbatches, rank_costs=costs, jitter=jitter,
+                                       samples=samples).makespan
         except ScheduleConfigError:
             continue  # does not fit this layout
     if not makespans:
@@ -429,4 +477,4 @@ def choose_schedule(pp: int, microbatches: int, costs: Sequence[Mapping[str, flo
                                   f"microbatches={microbatches}")
     best = min(makespans.values())
     chosen = next(n for n, t in makespans.items() if t <= best * (1 + tie))
-    return AutoChoice(chosen, makespans, [dict(c) for c in costs])
+    return AutoChoice(chosen, makespans, [dict(c) for c in costs], jitter=jitter)

@@ -42,10 +42,11 @@ def sleeps_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str
     return out, result.outputs
 
 
-@pytest.mark.parametrize("case, allowed", [("free", ("zb-drain", "zero-bubble")), ("costly", ("1f1b",))])
+@pytest.mark.parametrize("case, allowed", [("free", ("zb-drain", "zero-bubble", "zb-lead")), ("costly", ("1f1b",))])
 def test_auto_switches_to_the_schedule_the_costs_favour(sleeps_run, case: str, allowed: tuple[str, ...]) -> None:
     """Free splits: a zero-bubble schedule (they tie at pp=2 with F = I = W; a sleep overrunning under load may
-    tip it to zero-bubble); splits costing a whole forward more than a backward: 1F1B."""
+    tip it to zero-bubble, or to zb-lead where the sleeps vary); splits costing a whole forward more than a backward:
+    1F1B."""
     out, outputs = sleeps_run
     ranks = [json.loads((out / f"{case}.rank{r}.json").read_text()) for r in range(2)]
     chosen = ranks[0]["choice"]

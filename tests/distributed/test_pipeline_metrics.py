@@ -18,7 +18,7 @@ import pytest
 from launch import ROOT, RunResult, run_ranks
 
 SCRIPT = ROOT / "tests" / "distributed" / "worker_pipeline_metrics.py"
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-drain")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-drain", "zb-lead")
 STEPS = 4
 KEYS = {"pipeline/bubble", "pipeline/bubble_theory", "pipeline/imbalance", "pipeline/step_time",
         "pipeline/samples_per_sec", *(f"pipeline/pp{r}/{k}" for r in (0, 1) for k in ("compute", "send", "recv",

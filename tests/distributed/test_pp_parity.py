@@ -42,7 +42,7 @@ def run_and_compare(tmp: Path, models: list[str], *, tp: int = 1, pp: int = 2, d
     return outputs
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "zb-drain"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "zb-drain", "zb-lead"])
 def test_pp2_every_schedule(tmp_path: Path, schedule: str) -> None:
     """Tied embeddings (nanoGPT, GPT-2), rotary side inputs (Llama), nn.TransformerEncoder, HF ModelOutput and a
     loss computed inside the HF forward, a plain nn.Sequential, and a sequence length that changes between steps."""
@@ -107,8 +107,9 @@ def test_tp2_pp2_zero_bubble(tmp_path: Path) -> None:
 
 
 def test_pp4_zb_drain(tmp_path: Path) -> None:
-    """Four stages: rank r splits its first r backwards and its last, deferring up to r + 1 weight-gradient sets."""
-    run_and_compare(tmp_path, ["nanogpt4", "conditioned4"], pp=4, extra=("--schedule", "zb-drain"))
+    """Four stages: rank r splits its first r backwards and its last, deferring up to r + 1 weight-gradient sets;
+    zb-lead the same with every rank but the last one forward ahead (one more micro-batch in flight)."""
+    run_and_compare(tmp_path, ["nanogpt4", "conditioned4"], pp=4, schedules=("zb-drain", "zb-lead"))
 
 
 def test_pp2_zero_bubble_short_batch(tmp_path: Path) -> None:

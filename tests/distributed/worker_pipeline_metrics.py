@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=0.1, help="forward time per micro-batch and rank")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zero-bubble,zb-drain")
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b,zero-bubble,zb-drain,zb-lead")
     parser.add_argument("--faults", action="store_true", help="then the hang and stop scenarios")
     parser.add_argument("--png", action="store_true", help="timeline.png for every schedule (else 1f1b's only)")
     args = parser.parse_args()

@@ -28,11 +28,12 @@ def test_tp2_parity_nccl(tmp_path: Path, precision: str, tol: float) -> None:
 
 
 def test_tp1_pp2_parity_nccl(tmp_path: Path) -> None:
-    """Pipeline P2P over NCCL (1F1B, zero-bubble, zb-drain: weight gradients filed on the GPU and run in W), tied
-    embeddings, device placement of received tensors."""
+    """Pipeline P2P over NCCL (1F1B, zero-bubble, zb-drain: weight gradients filed on the GPU and run in W; zb-lead:
+    three forwards sent before the first gradient comes back), tied embeddings, device placement of received
+    tensors."""
     from parity import merge_stages
 
-    for schedule in ("1f1b", "zero-bubble", "zb-drain"):
+    for schedule in ("1f1b", "zero-bubble", "zb-drain", "zb-lead"):
         out = tmp_path / schedule
         out.mkdir()
         run_ranks(ROOT / "tests" / "parity.py", 2, ["--models", "nanogpt,llama", "--pp", "2", "--out", str(out),

@@ -54,7 +54,7 @@ def test_registered_name() -> None:
     (dict(tp=0), r"tp=0 must be a positive integer"),
     (dict(tp=2, dp=0), r"dp=0 must be a positive integer or 'auto'"),
     (dict(schedule="fast"),
-     r"schedule='fast' is not one of \('gpipe', '1f1b', 'interleaved-1f1b', 'zero-bubble', 'zb-drain'\)"),
+     r"schedule='fast' is not one of \('gpipe', '1f1b', 'interleaved-1f1b', 'zero-bubble', 'zb-drain', 'zb-lead'\)"),
     (dict(microbatches=0), r"microbatches=0 must be a positive integer"),
 ])
 def test_constructor_errors(kwargs: dict, message: str) -> None:

@@ -60,11 +60,15 @@ def test_auto_schedule_counts_the_most_it_may_run() -> None:
     llama = _meta(lambda: TinyLlama(n_layers=4))
     kw = dict(tp=1, pp=2, batch_size=MB, seq_len=SEQ)
     auto = estimate_memory(llama, **kw)
-    fixed = {s: estimate_memory(llama, schedule=s, **kw) for s in ("1f1b", "zb-drain", "zero-bubble")}
-    assert auto.schedule == "auto (the most of zb-drain, 1f1b, zero-bubble)"
+    fixed = {s: estimate_memory(llama, schedule=s, **kw) for s in ("1f1b", "zb-drain", "zero-bubble", "zb-lead")}
+    assert auto.schedule == "auto (the most of zb-drain, 1f1b, zero-bubble, zb-lead)"
     for r, rank in enumerate(auto.ranks):
         assert rank.total == max(f.ranks[r].total for f in fixed.values())
     assert auto.ranks[1].total > fixed["1f1b"].ranks[1].total  # the last rank's split backward holds more
+    # zb-lead: the first rank holds one micro-batch of activations more than zb-drain, the last the same
+    lead, drain = fixed["zb-lead"].ranks, fixed["zb-drain"].ranks
+    assert lead[0].in_flight == drain[0].in_flight + 1 and lead[1].in_flight == drain[1].in_flight
+    assert lead[0].activations > drain[0].activations and lead[1].total == drain[1].total
     sharded = estimate_memory(llama, dp=2, **{**kw, "batch_size": 2 * MB})
     assert sharded.schedule == "1f1b"
     assert sharded.ranks == estimate_memory(llama, dp=2, schedule="1f1b", **{**kw, "batch_size": 2 * MB}).ranks

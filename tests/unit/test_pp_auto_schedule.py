@@ -89,6 +89,17 @@ def test_cpu_like_split_overhead_still_chooses_zb_drain() -> None:
     assert choice.schedule == "zb-drain" and choice.makespans["zb-drain"] < 0.97 * choice.makespans["1f1b"]
 
 
+def test_varying_actions_choose_zb_lead() -> None:
+    """The benchmark's costs (ms per action, CPU): zb-lead only where the measured action times vary enough for its
+    slack to pay (10% here), zb-drain where they do not (it holds less)."""
+    costs = [{"F": 142, "B": 257, "I": 0, "W": 257}, {"F": 155, "B": 262, "I": 160, "W": 112}]
+    assert choose_schedule(2, 8, costs).schedule == "zb-drain"
+    assert choose_schedule(2, 8, costs, jitter=0.01).schedule == "zb-drain"
+    choice = choose_schedule(2, 8, costs, jitter=0.1)
+    assert choice.schedule == "zb-lead" and choice.jitter == 0.1
+    assert choice.describe().endswith("; action times vary by 10.0%)")
+
+
 def test_ties_go_to_the_simpler_schedule() -> None:
     """GPipe and 1F1B take the same time here (no split schedule allowed): 1F1B, listed first, is chosen; a gain
     under the tie margin does not switch."""
@@ -125,3 +136,26 @@ def test_strategy_accepts_auto_and_keeps_it_in_its_config() -> None:
     TensorPipeStrategy(pp=4, microbatches=2)  # GPipe
     with pytest.raises(ScheduleConfigError, match="needs microbatches divisible by pp=2, got 3"):
         TensorPipeStrategy(pp=2, microbatches=3, virtual_stages=2)
+
+
+# ---- what the engine measures -------------------------------------------------------------------------------------
+def test_engine_costs_are_means_over_the_measured_steps_and_jitter_their_spread() -> None:
+    """Two measured steps: each kind's cost is its mean over both (not its faster step), and the jitter the spread
+    of the F and B actions, weighted by their count (I and W, a few per step, are left out)."""
+    from types import SimpleNamespace
+
+    from lightning_tpp.pipeline.engine import PipelineEngine
+    from lightning_tpp.pipeline.executor import StepTimes
+
+    engine = PipelineEngine.__new__(PipelineEngine)  # only the measuring state
+    engine._auto_moments = {}
+    # step 1: F 0.1 and 0.2, B 0.3 twice, one I; step 2: F 0.1 and 0.2, B 0.3 twice, one I of another length
+    for i in (0.1, 0.3):
+        engine.executor = SimpleNamespace(times=StepTimes(
+            0.0, 1.0, 0.0, 0.0, 2, costs={"F": (0.3, 2), "B": (0.6, 2), "I": (i, 1), "W": (0.0, 0)},
+            squares={"F": 0.1 ** 2 + 0.2 ** 2, "B": 2 * 0.3 ** 2, "I": i ** 2, "W": 0.0}))
+        engine._add_measured()
+    assert engine._auto_moments["I"] == pytest.approx((2, 0.4, 0.1))  # the mean, 0.2: not the faster step's 0.1
+    assert "W" not in engine._auto_moments
+    # F: mean 0.15, standard deviation 0.05 (cv 1/3) over 4 actions; B: no spread over 4
+    assert engine._jitter() == pytest.approx((4 * (1 / 3) + 4 * 0.0) / 8)

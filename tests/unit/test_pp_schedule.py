@@ -9,8 +9,8 @@ import pytest
 import lightning_tpp.pipeline.schedule as sched
 from lightning_tpp.pipeline.schedule import ScheduleConfigError, actions, check, simulate, theoretical_bubble
 
-SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "zb-drain", "interleaved-1f1b")
-SPLITTING = ("zero-bubble", "zb-drain")  # backward split into I and W
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "zb-drain", "zb-lead", "interleaved-1f1b")
+SPLITTING = ("zero-bubble", "zb-drain", "zb-lead")  # backward split into I and W
 
 
 def _configs(schedule: str):
@@ -114,6 +114,47 @@ def test_zb_drain_docstring_example():
     r1 = "F0 I0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 I7 W0 W7".split()
     assert actions("zb-drain", 1, 2, 8) == [(s[0], int(s[1:]), 0) for s in r1]
     assert actions("zb-drain", 0, 2, 8) == actions("1f1b", 0, 2, 8)
+
+
+@pytest.mark.parametrize("pp, m", [(2, 2), (2, 8), (3, 3), (3, 6), (4, 8), (4, 16)])
+def test_zb_lead_is_zb_drain_one_forward_ahead(pp, m):
+    """Every rank but the last runs one forward more before its first backward; the same backwards are split and
+    the last rank's order is zb-drain's."""
+    for rank in range(pp):
+        lead, drain = actions("zb-lead", rank, pp, m), actions("zb-drain", rank, pp, m)
+        assert sorted(lead) == sorted(drain)
+        first_backward = next(i for i, (k, _, _) in enumerate(lead) if k != "F")
+        assert first_backward == min(pp - rank + 1 if rank < pp - 1 else 1, m)  # 1F1B: min(pp - rank, m)
+        if rank == pp - 1:
+            assert lead == drain
+        else:  # 1F1B's pattern after the warm-up: one forward, one backward
+            steady = lead[first_backward:first_backward + 2 * (m - first_backward)]
+            assert [k for k, _, _ in steady[1::2]] == ["F"] * (m - first_backward)
+    r0 = "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7".split()  # the docstring's pp=2, m=8
+    assert actions("zb-lead", 0, 2, 8) == [(x[0], int(x[1:]), 0) for x in r0]
+
+
+def test_zb_lead_pays_only_where_actions_vary():
+    """Mean costs alike, zb-lead finishes with zb-drain (the last stage sets the pace); with actions that vary by
+    10%, as measured on the benchmark's CPU (costs: its ms per action), it finishes sooner, since the next stage no
+    longer waits for a forward that ran long."""
+    costs = [{"F": 142, "B": 257, "I": 0, "W": 257}, {"F": 155, "B": 262, "I": 160, "W": 112}]
+    steady = {s: simulate(s, 2, 8, rank_costs=costs).makespan for s in ("zb-drain", "zb-lead")}
+    assert steady["zb-lead"] == pytest.approx(steady["zb-drain"])
+    varied = {s: simulate(s, 2, 8, rank_costs=costs, jitter=0.1).makespan for s in ("1f1b", "zb-drain", "zb-lead")}
+    assert varied["zb-lead"] < 0.99 * varied["zb-drain"] < 0.96 * varied["1f1b"]
+    assert varied["zb-drain"] > steady["zb-drain"]  # a varying action can only delay who waits for it
+
+
+def test_jittered_simulation_is_reproducible():
+    """Every rank must simulate the same numbers: the draws come from a fixed seed, whatever ran before."""
+    import random
+
+    one = simulate("1f1b", 3, 6, jitter=0.2, samples=8)
+    random.seed(123)
+    assert simulate("1f1b", 3, 6, jitter=0.2, samples=8) == one
+    assert sum(one.busy) == pytest.approx(3 * 6 * 3.0, rel=0.1)  # the factors average about 1
+    assert simulate("1f1b", 3, 6, jitter=0.0) == simulate("1f1b", 3, 6)
 
 
 @pytest.mark.parametrize("pp, m, v", [(2, 2, 2), (2, 4, 2), (2, 4, 3), (4, 4, 2), (4, 8, 2), (4, 8, 3), (3, 6, 3)])
@@ -298,7 +339,7 @@ def _one_f_one_b_lists(pp: int, m: int) -> list[list[tuple[str, int, int]]]:
 
 
 def test_registry_holds_the_builtins_in_order():
-    assert tuple(sched.SCHEDULES) == ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-drain")
+    assert tuple(sched.SCHEDULES) == ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zb-drain", "zb-lead")
     assert all(isinstance(s, sched.Schedule) and s.name == n for n, s in sched.SCHEDULES.items())
 
 
