@@ -541,12 +541,12 @@ def main() -> None:
 
     # slowest rank per step (the ranks' steps end together within milliseconds): ratios of steps in the same cycle
     alternated = _launch("alternate", 2, out, ["--steps", str(4 if args.quick else 12)])
-    steps = {s: [max(r[s][k] for r in alternated) for k in range(len(alternated[0][s]))] for s in ALTERNATED}
-    print(f"\nAlternated step by step in one run ({len(steps['1f1b'])} steps each), median step and 1F1B / schedule "
+    per_step = {s: [max(r[s][k] for r in alternated) for k in range(len(alternated[0][s]))] for s in ALTERNATED}
+    print(f"\nAlternated step by step in one run ({len(per_step['1f1b'])} steps each), median step and 1F1B / schedule "
           f"(median over cycles of the ratio of steps in the same cycle):")
     for s in ALTERNATED:
-        ratio = statistics.median(a / b for a, b in zip(steps["1f1b"], steps[s]))
-        print(f"  {s:12s} {statistics.median(steps[s]) * 1000:8.1f} ms   1F1B / {s} = {ratio:.3f}")
+        ratio = statistics.median(a / b for a, b in zip(per_step["1f1b"], per_step[s]))
+        print(f"  {s:12s} {statistics.median(per_step[s]) * 1000:8.1f} ms   1F1B / {s} = {ratio:.3f}")
 
     from lightning_tpp.pipeline.schedule import simulate, theoretical_bubble
 
