@@ -28,7 +28,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_tpp._compat import tree_map
 from lightning_tpp.pipeline.errors import PipelineError
-from lightning_tpp.pipeline.executor import Executor, Step, StepTimes, Trace, batch_size, split_batch
+from lightning_tpp.pipeline.executor import COST_KINDS, Executor, Step, StepTimes, Trace, batch_size, split_batch
 from lightning_tpp.pipeline.logging import captured_logs, load_metric_state, metric_state, replay_logs
 from lightning_tpp.pipeline.parking import GradientParking
 from lightning_tpp.pipeline.partition import Partition
@@ -206,7 +206,7 @@ class PipelineEngine:
         all-gather over all of them, so that every pipeline, and every tp and dp replica, switches alike), simulate
         the candidates, switch."""
         costs = {kind: (seconds, n) for kind, (n, seconds, _) in self._auto_moments.items()}
-        row = [float(self.rank)] + [x for kind in "FBIW" for x in costs.get(kind, (0.0, 0))] + [self._jitter()]
+        row = [float(self.rank)] + [x for kind in COST_KINDS for x in costs.get(kind, (0.0, 0))] + [self._jitter()]
         mine = torch.tensor(row, dtype=torch.float64, device=self.runtime.device)
         if dist.is_available() and dist.is_initialized():
             every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -215,7 +215,8 @@ class PipelineEngine:
         else:
             rows = [row]
         measured = [{kind: (sum(r[1 + 2 * k] for r in rows if int(r[0]) == p),
-                            int(sum(r[2 + 2 * k] for r in rows if int(r[0]) == p))) for k, kind in enumerate("FBIW")}
+                            int(sum(r[2 + 2 * k] for r in rows if int(r[0]) == p)))
+                     for k, kind in enumerate(COST_KINDS)}
                     for p in range(self.pp)]  # summed over the replicas of each pp rank: their mean per action
         jitter = sum(r[-1] for r in rows) / len(rows)  # every rank's, alike
         self.settle(choose_schedule(self.pp, self.microbatches, costs_from_times(measured), jitter=jitter))

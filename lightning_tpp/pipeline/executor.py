@@ -38,6 +38,7 @@ from lightning_tpp.pipeline.wgrad import DeferWeightGrads, WeightGrads
 
 Step = Callable[[Any], Any]  # the user's step on one micro-batch (training_step, validation_step, ...)
 Trace = list[tuple[str, int, int, float, float, float]]  # see Executor.trace
+COST_KINDS = ("F", "FS", "B", "I", "W")  # what StepTimes.costs times: the action kinds, "FS" the split F among "F"
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,9 @@ class StepTimes:
     """Where one schedule's time went on this rank (``perf_counter`` seconds): from the first action's start to the
     completion of the last send, of which ``send`` sending and ``recv`` blocked receiving; the rest is compute.
     ``costs``: per action kind, the compute seconds in all and the actions (``I``/``W`` off the first stage only:
-    there a split backward runs whole in ``W``, having no input gradient to send); ``squares``: per kind, the sum
-    of the squared seconds of those actions (how much they vary: ``schedule="auto"``'s jitter)."""
+    there a split backward runs whole in ``W``, having no input gradient to send), and under ``"FS"`` the share of
+    ``F`` whose backward is split (they run under ``DeferWeightGrads``, which costs more); ``squares``: per kind,
+    the sum of the squared seconds of those actions (how much they vary: ``schedule="auto"``'s jitter)."""
 
     start: float
     end: float
@@ -294,8 +296,8 @@ class Executor:
         self._draw_seed()
         transport = self.transport
         transport.waited = transport.sent = 0.0
-        costs = {kind: (0.0, 0) for kind in "FBIW"}
-        squares = dict.fromkeys("FBIW", 0.0)
+        costs = {kind: (0.0, 0) for kind in COST_KINDS}
+        squares = dict.fromkeys(COST_KINDS, 0.0)
         first = time.perf_counter()
         try:
             for kind, mb, chunk in order:
@@ -310,10 +312,11 @@ class Executor:
                     self.backward(kind, mb, chunk, states, scale[mb])
                 end = time.perf_counter()
                 if kind in "FB" or self.stage(chunk) > 0:
-                    total, count = costs[kind]
                     took = end - start - (transport.waited - waited) - (transport.sent - sent)
-                    costs[kind] = (total + took, count + 1)
-                    squares[kind] += took * took
+                    for key in (kind, "FS") if kind == "F" and (mb, chunk) in splits else (kind,):
+                        total, count = costs[key]
+                        costs[key] = (total + took, count + 1)
+                        squares[key] += took * took
                 if self.trace is not None:
                     self.trace.append((kind, mb, chunk, start, end, transport.waited - waited))
             transport.flush()

@@ -304,16 +304,19 @@ def simulate(schedule: Union[str, Schedule], pp: int, microbatches: int, virtual
     """Run every rank's order with action costs ``f`` (forward) and ``b`` (backward; ``I`` and ``W`` take
     ``(1 - w_share) * b`` and ``w_share * b``, plus half of ``split_cost`` each: what splitting a backward costs
     beyond it) per stage chunk; raises ``ScheduleConfigError`` on a deadlock. ``rank_costs``: instead, one
-    ``{"F", "B", "I", "W"}`` cost mapping per rank (measured stages that differ, see :func:`choose_schedule`).
+    ``{"F", "B", "I", "W"}`` cost mapping per rank (measured stages that differ, see :func:`choose_schedule`), with
+    optionally ``"FS"``: the forward of a micro-batch whose backward is split, off the first stage (it runs under
+    ``DeferWeightGrads``; ``F`` where not given).
 
     ``jitter``: every action takes its cost times ``1 + jitter * z`` (``z`` standard normal, the factor kept within
     [0.5, 1.5]), as on a machine whose speed varies; the result is the mean of ``samples`` such runs, drawn from a
     fixed seed (the same numbers give the same result in every process)."""
     orders = [actions(schedule, r, pp, microbatches, virtual) for r in range(pp)]
-    uniform = {"F": f, "B": b, "I": (1 - w_share) * b + split_cost / 2, "W": w_share * b + split_cost / 2}
+    uniform = {"F": f, "FS": f, "B": b, "I": (1 - w_share) * b + split_cost / 2, "W": w_share * b + split_cost / 2}
     if rank_costs is not None and len(rank_costs) != pp:
         raise ValueError(f"rank_costs has {len(rank_costs)} entries, one per rank is needed (pp={pp})")
-    per_rank = [uniform] * pp if rank_costs is None else [{k: float(c[k]) for k in "FBIW"} for c in rank_costs]
+    per_rank = [uniform] * pp if rank_costs is None else [
+        {**{k: float(c[k]) for k in "FBIW"}, "FS": float(c.get("FS", c["F"]))} for c in rank_costs]
     name = schedule if isinstance(schedule, str) else schedule.name
     if jitter <= 0:
         return _play(name, orders, per_rank, microbatches, virtual, lambda: 1.0)
@@ -333,6 +336,8 @@ def _play(name: str, orders: list[list[Action]], per_rank: list[dict[str, float]
     pp = len(orders)
     stages = pp * virtual
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, global stage) -> finish time
+    # forwards whose backward is split (off the first stage, as the executor splits): cost "FS"
+    split = [{(mb, c) for kind, mb, c in order if kind == "I" and c * pp + r > 0} for r, order in enumerate(orders)]
     clock = [0.0] * pp
     busy = [0.0] * pp
     pos = [0] * pp
@@ -361,7 +366,8 @@ def _play(name: str, orders: list[list[Action]], per_rank: list[dict[str, float]
                 t = ready(r, act)
                 if t is None:
                     break
-                cost = per_rank[r][act[0]] * factor()
+                kind = "FS" if act[0] == "F" and (act[1], act[2]) in split[r] else act[0]
+                cost = per_rank[r][kind] * factor()
                 clock[r] = max(clock[r], t) + cost
                 busy[r] += cost
                 done[(act[0], act[1], act[2] * pp + r)] = clock[r]
@@ -412,25 +418,38 @@ def settle_auto(pp: int, microbatches: int, virtual: int, *, dp_sharded: Optiona
 
 
 def costs_from_times(measured: Sequence[Mapping[str, tuple[float, int]]]) -> list[dict[str, float]]:
-    """Each rank's seconds per ``F``, ``B``, ``I`` and ``W`` action for :func:`simulate` (``rank_costs``), from what
-    that rank timed in a step of :data:`AUTO_MEASURE` (``kind -> (seconds in all, actions)``, as
-    ``executor.StepTimes.costs``). A kind a rank did not run is derived: ``B`` from ``I + W`` and ``I``/``W`` from
-    ``B`` with the median split overhead and ``W`` share of the ranks that ran both. The first rank's split backward
-    runs whole in ``W`` (no input gradient to send), so there ``I`` costs nothing and ``W`` a whole backward."""
-    means = [{k: t / n for k, (t, n) in m.items() if n} for m in measured]
+    """Each rank's seconds per ``F``, ``FS``, ``B``, ``I`` and ``W`` action for :func:`simulate` (``rank_costs``),
+    from what that rank timed in a step of :data:`AUTO_MEASURE` (``kind -> (seconds in all, actions)``, as
+    ``executor.StepTimes.costs``: ``FS`` the forwards among ``F`` whose backward was split). A kind a rank did not
+    run is derived: ``B`` from ``I + W`` and ``I``/``W`` from ``B`` with the median split overhead and ``W`` share of
+    the ranks that ran both, ``FS`` from ``F`` with the median ``FS / F`` of the ranks that ran both. The first
+    rank's split backward runs whole in ``W`` (no input gradient to send), so there ``I`` costs nothing, ``W`` a
+    whole backward and ``FS`` a plain forward."""
+    means = []
+    for m in measured:
+        mean = {k: t / n for k, (t, n) in m.items() if n and k != "FS"}
+        (f_total, f_n), (fs_total, fs_n) = m.get("F", (0.0, 0)), m.get("FS", (0.0, 0))
+        if fs_n and f_n > fs_n:  # "F" holds both kinds of forward
+            mean["F"], mean["FS"] = (f_total - fs_total) / (f_n - fs_n), fs_total / fs_n
+        means.append(mean)
     both = [m for m in means if {"I", "W"} <= m.keys() and m["I"] + m["W"] > 0]
-    ratios = [(m["I"] + m["W"]) / m["B"] for m in both if m.get("B", 0) > 0]
-    ratio = sorted(ratios)[len(ratios) // 2] if ratios else 1.0  # I + W over a whole B
-    shares = sorted(m["W"] / (m["I"] + m["W"]) for m in both)
-    share = shares[len(shares) // 2] if shares else 0.5
+    ratio = _median([(m["I"] + m["W"]) / m["B"] for m in both if m.get("B", 0) > 0], 1.0)  # I + W over a whole B
+    share = _median([m["W"] / (m["I"] + m["W"]) for m in both], 0.5)
+    defer = _median([m["FS"] / m["F"] for m in means if "FS" in m and m["F"] > 0], 1.0)  # a split F over a plain one
     out = []
     for r, m in enumerate(means):
         f = m.get("F", 0.0)
         has_split = {"I", "W"} <= m.keys()
         b = m["B"] if "B" in m else (m["I"] + m["W"]) / ratio if has_split else 2 * f
         i, w = (m["I"], m["W"]) if has_split else ((1 - share) * b * ratio, share * b * ratio)
-        out.append({"F": f, "B": b, "I": 0.0, "W": b} if r == 0 else {"F": f, "B": b, "I": i, "W": w})
+        out.append({"F": f, "FS": f, "B": b, "I": 0.0, "W": b} if r == 0 else
+                   {"F": f, "FS": m.get("FS", defer * f), "B": b, "I": i, "W": w})
     return out
+
+
+def _median(values: Sequence[float], default: float) -> float:
+    """The upper median of ``values`` (one of them: the same on every rank given the same numbers)."""
+    return sorted(values)[len(values) // 2] if values else default
 
 
 @dataclass(frozen=True)
@@ -450,7 +469,8 @@ class AutoChoice:
         base = self.makespans.get("1f1b") or self.makespans[self.schedule]
         ref = "1f1b" if "1f1b" in self.makespans else self.schedule
         ratios = ", ".join(f"{n} {t / base:.3f}" for n, t in self.makespans.items())
-        costs = " ".join(f"{k}=" + "/".join(f"{c[k] * 1e3:.2f}" for c in self.costs) for k in "FBIW")
+        costs = " ".join(f"{k}=" + "/".join(f"{c[k] * 1e3:.2f}" for c in self.costs)
+                         for k in ("F", "FS", "B", "I", "W") if all(k in c for c in self.costs))
         return (f"schedule='auto': chose {self.schedule!r} (simulated step {self.makespans[self.schedule] / base:.3f} "
                 f"x {ref}; candidates {ratios}; measured ms per action on pp ranks 0..{len(self.costs) - 1}: "
                 f"{costs}; action times vary by {self.jitter:.1%})")

@@ -19,6 +19,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from launch import ROOT, run_ranks  # noqa: E402
 
+from lightning_tpp.pipeline.schedule import actions  # noqa: E402
+
 STEPS = 5
 SECONDS = 0.02  # forward, input gradient and (whole) weight gradient per micro-batch and rank
 
@@ -54,6 +56,9 @@ def test_auto_switches_to_the_schedule_the_costs_favour(sleeps_run, case: str, a
     assert f"schedule='auto': chose {chosen!r}" in outputs[0]
     # steps 0-2 measure with zb-drain (rank 1 splits some backwards, rank 0 none); then the choice runs
     assert [r["kinds"][:3] for r in ranks] == [["BF"] * 3, ["BFIW"] * 3]
+    # the forwards of those split backwards are timed apart (FS): rank 1's, not the first stage's (it never splits)
+    splits = sum(kind == "I" for kind, _, _ in actions("zb-drain", 1, 2, 4))
+    assert [r["split_forwards"][:3] for r in ranks] == [[0] * 3, [splits] * 3] and splits > 0
     after = "BF" if chosen == "1f1b" else None  # zb-drain's rank 0 also runs only F and B: checked on 1f1b only
     for r in ranks:
         assert len(r["kinds"]) == STEPS and (after is None or r["kinds"][3:] == [after] * (STEPS - 3)), r
@@ -103,6 +108,7 @@ def _worker(out: Path) -> None:
         def __init__(self) -> None:
             self.kinds: list[str] = []
             self.losses: list[float] = []
+            self.split_forwards: list[int] = []
 
         def on_train_batch_start(self, trainer, *args) -> None:
             trainer.strategy._engine.record_trace(True)
@@ -110,6 +116,7 @@ def _worker(out: Path) -> None:
         def on_train_batch_end(self, trainer, module, outputs, *args) -> None:
             self.kinds.append("".join(sorted({t[0] for t in trainer.strategy._engine.trace})))
             self.losses.append(float(outputs["loss"]))
+            self.split_forwards.append(trainer.strategy._engine.times.costs["FS"][1])
 
     torch.set_num_threads(1)
     for case, w_seconds in (("free", SECONDS / 2), ("costly", 3 * SECONDS / 2)):
@@ -122,7 +129,8 @@ def _worker(out: Path) -> None:
         trainer.fit(Blocks(w_seconds), torch.utils.data.DataLoader(data, batch_size=4))
         choice = trainer.strategy._engine.choice
         (out / f"{case}.rank{rank}.json").write_text(json.dumps(
-            {"choice": choice.schedule if choice else None, "kinds": record.kinds, "losses": record.losses}))
+            {"choice": choice.schedule if choice else None, "kinds": record.kinds, "losses": record.losses,
+             "split_forwards": record.split_forwards}))
 
 
 if __name__ == "__main__":

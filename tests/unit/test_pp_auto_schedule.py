@@ -47,12 +47,14 @@ def test_rank_costs_need_one_entry_per_rank() -> None:
 
 # ---- costs from a measuring step ----------------------------------------------------------------------------------
 def test_costs_from_zb_drain_times() -> None:
-    """Rank 0 timed F and B only (zb-drain splits nothing there); rank 1 F, B and, for 2 micro-batches, I and W."""
-    measured = [{"F": (8.0, 8), "B": (16.0, 8), "I": (0.0, 0), "W": (0.0, 0)},
-                {"F": (8.0, 8), "B": (12.0, 6), "I": (2.2, 2), "W": (2.2, 2)}]
+    """Rank 0 timed F and B only (zb-drain splits nothing there); rank 1 F, B and, for 2 micro-batches, I and W;
+    those 2 forwards (FS, counted in F too) ran under DeferWeightGrads, 20% dearer here."""
+    measured = [{"F": (8.0, 8), "FS": (0.0, 0), "B": (16.0, 8), "I": (0.0, 0), "W": (0.0, 0)},
+                {"F": (8.4, 8), "FS": (2.4, 2), "B": (12.0, 6), "I": (2.2, 2), "W": (2.2, 2)}]
     costs = costs_from_times(measured)
-    assert costs[0] == {"F": 1.0, "B": 2.0, "I": 0.0, "W": 2.0}  # the first stage's split backward runs whole in W
-    assert costs[1] == pytest.approx({"F": 1.0, "B": 2.0, "I": 1.1, "W": 1.1})
+    # the first stage's split backward runs whole in W, after a plain forward
+    assert costs[0] == {"F": 1.0, "FS": 1.0, "B": 2.0, "I": 0.0, "W": 2.0}
+    assert costs[1] == pytest.approx({"F": 1.0, "FS": 1.2, "B": 2.0, "I": 1.1, "W": 1.1})
 
 
 def test_costs_derive_what_a_rank_did_not_run() -> None:
@@ -64,7 +66,32 @@ def test_costs_derive_what_a_rank_did_not_run() -> None:
     costs = costs_from_times(measured)
     assert costs[2]["B"] == pytest.approx(2.2 / 1.1) and costs[2]["I"] == pytest.approx(1.1)
     assert costs_from_times([{"F": (2.0, 2)}, {"F": (2.0, 2), "B": (4.0, 2)}])[1] == pytest.approx(
-        {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0})  # nothing split anywhere: W half of B, no overhead
+        {"F": 1.0, "FS": 1.0, "B": 2.0, "I": 1.0, "W": 1.0})  # nothing split anywhere: W half of B, no overhead
+
+
+def test_a_split_forward_costs_what_the_ranks_that_split_measured() -> None:
+    """pp=3: rank 1 timed no split forward (all its forwards plain); rank 2 split 1 of 3, 10% dearer: rank 1 takes
+    that ratio. A rank whose every forward was split has no plain one to tell: FS is its F."""
+    measured = [{"F": (3.0, 3), "B": (6.0, 3)},
+                {"F": (6.0, 3), "B": (12.0, 3)},
+                {"F": (3.1, 3), "FS": (1.1, 1), "B": (4.0, 2), "I": (1.1, 1), "W": (1.1, 1)}]
+    costs = costs_from_times(measured)
+    assert costs[1]["FS"] == pytest.approx(2.2) and costs[2]["FS"] == pytest.approx(1.1)
+    assert costs[2]["F"] == pytest.approx(1.0) and costs[0]["FS"] == costs[0]["F"] == 1.0
+    every = costs_from_times([{"F": (1.0, 1)}, {"F": (3.3, 3), "FS": (3.3, 3), "I": (3.0, 3), "W": (3.0, 3)}])
+    assert every[1]["F"] == every[1]["FS"] == pytest.approx(1.1)
+
+
+def test_split_forwards_cost_fs_in_the_simulation() -> None:
+    """FS is what a forward costs off the first stage where its backward is split: 1F1B (no split) ignores it,
+    zero-bubble (every backward split) pays it on every forward of rank 1, zb-drain on 2 of 8."""
+    base = _costs(2)
+    dear = [dict(c, FS=c["F"] + 0.5) for c in base]
+    assert simulate("1f1b", 2, 8, rank_costs=dear).makespan == simulate("1f1b", 2, 8, rank_costs=base).makespan
+    plain, split = simulate("zero-bubble", 2, 8, rank_costs=base), simulate("zero-bubble", 2, 8, rank_costs=dear)
+    assert split.busy[0] == plain.busy[0] and split.busy[1] == pytest.approx(plain.busy[1] + 8 * 0.5)
+    drain = simulate("zb-drain", 2, 8, rank_costs=dear).busy[1] - simulate("zb-drain", 2, 8, rank_costs=base).busy[1]
+    assert drain == pytest.approx(2 * 0.5)
 
 
 # ---- the choice ---------------------------------------------------------------------------------------------------
@@ -98,6 +125,21 @@ def test_varying_actions_choose_zb_lead() -> None:
     choice = choose_schedule(2, 8, costs, jitter=0.1)
     assert choice.schedule == "zb-lead" and choice.jitter == 0.1
     assert choice.describe().endswith("; action times vary by 10.0%)")
+
+
+def test_a_dearer_split_forward_keeps_zero_bubble_out() -> None:
+    """Benchmark-like costs with 7% jitter: zero-bubble wins while its split forwards are taken to cost a plain
+    forward, not once they cost the 3% more the benchmark measures (every one of rank 1's forwards pays it)."""
+    costs = [{"F": 142, "B": 257, "I": 0, "W": 257}, {"F": 155, "B": 262, "I": 140, "W": 120}]
+    cheap = choose_schedule(2, 8, costs, jitter=0.07)
+    assert cheap.schedule == "zero-bubble"
+    dearer = [dict(costs[0], FS=142), dict(costs[1], FS=160)]
+    choice = choose_schedule(2, 8, dearer, jitter=0.07)
+    assert choice.schedule == "zb-drain"  # zero-bubble no longer more than the tie margin ahead of it
+    gain = {c.schedule: c.makespans["zb-drain"] / c.makespans["zero-bubble"] for c in (cheap, choice)}
+    assert gain["zero-bubble"] > 1.01 > gain["zb-drain"]
+    seconds = [{k: v / 1000 for k, v in c.items()} for c in dearer]
+    assert "F=142.00/155.00 FS=142.00/160.00 B=257.00/262.00" in choose_schedule(2, 8, seconds).describe()
 
 
 def test_ties_go_to_the_simpler_schedule() -> None:
