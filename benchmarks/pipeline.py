@@ -271,7 +271,6 @@ def role_alternate(args: argparse.Namespace) -> None:
     from gpt import GPT
 
     from lightning_tpp import TensorPipeStrategy
-    from lightning_tpp.pipeline.schedule import actions
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -279,9 +278,8 @@ def role_alternate(args: argparse.Namespace) -> None:
 
     class Alternate(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            engine = trainer.strategy._engine
-            self.schedule = engine.schedule = ALTERNATED[batch_idx % len(ALTERNATED)]
-            engine.order = actions(self.schedule, engine.rank, engine.pp, engine.microbatches, engine.virtual)
+            self.schedule = ALTERNATED[batch_idx % len(ALTERNATED)]
+            trainer.strategy._engine.switch(self.schedule)
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -54,8 +54,8 @@ from lightning_tpp.core.dp_rows import candidates
 from lightning_tpp.core.dp_shard import fsdp_units
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.pipeline.partition import Partition, plan_partition
-from lightning_tpp.pipeline.schedule import (AUTO, AUTO_CANDIDATES, AUTO_MEASURE, ScheduleLike, actions, resolve,
-                                             settle_auto)
+from lightning_tpp.pipeline.auto import AUTO, AUTO_CANDIDATES, AUTO_MEASURE, settle_auto
+from lightning_tpp.pipeline.schedule import ScheduleLike, actions, resolve
 from lightning_tpp.pipeline.stage import meta_twin
 from lightning_tpp.pipeline.wgrad import deferred_product
 from lightning_tpp.parallel_state import ParallelConfig, cut

@@ -32,7 +32,7 @@ from lightning_tpp.core.recompute import recompute_blocks
 from lightning_tpp.pipeline.build import PreparedStages, TiedWeight, finish_stages, format_partition, prepare_stages
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.partition import PipelinePartitionError, block_modules, describe, find_block_sequences
-from lightning_tpp.pipeline.schedule import settle_auto
+from lightning_tpp.pipeline.auto import settle_auto
 from lightning_tpp.pipeline.stage import end_stage_forward_last
 from lightning_tpp.tensor_parallel.sequence import ElementState, apply_sequence_parallel
 from lightning_tpp.tensor_parallel import (

@@ -55,8 +55,9 @@ from lightning_tpp.parallel_state import (Materialization, ParallelConfig, Paral
                                          shard_state_over_dp)
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.metrics import PipelineMetrics
-from lightning_tpp.pipeline.schedule import AUTO as AUTO_SCHEDULE
-from lightning_tpp.pipeline.schedule import ScheduleLike, settle_auto
+from lightning_tpp.pipeline.auto import AUTO as AUTO_SCHEDULE
+from lightning_tpp.pipeline.auto import settle_auto
+from lightning_tpp.pipeline.schedule import ScheduleLike
 from lightning_tpp.pipeline.schedule import normalize as normalize_schedule
 from lightning_tpp.pipeline.schedule import resolve as resolve_schedule
 from lightning_tpp.pipeline.schedule import validate as validate_schedule

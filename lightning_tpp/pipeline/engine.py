@@ -8,7 +8,7 @@
 
 The logging adapter the strategy wraps around a step (``captured_logs``, ``replay_logs``) lives in ``logging``.
 
-``schedule="auto"``: the first :data:`AUTO_STEPS` full-size steps run ``schedule.AUTO_MEASURE`` (zb-drain: it times
+``schedule="auto"``: the first :data:`AUTO_STEPS` full-size steps run ``auto.AUTO_MEASURE`` (zb-drain: it times
 ``F`` and ``B`` on every rank, ``I`` and ``W`` on the others), all but the first measured (each kind's mean per
 action over them, and how much the ``F`` and ``B`` actions varied); one all-gather over every rank gives each the
 same per-stage costs and variation, with which each simulates the candidates and takes the same schedule for the
@@ -32,17 +32,8 @@ from lightning_tpp.pipeline.executor import COST_KINDS, Executor, Step, StepTime
 from lightning_tpp.pipeline.logging import captured_logs, load_metric_state, metric_state, replay_logs
 from lightning_tpp.pipeline.parking import GradientParking
 from lightning_tpp.pipeline.partition import Partition
-from lightning_tpp.pipeline.schedule import (
-    AUTO,
-    AUTO_MEASURE,
-    Action,
-    AutoChoice,
-    Schedule,
-    actions,
-    choose_schedule,
-    costs_from_times,
-    settle_auto,
-)
+from lightning_tpp.pipeline.auto import AUTO, AUTO_MEASURE, AutoChoice, choose_schedule, costs_from_times, settle_auto
+from lightning_tpp.pipeline.schedule import Action, Schedule, actions
 from lightning_tpp.pipeline.stage import StageRuntime
 from lightning_tpp.pipeline.transport import CommSpan, Transport
 
@@ -223,9 +214,15 @@ class PipelineEngine:
 
     def settle(self, choice: AutoChoice) -> None:
         """``schedule="auto"``: run ``choice`` from the next step on, and say so."""
-        self.choice, self.schedule = choice, choice.schedule
-        self.order = actions(self.schedule, self.rank, self.pp, self.microbatches, self.virtual)
+        self.choice = choice
+        self.switch(choice.schedule)
         rank_zero_info(choice.describe())
+
+    def switch(self, schedule: str | Schedule) -> None:
+        """Run ``schedule`` from the next step on (between steps, where no micro-batch state is alive; every rank of
+        the pipeline must switch alike). ``benchmarks/pipeline.py`` alternates schedules step by step with it."""
+        self.order = actions(schedule, self.rank, self.pp, self.microbatches, self.virtual)
+        self.schedule = schedule
 
     def _order(self, m: int) -> list[Action]:
         """This rank's actions for ``m`` micro-batches: the configured schedule, or GPipe for a short batch (an

@@ -1,18 +1,12 @@
-"""Unit tests of ``schedule="auto"``'s pure parts (``lightning_tpp.pipeline.schedule``): per-rank costs in the
+"""Unit tests of ``schedule="auto"``'s pure parts (``lightning_tpp.pipeline.auto``): per-rank costs in the
 simulator, costs derived from a measuring step's times, the choice on controlled costs, the configuration checks."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_tpp.pipeline.schedule import (
-    AUTO_CANDIDATES,
-    ScheduleConfigError,
-    choose_schedule,
-    costs_from_times,
-    settle_auto,
-    simulate,
-)
+from lightning_tpp.pipeline.auto import AUTO_CANDIDATES, choose_schedule, costs_from_times, settle_auto
+from lightning_tpp.pipeline.schedule import ScheduleConfigError, simulate
 
 
 def _costs(pp: int, *, f: float = 1.0, b: float = 2.0, split: float = 0.0, w_share: float = 0.5) -> list[dict]:
