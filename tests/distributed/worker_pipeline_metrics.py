@@ -166,6 +166,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
+    args.out.mkdir(parents=True, exist_ok=True)  # every rank: none may fail alone before the process group forms
     if RANK == 0:
         Path(os.environ.get("TPP_PID0", args.out / "pid0")).write_text(str(os.getpid()))
     schedules(args) if args.mode == "schedules" else tp2pp2(args)
