@@ -49,23 +49,25 @@ def costs_from_times(measured: Sequence[Mapping[str, tuple[float, int]]]) -> lis
     from what that rank timed in a step of :data:`AUTO_MEASURE` (``kind -> (seconds in all, actions)``, as
     ``executor.StepTimes.costs``: ``FS`` the forwards among ``F`` whose backward was split). A kind a rank did not
     run is derived: ``B`` from ``I + W`` and ``I``/``W`` from ``B`` with the median split overhead and ``W`` share of
-    the ranks that ran both, ``FS`` from ``F`` with the median ``FS / F`` of the ranks that ran both. The first
-    rank's split backward runs whole in ``W`` (no input gradient to send), so there ``I`` costs nothing, ``W`` a
-    whole backward and ``FS`` a plain forward."""
+    the ranks that ran both, ``FS`` from ``F`` (or ``F`` from ``FS``) with the median ``FS / F`` of the ranks that
+    ran both. The first rank's split backward runs whole in ``W`` (no input gradient to send), so there ``I`` costs
+    nothing, ``W`` a whole backward and ``FS`` a plain forward."""
     means = []
     for m in measured:
-        mean = {k: t / n for k, (t, n) in m.items() if n and k != "FS"}
+        mean = {k: t / n for k, (t, n) in m.items() if n and k not in ("F", "FS")}
         (f_total, f_n), (fs_total, fs_n) = m.get("F", (0.0, 0)), m.get("FS", (0.0, 0))
-        if fs_n and f_n > fs_n:  # "F" holds both kinds of forward
-            mean["F"], mean["FS"] = (f_total - fs_total) / (f_n - fs_n), fs_total / fs_n
+        if f_n > fs_n:  # "F" counts both kinds of forward
+            mean["F"] = (f_total - fs_total) / (f_n - fs_n)
+        if fs_n:
+            mean["FS"] = fs_total / fs_n
         means.append(mean)
     both = [m for m in means if {"I", "W"} <= m.keys() and m["I"] + m["W"] > 0]
     ratio = _median([(m["I"] + m["W"]) / m["B"] for m in both if m.get("B", 0) > 0], 1.0)  # I + W over a whole B
     share = _median([m["W"] / (m["I"] + m["W"]) for m in both], 0.5)
-    defer = _median([m["FS"] / m["F"] for m in means if "FS" in m and m["F"] > 0], 1.0)  # a split F over a plain one
+    defer = _median([m["FS"] / m["F"] for m in means if {"F", "FS"} <= m.keys() and m["F"] > 0], 1.0)  # FS / F
     out = []
     for r, m in enumerate(means):
-        f = m.get("F", 0.0)
+        f = m["F"] if "F" in m else m["FS"] / defer if "FS" in m else 0.0
         has_split = {"I", "W"} <= m.keys()
         b = m["B"] if "B" in m else (m["I"] + m["W"]) / ratio if has_split else 2 * f
         i, w = (m["I"], m["W"]) if has_split else ((1 - share) * b * ratio, share * b * ratio)

@@ -65,7 +65,7 @@ def test_costs_derive_what_a_rank_did_not_run() -> None:
 
 def test_a_split_forward_costs_what_the_ranks_that_split_measured() -> None:
     """pp=3: rank 1 timed no split forward (all its forwards plain); rank 2 split 1 of 3, 10% dearer: rank 1 takes
-    that ratio. A rank whose every forward was split has no plain one to tell: FS is its F."""
+    that ratio, and so does a rank whose every forward was split (its F derived from its FS); alone, FS is its F."""
     measured = [{"F": (3.0, 3), "B": (6.0, 3)},
                 {"F": (6.0, 3), "B": (12.0, 3)},
                 {"F": (3.1, 3), "FS": (1.1, 1), "B": (4.0, 2), "I": (1.1, 1), "W": (1.1, 1)}]
@@ -74,6 +74,8 @@ def test_a_split_forward_costs_what_the_ranks_that_split_measured() -> None:
     assert costs[2]["F"] == pytest.approx(1.0) and costs[0]["FS"] == costs[0]["F"] == 1.0
     every = costs_from_times([{"F": (1.0, 1)}, {"F": (3.3, 3), "FS": (3.3, 3), "I": (3.0, 3), "W": (3.0, 3)}])
     assert every[1]["F"] == every[1]["FS"] == pytest.approx(1.1)
+    measured[1] = {"F": (6.6, 3), "FS": (6.6, 3), "I": (3.0, 3), "W": (3.0, 3)}  # every forward split: F from FS
+    assert costs_from_times(measured)[1] == pytest.approx({"F": 2.0, "FS": 2.2, "B": 2.0 / 1.1, "I": 1.0, "W": 1.0})
 
 
 def test_split_forwards_cost_fs_in_the_simulation() -> None:
