@@ -3,8 +3,9 @@ the peer subpackages never import each other. Documented in docs/architecture.md
 
     6  lightning_tpp/__init__.py, __main__.py        the public names, the command line
     5  strategy.py                                   Lightning glue: orders the steps
-    4  integration/                                  Lightning extension points (checkpoint hooks, precision, summary, launcher)
-    3  parallel_state.py, memory.py                  ParallelState: what was decided for one model; the memory planner
+    4  integration/, memory/                         Lightning extension points (checkpoint hooks, precision, summary,
+                                                     launcher); the memory planner
+    3  parallel_state.py                             ParallelState: what was decided for one model
     2  tensor_parallel/  pipeline/  checkpoint/  reliability/     peers: none imports another
     1  core/                                         mesh, shards, collectives, parameter names, class swaps
     0  _compat.py                                    private Lightning/torch names, wrapped once

@@ -77,7 +77,7 @@ def test_auto_schedule_counts_the_most_it_may_run() -> None:
 
 def test_split_backward_keeps_the_weight_operands_until_w() -> None:
     """A split backward holds a micro-batch whole from F to I, then only what its weight products need until W."""
-    from lightning_tpp.memory import _held
+    from lightning_tpp.memory.estimate import _held
 
     # zero-bubble at pp=2, m=2 on the last rank: F0 I0 F1 I1 W0 W1 (the order the schedule gives)
     order = [kind for kind, _, _ in actions("zero-bubble", 1, 2, 2)]
