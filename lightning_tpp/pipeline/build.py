@@ -74,7 +74,8 @@ class PreparedStages:
         local = set(self.local_stages)
         out = []
         for w in self.tied:
-            if (stages is None or w.stages == stages) and (secondary is None or (min(w.stages) not in local) == secondary):
+            wanted = stages is None or w.stages == stages
+            if wanted and (secondary is None or (min(w.stages) not in local) == secondary):
                 out += [params[n] for n in w.names if n in params][:1]
         return out
 

@@ -28,7 +28,8 @@ from torch.distributed import ProcessGroup
 
 from lightning_tpp._compat import tree_map
 from lightning_tpp.pipeline.errors import PipelineError
-from lightning_tpp.pipeline.executor import COST_KINDS, Executor, Step, StepTimes, Trace, batch_size, split_batch
+from lightning_tpp.pipeline.executor import COST_KINDS, Executor, Step, StepTimes, Trace
+from lightning_tpp.pipeline.microbatch import batch_size, split_batch
 from lightning_tpp.pipeline.logging import captured_logs, load_metric_state, metric_state, replay_logs
 from lightning_tpp.pipeline.parking import GradientParking
 from lightning_tpp.pipeline.partition import Partition

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_tpp._compat import tree_flatten
-from lightning_tpp.pipeline.executor import batch_size
+from lightning_tpp.pipeline.microbatch import batch_size
 from lightning_tpp.pipeline.schedule import ScheduleConfigError, simulate
 
 if TYPE_CHECKING:

@@ -81,25 +81,25 @@ def test_combining_results_in_one_process() -> None:
     """Which results are put together from micro-batches, how, and the loud failure when a micro-batch's result has
     another structure (one process: the functions of plain data)."""
     from lightning_tpp.pipeline.errors import PipelineError
-    from lightning_tpp.pipeline.executor import _combinable, _combine
+    from lightning_tpp.pipeline.microbatch import combinable, combine
     from lightning_tpp.pipeline.logging import _reduce
 
     whole = {"logits": torch.zeros(8, 5), "loss": torch.zeros(()), "top": [torch.zeros(8, dtype=torch.long)]}
     part = {"logits": torch.zeros(3, 5), "loss": torch.zeros(()), "top": [torch.zeros(3, dtype=torch.long)]}
-    assert _combinable("validation_step", whole, part, 8, 3) == ("cat", "mean", "cat")
-    assert _combinable("predict_step", whole, part, 8, 3) is None  # a 0-dim prediction: run whole
-    assert _combinable("predict_step", torch.zeros(5), torch.zeros(5), 8, 3) is None  # not per sample
-    assert _combinable("predict_step", (torch.zeros(8), "a"), (torch.zeros(3), "a"), 8, 3) is None
-    assert _combinable("validation_step", None, None, 8, 3) == ("none",)  # a step that only logs
+    assert combinable("validation_step", whole, part, 8, 3) == ("cat", "mean", "cat")
+    assert combinable("predict_step", whole, part, 8, 3) is None  # a 0-dim prediction: run whole
+    assert combinable("predict_step", torch.zeros(5), torch.zeros(5), 8, 3) is None  # not per sample
+    assert combinable("predict_step", (torch.zeros(8), "a"), (torch.zeros(3), "a"), 8, 3) is None
+    assert combinable("validation_step", None, None, 8, 3) == ("none",)  # a step that only logs
     results = [{"y": torch.full((n, 2), float(i)), "loss": torch.tensor(float(i))} for i, n in enumerate((3, 3, 2))]
     shares = [3 / 8, 3 / 8, 2 / 8]
-    combined = _combine("validation_step", results, shares, ("cat", "mean"))
+    combined = combine("validation_step", results, shares, ("cat", "mean"))
     torch.testing.assert_close(combined["y"], torch.tensor([0.0] * 6 + [1.0] * 6 + [2.0] * 4).view(8, 2))
     torch.testing.assert_close(combined["loss"], torch.tensor(3 / 8 + 2 * 2 / 8))
     with pytest.raises(PipelineError, match="different structures for the micro-batches"):
-        _combine("predict_step", [torch.zeros(3), [torch.zeros(3)]], shares[:2], ("cat",))
+        combine("predict_step", [torch.zeros(3), [torch.zeros(3)]], shares[:2], ("cat",))
     with pytest.raises(PipelineError, match="different structures for the micro-batches"):
-        _combine("validation_step", [None, torch.zeros(())], shares[:2], ("none",))
+        combine("validation_step", [None, torch.zeros(())], shares[:2], ("none",))
     assert _reduce([1.0, 2.0, 4.0], "mean", shares) == pytest.approx((3 + 6 + 8) / 8)  # weighted by share
     assert _reduce([1.0, 2.0, 4.0], "mean", [None] * 3) == pytest.approx(7 / 3)  # training: equal weights
     assert _reduce([1.0, 2.0, 4.0], "sum", shares) == 7.0
