@@ -314,8 +314,8 @@ def main() -> None:
           f"{args.steps} step(s), {MICROBATCHES} micro-batches of 1 x {args.seq} tokens per dp replica, the default "
           f"schedule ('auto': zb-drain while it measures, 1F1B under FSDP2); est. for the schedule that ran")
     print("states = params + grads + optimizer state of the rank; peak = ru_maxrss increase over the RSS at the start "
-          "of fit (before configure_model, which builds on the meta device); setup = the same at the first step's start "
-          "(after the strategy's setup); activ. = most bytes saved "
+          "of fit (before configure_model, which builds on the meta device); setup = the same at the first step's "
+          "start (after the strategy's setup); activ. = most bytes saved "
           "for backward alive at once. est. = estimate_memory (states sharded over dp, FSDP2); est. "
           "activ. leaves out sent outputs and recompute, which the hooks do not see; est. total includes them")
     for name, layout in LAYOUTS:

@@ -247,9 +247,9 @@ def in_place_reduce_scatter() -> Any:
     ``track`` (a post-accumulate-grad hook on the unit's gathered parameters) remembers each gradient weakly, and when
     FSDP2 allocates the reduce-scatter's output (after its copy-in and after it cleared its list of gradients), a
     gradient whose only Python reference left is that loop variable gets its storage released. A gradient anything
-    else still holds (a user's hook) is left alone. Same bytes on the wire; for a single-parameter unit such as a vocabulary matrix, the
-    reduction's peak drops from three gradient-sized buffers (gradient, input, output / 2 each) to two. None where
-    torch's interface is missing (the default is kept)."""
+    else still holds (a user's hook) is left alone. Same bytes on the wire; for a single-parameter unit such as a
+    vocabulary matrix, the reduction's peak drops from three gradient-sized buffers (gradient, input, output / 2
+    each) to two. None where torch's interface is missing (the default is kept)."""
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
     except ImportError:  # pragma: no cover - an older or newer torch

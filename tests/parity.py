@@ -138,7 +138,8 @@ def assert_parity(got: Record, ref: Record, *, rtol: float = FP32["rtol"], atol:
         assert g.keys() == r.keys(), f"{where} step {step}: gradient names differ: {set(g) ^ set(r)}"
         for name in r:
             _close(g[name], r[name], f"{where} step {step} gradient of {name}", rtol, atol)
-    assert got.params.keys() == ref.params.keys(), f"{where}: parameter names differ: {set(got.params) ^ set(ref.params)}"
+    assert got.params.keys() == ref.params.keys(), (
+        f"{where}: parameter names differ: {set(got.params) ^ set(ref.params)}")
     for name in ref.params:
         _close(got.params[name], ref.params[name], f"{where} updated parameter {name}", rtol,
                atol if param_atol is None else param_atol)

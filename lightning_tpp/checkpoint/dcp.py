@@ -265,7 +265,8 @@ def consolidate(path: Path, out: Path, *, weights_only: Optional[bool] = True) -
     _require_complete(path)
     meta = torch_load(path / META, weights_only=weights_only)
     stored = SafeFileSystemReader(path, weights_only=weights_only).read_metadata().state_dict_metadata
-    flat = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in stored.items() if hasattr(md, "size")}
+    flat = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            for k, md in stored.items() if hasattr(md, "size")}
     _dcp_load(flat, path, weights_only, no_dist=True)
     tpp = meta.pop("tpp")
     order = ParamNames(tuple(tpp["param_order"]), {})

@@ -1,4 +1,5 @@
-"""Vocabulary matrices cut by rows over dp and computed where they lie: tokens cross the dp group, the matrix never does.
+"""Vocabulary matrices cut by rows over dp and computed where they lie: tokens cross the dp group, the matrix never
+does.
 
 FSDP2 gathers a unit's parameters whole for its forward and again for its backward, where the gathered matrix and
 its unsharded gradient are alive together. For a model's vocabulary matrices (the token embedding, the LM head),

@@ -45,7 +45,8 @@ class ShardedModelSummary(ModelSummary):
 
     @override
     def summarize(self) -> dict[str, LayerSummary]:
-        summary: dict[str, Any] = OrderedDict((name, _ShardedLayerSummary(m, self._shards)) for name, m in self.named_modules)
+        summary: dict[str, Any] = OrderedDict(
+            (name, _ShardedLayerSummary(m, self._shards)) for name, m in self.named_modules)
         for layer in summary.values():
             layer.detach_hook()
         if self._depth >= 1:

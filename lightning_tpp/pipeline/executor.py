@@ -47,9 +47,10 @@ class StepTimes:
     """Where one schedule's time went on this rank (``perf_counter`` seconds): from the first action's start to the
     completion of the last send, of which ``send`` sending and ``recv`` blocked receiving; the rest is compute.
     ``costs``: per action kind, the compute seconds in all and the actions (``I``/``W`` off the first stage only:
-    there a split backward runs whole in ``W``, having no input gradient to send), and under ``"FS"`` the share of
-    ``F`` whose backward is split (they run under ``DeferWeightGrads``, which costs more); ``squares``: per kind,
-    the sum of the squared seconds of those actions (how much they vary: ``schedule="auto"``'s jitter)."""
+    there a split backward runs whole in ``W``, having no input gradient to send), and under ``"FS"`` the ``F``
+    actions whose backward is split (counted in ``"F"`` too; they run under ``DeferWeightGrads``, which costs more);
+    ``squares``: per kind, the sum of the squared seconds of those actions (how much they vary: ``schedule="auto"``'s
+    jitter)."""
 
     start: float
     end: float

@@ -1,4 +1,5 @@
-"""Apply a :class:`~lightning_tpp.tensor_parallel.plan.TPPlan` to a model in place, and rebuild full tensors from shards.
+"""Apply a :class:`~lightning_tpp.tensor_parallel.plan.TPPlan` to a model in place, and rebuild full tensors from
+shards.
 
 Order inside a block's forward (the block is the attention / MLP module that owns the parallel layers)::
 

@@ -43,7 +43,8 @@ class LayerTP:
 
 def is_transposed_linear(module: nn.Module) -> bool:
     """Hugging Face ``Conv1D`` (GPT-2): ``y = x @ W + b`` with ``W`` of shape ``(in, out)``."""
-    return original_class(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
+    return (original_class(module).__name__ == "Conv1D" and hasattr(module, "nf")
+            and getattr(module, "weight", None) is not None)
 
 
 def linear_dims(module: nn.Module) -> tuple[int, int]:

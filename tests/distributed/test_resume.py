@@ -58,7 +58,8 @@ def test_resume_across_layouts(tmp_path: Path, reference, save: tuple[int, int],
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     from models import LitLM
 
-    assert len(state["optimizer_states"][0]["state"]) == len(list(LitLM("nanogpt4").parameters()))  # every parameter's momentum
+    # every parameter's momentum
+    assert len(state["optimizer_states"][0]["state"]) == len(list(LitLM("nanogpt4").parameters()))
     second = _phase(tmp_path, "second", *load, ckpt)
     same = save == load
     assert_parity(second, ref_second, rtol=1e-6 if same else 1e-5, atol=1e-6 if same else 1e-5,

@@ -1,4 +1,5 @@
-"""Unit tests of ``lightning_tpp.pipeline.schedule``: each rank's action order, the timing simulation, the config checks."""
+"""Unit tests of ``lightning_tpp.pipeline.schedule``: each rank's action order, the timing simulation, the config
+checks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Unit tests of ``lightning_tpp.pipeline.stage``: tracing which values cross pipeline stages (one process, no groups)."""
+"""Unit tests of ``lightning_tpp.pipeline.stage``: tracing which values cross pipeline stages (one process, no
+groups)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ def _arange(*shape: int) -> torch.Tensor:
     return torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float32).reshape(shape)
 
 
-# ---- plain specs ------------------------------------------------------------------------------------------------------
+# ---- plain specs --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("dim", [0, 1])
 def test_plain_round_trip(dim: int, world: int) -> None:

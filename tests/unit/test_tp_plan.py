@@ -143,7 +143,8 @@ def test_encoder_mha() -> None:
 
 
 def test_encoder_mha_heads_not_divisible() -> None:
-    with pytest.raises(TensorParallelConfigError, match=r"tp=8 must divide num_heads=4 of encoder\.layers\.\d\.self_attn"):
+    with pytest.raises(TensorParallelConfigError,
+                       match=r"tp=8 must divide num_heads=4 of encoder\.layers\.\d\.self_attn"):
         detect(EncoderLM(), 8)
 
 

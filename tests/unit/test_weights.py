@@ -243,5 +243,6 @@ def test_prefixes(tmp_path: Path) -> None:
 
 def test_weights_are_part_of_the_strategy_configuration() -> None:
     """A second Trainer whose strategy names other weights is refused (ParallelState.check_same compares these)."""
-    a, b = TensorPipeStrategy()._config(), TensorPipeStrategy(weights="w.safetensors", weights_prefix="model.")._config()
+    a = TensorPipeStrategy()._config()
+    b = TensorPipeStrategy(weights="w.safetensors", weights_prefix="model.")._config()
     assert {k for k in a if a[k] != b[k]} == {"_weights", "_weights_prefix"}
