@@ -32,7 +32,7 @@ from lightning_tpp.pipeline.errors import PipelineError
 from lightning_tpp.pipeline.logging import collected_values, kept_metric_states
 from lightning_tpp.pipeline.microbatch import batch_size, combinable, combine, split_batch
 from lightning_tpp.pipeline.partition import Partition
-from lightning_tpp.pipeline.schedule import Action
+from lightning_tpp.pipeline.schedule import Action, split_backwards
 from lightning_tpp.pipeline.stage import Route, RunContext, StageOutput, StageRuntime, plan_routes, trace
 from lightning_tpp.pipeline.transport import Posted, Transport
 from lightning_tpp.pipeline.wgrad import DeferWeightGrads, WeightGrads
@@ -268,8 +268,7 @@ class Executor:
         stage)."""
         states: States = {}
         scale = [loss_scale * share for share in shares]
-        # split backwards, except on the first stage: it has no input gradients to send before the weight gradients
-        splits = {(mb, chunk) for kind, mb, chunk in order if kind == "I" and self.stage(chunk) > 0}
+        splits = split_backwards(order, self.rank, self.pp)
         self._draw_seed()
         transport = self.transport
         transport.waited = transport.sent = 0.0

@@ -285,6 +285,13 @@ def check_orders(name: str, rank: int, order: Sequence[Action], microbatches: in
                                           f"{pos[back]}); the weight gradient must follow the input gradient")
 
 
+def split_backwards(order: Sequence[Action], rank: int, pp: int) -> set[tuple[int, int]]:
+    """The ``(micro-batch, chunk)`` whose backward ``rank`` runs split (their forward under ``DeferWeightGrads``): an
+    ``I`` in ``order``, off the first stage. The first stage has no input gradient to send before the weight
+    gradients, so its ``I`` does nothing and its ``W`` runs the whole backward."""
+    return {(mb, chunk) for kind, mb, chunk in order if kind == "I" and chunk * pp + rank > 0}
+
+
 @dataclass
 class Simulation:
     makespan: float
@@ -335,8 +342,7 @@ def _play(name: str, orders: list[list[Action]], per_rank: list[dict[str, float]
     pp = len(orders)
     stages = pp * virtual
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, global stage) -> finish time
-    # forwards whose backward is split (off the first stage, as the executor splits): cost "FS"
-    split = [{(mb, c) for kind, mb, c in order if kind == "I" and c * pp + r > 0} for r, order in enumerate(orders)]
+    split = [split_backwards(order, r, pp) for r, order in enumerate(orders)]  # their forwards cost "FS"
     clock = [0.0] * pp
     busy = [0.0] * pp
     pos = [0] * pp

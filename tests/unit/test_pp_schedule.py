@@ -460,3 +460,11 @@ def test_strategy_takes_every_form():
     with pytest.raises(ValueError, match=r"deadlocks"):
         TensorPipeStrategy(pp=2, schedule=[[("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)],
                                            [("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)]])
+
+
+def test_split_backwards_are_the_i_actions_off_the_first_stage() -> None:
+    """What the executor runs split and the simulator charges FS for: zb-drain at pp=2 splits micro-batches 0 and 7
+    on rank 1; rank 0's I/W run a whole backward (nothing split); interleaved chunks past the first stage count."""
+    assert sched.split_backwards(actions("zb-drain", 1, 2, 8), 1, 2) == {(0, 0), (7, 0)}
+    assert sched.split_backwards(actions("zero-bubble", 0, 2, 8), 0, 2) == set()
+    assert sched.split_backwards([("I", 3, 1)], 0, 2) == {(3, 1)}  # chunk 1 of rank 0 is stage 2
