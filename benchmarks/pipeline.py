@@ -546,7 +546,7 @@ def main() -> None:
         ratio = statistics.median(a / b for a, b in zip(per_step["1f1b"], per_step[s]))
         print(f"  {s:12s} {statistics.median(per_step[s]) * 1000:8.1f} ms   1F1B / {s} = {ratio:.3f}")
 
-    from lightning_tpp.pipeline.schedule import simulate, theoretical_bubble
+    from lightning_tpp.pipeline.schedule import actions, simulate, theoretical_bubble
 
     size, took = _product_size(0.010)
     print(f"\nBubble (idle fraction per rank), pp=2, m={MICRO}, stages of 2 blocks: F and W one {size}x{size} matrix "
@@ -556,7 +556,8 @@ def main() -> None:
         runs = _launch("bubble", 2, out, ["--schedule", schedule, "--size", str(size), "--product-seconds", str(took)],
                        name=f"bubble-{schedule}")
         measured = [statistics.median(r["idle"]) for r in runs]
-        split = schedule in ("zero-bubble", "zb-drain", "zb-lead")  # the simulator (F = I = W); the formula otherwise
+        # a schedule that splits backwards: the simulator (F = I = W); the formula otherwise
+        split = any(kind == "I" for kind, _, _ in actions(schedule, 1, 2, MICRO, v))
         theory = simulate(schedule, 2, MICRO, v).bubble if split else [theoretical_bubble(2, MICRO, v)] * 2
         print(f"  {schedule:17s} measured {[f'{m:.3f}' for m in measured]}  theory {[f'{t:.3f}' for t in theory]}")
 
