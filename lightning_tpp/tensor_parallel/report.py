@@ -47,28 +47,40 @@ def coverage_warning(model: nn.Module, plan: TPPlan, tp: int, shards: ShardIndex
     modules = dict(model.named_modules())
     total = sharded = 0
     whole: list[str] = []
+    fraction: dict[str, float] = {}  # block -> share of its parameter elements that is sharded
     for name in blocks:
         params = list(modules[name].parameters())
         numel = [shards.full_numel(p) for p in params]
+        cut = sum(n for p, n in zip(params, numel) if p in shards)
         total += sum(numel)
-        sharded += sum(n for p, n in zip(params, numel) if p in shards)
-        if not any(p in shards for p in params):
+        sharded += cut
+        fraction[name] = cut / max(sum(numel), 1)
+        if not cut:
             whole.append(name)
     if not total or sharded >= total / 2:
         return None
-    first = whole[0]
+    # the block to explain: a whole one, else the least sharded (every block partly cut: e.g. attention sharded,
+    # a mixture of experts beside it left whole)
+    first = whole[0] if whole else min(fraction, key=fraction.__getitem__)
     reasons = [f"  {n or '<root>'}: {why}" for n, why in plan.whole.items() if n == first or n.startswith(f"{first}.")]
-    linears = [n for n, m in modules[first].named_modules()
-               if isinstance(m, nn.Linear) or is_transposed_linear(m)]
+    unsharded = [(n, m) for n, m in modules[first].named_modules()
+                 if any(p not in shards for p in m.parameters(recurse=False))]
+    linears = [n for n, m in unsharded if isinstance(m, nn.Linear) or is_transposed_linear(m)]
+    if not whole:  # what stays whole inside the partly sharded block, largest first
+        left = sorted(((sum(shards.full_numel(p) for p in m.parameters(recurse=False) if p not in shards), n)
+                       for n, m in unsharded), reverse=True)
+        reasons += [f"  {first}.{n}".rstrip(".") + f": {get_human_readable_count(k)} parameters left whole"
+                    for k, n in left[:4]]
     pattern = lambda n: f"{_glob(first)}.{n}"  # noqa: E731
     suggestion = {pattern(n): "rowwise" if n.rpartition(".")[2] in _ROW_NAMES else "colwise" for n in linears}
     listed = ", ".join(whole[:4]) + (f" and {len(whole) - 4} more" if len(whole) > 4 else "")
-    return (f"tensor parallelism (tp={tp}) shards only {sharded / total:.0%} of the block parameters: "
-            f"{len(whole)} of {len(blocks)} blocks stay whole on every tp rank ({listed}). Why, for "
-            f"{first} ({original_class(modules[first]).__name__}):\n" + ("\n".join(reasons) or
-                                                                       "  no attention or MLP layout recognised") +
-            f"\nTo shard them, pass tp_plan= with the block's projections, e.g. (check which layers read the block's "
-            f"input and which return to its width):\n  {suggestion}")
+    stay = (f"{len(whole)} of {len(blocks)} blocks stay whole on every tp rank ({listed})" if whole else
+            f"every block is only partly sharded ({fraction[first]:.0%} of {first})")
+    fix = (f"\nTo shard them, pass tp_plan= with the block's projections, e.g. (check which layers read the block's "
+           f"input and which return to its width):\n  {suggestion}" if suggestion else "")
+    return (f"tensor parallelism (tp={tp}) shards only {sharded / total:.0%} of the block parameters: {stay}. Why, "
+            f"for {first} ({original_class(modules[first]).__name__}):\n" +
+            ("\n".join(reasons) or "  no attention or MLP layout recognised") + fix)
 
 
 def _glob(name: str) -> str:

@@ -696,3 +696,34 @@ def test_head_inside_a_prediction_module_on_another_stage() -> None:
     assert "emb" not in detect(model, 2, remote={"cls": twin}).styles
     plan = detect(model, 2, remote=dict(twin.named_modules(prefix="cls")))
     assert plan.styles == {"emb": "vocab"}
+
+
+class _PartlyCutBlock(nn.Module):
+    """Attention that the plan shards beside a bank of experts held as one 3-D parameter that it does not."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(dim, 4, batch_first=True)
+        self.experts = nn.Parameter(torch.zeros(8, dim, 4 * dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(x, x, x, need_weights=False)[0] + (x @ self.experts.sum(0)).sum(-1, keepdim=True)
+
+
+def test_warning_when_every_block_is_partly_sharded() -> None:
+    """No block entirely whole, less than half of the parameters sharded: the report explains the least sharded
+    block (it used to index an empty list of whole blocks)."""
+    from lightning_tpp.core.params import ShardIndex, ShardInfo
+    from lightning_tpp.tensor_parallel import coverage_warning
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList([_PartlyCutBlock() for _ in range(2)])
+    plan = detect(model, 2)
+    shards = ShardIndex()
+    for name in plan.styles:
+        for p in dict(model.named_modules())[name].parameters(recurse=False):
+            shards.add(p, ShardInfo(ShardSpec(0), tuple(p.shape)))
+    message = coverage_warning(model, plan, 2, shards, ["blocks.0", "blocks.1"])
+    assert message is not None
+    assert "every block is only partly sharded" in message and "for blocks.0 (_PartlyCutBlock)" in message
+    assert "blocks.0: 8.2 K parameters left whole" in message
