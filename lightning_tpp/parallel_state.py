@@ -14,6 +14,7 @@ tensor-parallel plan -> shards -> pipeline engine) and kept on the module, so th
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
@@ -29,6 +30,7 @@ from lightning_tpp.core.materialize import materialize
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.params import ParamNames, ShardIndex
 from lightning_tpp.core.recompute import recompute_blocks
+from lightning_tpp.experts import find_experts, shard_banks
 from lightning_tpp.pipeline.build import PreparedStages, TiedWeight, finish_stages, format_partition, prepare_stages
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.partition import PipelinePartitionError, block_modules, describe, find_block_sequences
@@ -200,6 +202,7 @@ def cut(module: nn.Module, config: ParallelConfig, dims: MeshDims, *, pp_rank: i
                     remote=remote)
         check_divisible(plan, config.tp)
         shards = apply_plan(module, plan, tp_group, verify=config.verify)
+        _shard_experts(module, plan, config, tp_group, shards)
         try:
             blocks = _local_blocks(module, stages, config.blocks)
         except PipelinePartitionError:  # no repeated blocks: the model's linear and embedding layers are its blocks
@@ -208,6 +211,24 @@ def cut(module: nn.Module, config: ParallelConfig, dims: MeshDims, *, pp_rank: i
         if warning:
             rank_zero_warn(warning)
     return stages, plan, shards
+
+
+def _shard_experts(module: nn.Module, plan: TPPlan, config: ParallelConfig, tp_group: TPGroup,
+                   shards: ShardIndex) -> None:
+    """Expert tensor parallelism for the experts held as 3-D banks (listed in the plan as ``experts``); a list of
+    expert MLPs was already cut by the plan, each expert an MLP. A ``replicate`` entry of ``tp_plan`` keeps a bank
+    whole."""
+    whole = [g for g, style in config.tp_plan.items() if style == "replicate"] if isinstance(config.tp_plan,
+                                                                                            Mapping) else []
+    layers = [layer for layer in find_experts(module)
+              if not any(fnmatch.fnmatchcase(layer.experts, g) for g in whole)]
+    for name in shard_banks(module, layers, tp_group, shards, verify=config.verify):
+        plan.styles[name] = "experts"
+    for layer in layers:
+        plan.notes.append(f"{layer.name}: {layer.count} experts ({layer.kind}), each cut over tp "
+                          f"(router {layer.router or 'not found'} replicated"
+                          + (f"; shared: {', '.join(n.rpartition('.')[2] for n in layer.shared)})" if layer.shared
+                             else ")"))
 
 
 def _sequence_parallel(module: nn.Module, stages: Optional[PreparedStages], config: ParallelConfig, group: TPGroup,

@@ -503,6 +503,111 @@ class BlockGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+# ---- mixtures of experts ------------------------------------------------------------------------------------------
+class HFMoE(nn.Module):
+    """Hugging Face mixture-of-experts families, tiny random configs, the load-balancing loss on (the model's own loss,
+    ``labels=``): 3-D expert banks in every family (transformers 5). Mixtral (top-2 of 4, softmax then top-k),
+    Qwen2-MoE (a shared expert with a sigmoid gate beside the routed ones), DeepSeek-V3 (a dense first layer, shared
+    experts, sigmoid scores with group-limited routing and a score-correction bias, MLA attention)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        import transformers
+
+        common = dict(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                      num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False,
+                      output_router_logits=True, router_aux_loss_coef=0.02)
+        if kind == "mixtral":
+            cfg = transformers.MixtralConfig(**common, intermediate_size=2 * DIM, num_local_experts=4,
+                                             num_experts_per_tok=2)
+            self.model = transformers.MixtralForCausalLM(cfg)
+        elif kind == "qwen2_moe":
+            cfg = transformers.Qwen2MoeConfig(**common, intermediate_size=2 * DIM, moe_intermediate_size=DIM,
+                                              shared_expert_intermediate_size=2 * DIM, num_experts=4,
+                                              num_experts_per_tok=2, norm_topk_prob=True)
+            self.model = transformers.Qwen2MoeForCausalLM(cfg)
+        else:
+            cfg = transformers.DeepseekV3Config(**{**common, "num_hidden_layers": 3, "num_key_value_heads": HEADS},
+                                                intermediate_size=2 * DIM,
+                                                moe_intermediate_size=DIM, n_routed_experts=4, n_shared_experts=1,
+                                                num_experts_per_tok=2, n_group=2, topk_group=1,
+                                                first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+                                                qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+            self.model = transformers.DeepseekV3ForCausalLM(cfg)
+        self.model.config._attn_implementation = "eager"
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx).logits
+
+
+class SwiGLUExpert(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class ListMoE(nn.Module):
+    """Experts held as an ``nn.ModuleList`` and run in a loop over the experts that got tokens (older Hugging Face
+    code, litgpt's LLaMAMoE); a gated shared expert; the Switch load-balancing loss kept for the model's loss."""
+
+    def __init__(self, dim: int, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList([SwiGLUExpert(dim, dim) for _ in range(experts)])
+        self.shared_expert = SwiGLUExpert(dim, 2 * dim)
+        self.shared_gate = nn.Linear(dim, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = self.gate(flat).softmax(dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            if len(token):
+                out.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])
+        out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared_expert(flat)
+        counts = F.one_hot(chosen, len(self.experts)).float().sum(dim=(0, 1)) / chosen.numel()
+        aux = len(self.experts) * (counts * probs.mean(dim=0)).sum()
+        return out.view_as(x), aux
+
+
+class ListMoEBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads, SEQ)
+        self.moe = ListMoE(dim)
+
+    def forward(self, x: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attn(self.norm1(x))
+        y, a = self.moe(self.norm2(x))
+        return x + y, aux + a
+
+
+class ListMoELM(nn.Module):
+    """A decoder whose blocks carry the running load-balancing loss beside the stream; returns (logits, aux)."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS, n_layers: int = LAYERS) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([ListMoEBlock(dim, heads) for _ in range(n_layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, aux = self.embed(idx), torch.zeros((), device=idx.device)
+        for block in self.blocks:
+            x, aux = block(x, aux)
+        return self.head(self.norm(x)), aux
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "nanogpt": NanoGPT,
     "llama": TinyLlama,
@@ -536,6 +641,11 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": lambda: nn.Sequential(nn.Embedding(VOCAB, 8), nn.Flatten(), nn.Linear(SEQ * 8, 96), nn.ReLU(),
                                  nn.Linear(96, 64), nn.ReLU(), nn.Linear(64, 96), nn.ReLU(),
                                  nn.Linear(96, SEQ * VOCAB), nn.Unflatten(1, (SEQ, VOCAB))),
+    # mixtures of experts (their load-balancing loss in the model's loss)
+    "hf_mixtral_labels": lambda: HFMoE("mixtral"),
+    "hf_qwen2_moe_labels": lambda: HFMoE("qwen2_moe"),
+    "hf_deepseek_v3_labels": lambda: HFMoE("deepseek_v3"),
+    "list_moe": ListMoELM,
 }
 
 
@@ -563,8 +673,10 @@ class LitLM(L.LightningModule):
             loss = self.model.model(input_ids=x, labels=x).loss
         else:
             out = self(x)  # a classifier (the vision transformer) predicts the first target of each sequence
+            out, aux = out if isinstance(out, tuple) else (out, 0.0)  # a model that returns its auxiliary loss
             loss = F.cross_entropy(out, y[:, 0]) if out.dim() == 2 else F.cross_entropy(out.reshape(-1, VOCAB),
                                                                                          y.reshape(-1))
+            loss = loss + 0.02 * aux
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
