@@ -508,7 +508,8 @@ class HFMoE(nn.Module):
     """Hugging Face mixture-of-experts families, tiny random configs, the load-balancing loss on (the model's own loss,
     ``labels=``): 3-D expert banks in every family (transformers 5). Mixtral (top-2 of 4, softmax then top-k),
     Qwen2-MoE (a shared expert with a sigmoid gate beside the routed ones), DeepSeek-V3 (a dense first layer, shared
-    experts, sigmoid scores with group-limited routing and a score-correction bias, MLA attention)."""
+    experts, sigmoid scores with group-limited routing and a score-correction bias, MLA attention), gpt-oss (transposed
+    banks with biases, interleaved gate/up pairs, a clamped activation, attention sinks)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -526,6 +527,11 @@ class HFMoE(nn.Module):
                                               shared_expert_intermediate_size=2 * DIM, num_experts=4,
                                               num_experts_per_tok=2, norm_topk_prob=True)
             self.model = transformers.Qwen2MoeForCausalLM(cfg)
+        elif kind == "gpt_oss":  # transposed banks with biases, interleaved gate/up, clamped activation
+            cfg = transformers.GptOssConfig(**{**common, "num_key_value_heads": 2}, intermediate_size=DIM,
+                                            num_local_experts=4, num_experts_per_tok=2, head_dim=DIM // HEADS,
+                                            layer_types=["full_attention"] * LAYERS, sliding_window=SEQ)
+            self.model = transformers.GptOssForCausalLM(cfg)
         else:
             cfg = transformers.DeepseekV3Config(**{**common, "num_hidden_layers": 3, "num_key_value_heads": HEADS},
                                                 intermediate_size=2 * DIM,
@@ -645,6 +651,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "hf_mixtral_labels": lambda: HFMoE("mixtral"),
     "hf_qwen2_moe_labels": lambda: HFMoE("qwen2_moe"),
     "hf_deepseek_v3_labels": lambda: HFMoE("deepseek_v3"),
+    "hf_gpt_oss_labels": lambda: HFMoE("gpt_oss"),
     "list_moe": ListMoELM,
 }
 

@@ -159,6 +159,7 @@ class Executor:
                 with _sandbox(self.module, self.runtime.device) as logged:
                     calls, result = trace(self.runtime, lambda: (step(micro), logged), sources)
             except Exception as err:
+                import traceback; traceback.print_exc()  # DEBUGTMP
                 raise PipelineError(
                     f"{kind} could not be traced to find which values cross pipeline stages: it runs once with "
                     f"zeros in place of every layer's output, and raised {type(err).__name__}: {err}. A step that "

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_tpp.core.meta_ops import DataDependentOnMeta
 from lightning_tpp._compat import tree_flatten, tree_map, tree_unflatten
 from lightning_tpp.core.seeding import seeded
 from lightning_tpp.core.swap import swap_class
@@ -120,7 +121,7 @@ class StageRuntime:
         key = (id(twin), _signature(args), _signature(kwargs))
         if key not in self._shapes:
             margs, mkwargs = _to_meta(args, kwargs)
-            with torch.no_grad():
+            with torch.no_grad(), DataDependentOnMeta():  # routed layers (experts) on meta: shapes only
                 self._shapes[key] = twin(*margs, **mkwargs)
         return self._shapes[key]
 
