@@ -246,7 +246,8 @@ def _sequence_parallel(module: nn.Module, stages: Optional[PreparedStages], conf
                              f"nn.ModuleList or nn.Sequential of same-class layers) on sequence shards, and none was "
                              f"found in {type(module).__name__}: {err}. Name their container with blocks='<module "
                              f"name>', or use sequence_parallel=False") from err
-    zipped = [m for m in members if len(m) > 1]
+    # several members: entries of zipped sibling lists, or a Sequential's layer and the activation after it
+    zipped = [m for m in members if len({n.rpartition(".")[0] for n in m}) > 1]
     if zipped:
         raise ValueError(f"sequence_parallel=True passes the residual stream from block to block on sequence shards; "
                          f"the blocks {zipped[0]} are entries of sibling lists run in one loop, whose stream the "
@@ -254,7 +255,7 @@ def _sequence_parallel(module: nn.Module, stages: Optional[PreparedStages], conf
     # one run per stack (an encoder's, then a decoder's)
     runs: list[list[str]] = []
     container = lambda name: next((c for c in containers if name == c or name.startswith(f"{c}.")), None)  # noqa
-    for (member,) in members:
+    for member in (n for block in members for n in block):
         for name in _called_blocks(module, member):
             if not runs or container(name) != container(runs[-1][0]):
                 runs.append([])

@@ -708,3 +708,47 @@ def token_dataset(n: int = 64, seq: int = SEQ, seed: int = 0) -> torch.utils.dat
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, VOCAB, (n, seq + 1), generator=g)
     return torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:])
+
+
+# ---- plain nn.Sequential stacks of mixed layers held inside a module (issue #30 item 5) --------------------------
+class SeqInModule(nn.Module):
+    """A per-token MLP of mixed layers held as ``self.net`` beside a small output norm; the forward calls it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, 2 * DIM), nn.ReLU(), nn.LayerNorm(2 * DIM),
+                                 nn.Linear(2 * DIM, DIM), nn.GELU(), nn.Linear(DIM, VOCAB))
+        self.norm = nn.LayerNorm(VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.net(idx))
+
+
+class SeqEncoder(nn.Module):
+    """An encoder (not a Sequential) holding ``layers``, a Sequential of different classes, and a final norm."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(PreNormResidual(dim, nn.Linear(dim, dim)), nn.Linear(dim, 2 * dim), nn.GELU(),
+                                    nn.Linear(2 * dim, dim), nn.LayerNorm(dim),
+                                    PreNormResidual(dim, nn.Sequential(nn.Linear(dim, dim), nn.Tanh())))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.layers(x))
+
+
+class SeqNestedLM(nn.Module):
+    """Embedding, the encoder above, head: the Sequential sits at ``encoder.layers`` with most of the parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.encoder = SeqEncoder()
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(idx)))
+
+
+MODELS.update({"seq_in_module": SeqInModule, "seq_nested": SeqNestedLM})

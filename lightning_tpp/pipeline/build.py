@@ -136,7 +136,7 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
                    blocks: Optional[Union[str, Sequence[str]]], balance: Union[str, Sequence[int]],
                    split_points: Optional[Sequence[str]]) -> PreparedStages:
     stages = dims.pp * virtual
-    containers = find_block_sequences(module) if blocks is None else (
+    containers = find_block_sequences(module, stages=stages) if blocks is None else (
         (blocks,) if isinstance(blocks, str) else tuple(blocks))
     costs = None
     if balance == "time":

@@ -1,12 +1,14 @@
 """Where to cut an unmodified model into pipeline stages (pure: module trees and numbers, no process groups).
 
 The model's *block sequence* is its repeated layers: the largest ``nn.ModuleList``/``nn.Sequential`` whose children
-share one class (``transformer.h``, ``model.layers``, ``encoder.layers``), or the children of a plain
-``nn.Sequential`` model. Other lists of comparable size join it: an encoder-decoder's two stacks follow one another
-(``encoder.layers`` then ``decoder.layers``), sibling lists of equal length zipped in one loop make one block of
-their i-th entries. Modules with parameters registered before the sequence (embeddings) go with the first stage,
-those after it (final norm, head) with the last, those between two stacks (the encoder's final norm) with the block
-before them; parameter-free modules (rotary tables, masks) run everywhere::
+share one class (``transformer.h``, ``model.layers``, ``encoder.layers``); without one, the children of the plain
+``nn.Sequential`` holding most of the parameters, wherever it sits (``net``, ``model.encoder.layers``), its children
+without parameters (activations) joined to the block before them. Other lists of comparable size join it: an
+encoder-decoder's two stacks follow one another (``encoder.layers`` then ``decoder.layers``), sibling lists of equal
+length zipped in one loop make one block of their i-th entries. Modules with parameters registered before the
+sequence (embeddings) go with the first stage, those after it (final norm, head) with the last, those between two
+stacks (the encoder's final norm) with the block before them; parameter-free modules (rotary tables, masks) run
+everywhere::
 
     pre | b0 b1 b2 b3 b4 b5 b6 b7 | post         pp = 2, balanced by parameters
     stage 0: pre b0 b1 b2 b3
@@ -80,9 +82,11 @@ def _homogeneous(m: nn.Module) -> bool:
     return len(kids) >= 2 and all(type(k) is type(kids[0]) for k in kids)
 
 
-def find_block_sequences(model: nn.Module) -> tuple[str, ...]:
+def find_block_sequences(model: nn.Module, *, stages: int = 2) -> tuple[str, ...]:
     """FQNs of the containers whose children are the pipeline's blocks (see the module docstring): the largest
-    list, and the other lists of comparable size (an encoder-decoder's two stacks; lists zipped in one loop)."""
+    list, and the other lists of comparable size (an encoder-decoder's two stacks; lists zipped in one loop). Without
+    one, the plain ``nn.Sequential`` holding most of the parameters (see :func:`plain_sequential`), cut into
+    ``stages`` stages."""
     lists = [(n, m) for n, m in model.named_modules()
              if isinstance(m, (nn.ModuleList, nn.Sequential)) and _homogeneous(m) and _params(m) > 0]
     # keep the outermost lists (a list nested in a block is part of that block)
@@ -90,14 +94,49 @@ def find_block_sequences(model: nn.Module) -> tuple[str, ...]:
     if outer:
         biggest = max(_params(m) for _, m in outer)
         return tuple(n for n, m in outer if _params(m) >= 0.1 * biggest)  # registration order
-    root = model
-    while not isinstance(root, nn.Sequential) and len(list(root.children())) == 1:
-        root = next(root.children())
-    if isinstance(root, nn.Sequential) and len(root) >= 2:
-        return (next(n for n, m in model.named_modules() if m is root),)
+    return (plain_sequential(model, stages),)
+
+
+def plain_sequential(model: nn.Module, stages: int = 2) -> str:
+    """The ``nn.Sequential`` whose children become the blocks when the model has no repeated layers (an MLP of
+    mixed layers, wherever it sits: the model, ``net``, ``model.encoder.layers``). Its children run one after the other
+    whatever the rest of the forward does, so any contiguous cut is a pipeline. Taken: a Sequential run by
+    ``nn.Sequential.forward`` that holds more than half of the parameters (the rest runs as embeddings and heads do)
+    and has at least ``stages`` children with parameters; of those (they nest), the deepest, whose children are the
+    finest units. Otherwise :class:`PipelinePartitionError` names the largest Sequential and why it was not taken."""
+    total = _params(model)
+    chosen: Optional[str] = None
+    refused: list[tuple[int, str, str]] = []  # (parameters, why not, how to take it anyway)
+    for name, m in model.named_modules():  # outer before inner: the last one taken is the deepest
+        if not isinstance(m, nn.Sequential):
+            continue
+        held, kids = _params(m), sum(1 for k in m.children() if _params(k) > 0)
+        label, take = (f"{name!r}" if name else "the model itself"), f"blocks={name!r} takes its children"
+        if type(m).forward is not nn.Sequential.forward:
+            refused.append((held, f"{label} ({type(m).__name__}) has its own forward, which need not run its "
+                                  f"children in order", f"{take} if its forward calls them one after the other"))
+        elif 2 * held <= total:
+            refused.append((held, f"{label} holds {held} of the {total} parameters, not more than half",
+                            f"{take}; what lies outside it runs as embeddings and heads do"))
+        elif kids < max(stages, 2):
+            refused.append((held, f"{label} has {kids} child{'ren' if kids != 1 else ''} with parameters, fewer "
+                                  f"than the {max(stages, 2)} {'stages' if stages > 1 else 'a pipeline needs'}",
+                            f"use at most {kids} stages (pp x virtual stages), or name a container with more "
+                            f"children"))
+        else:
+            chosen = name
+    if chosen is not None:
+        return chosen
+    head = (f"no repeated block sequence in {type(model).__name__}: pipeline parallelism cuts an nn.ModuleList or "
+            f"nn.Sequential of same-class layers (e.g. transformer layers), else the children of a plain "
+            f"nn.Sequential holding more than half of the parameters")
+    if not refused:
+        raise PipelinePartitionError(f"{head}, and the model has no nn.Sequential. Pass blocks='<module name>' to "
+                                     f"name the container whose children are the blocks")
+    _, why, fix = max(refused, key=lambda r: r[0])
     raise PipelinePartitionError(
-        f"no repeated block sequence in {type(model).__name__}: pipeline parallelism cuts an nn.ModuleList or "
-        f"nn.Sequential of same-class layers (e.g. transformer layers). Pass blocks='<module name>' to name one")
+        f"{head}; the largest nn.Sequential is not taken: {why}. Pass blocks='<module name>' to name the container "
+        f"whose children are the blocks ({fix}), then balance=[...] or split_points=[...] to choose the cuts")
 
 
 def _groups(model: nn.Module, containers: Sequence[str], zip_siblings: bool) -> list[list[str]]:
@@ -114,6 +153,25 @@ def _groups(model: nn.Module, containers: Sequence[str], zip_siblings: bool) -> 
         else:
             groups.append([name])
     return groups
+
+
+def _with_neighbours(modules: Mapping[str, nn.Module], container: str, kids: Sequence[str]) -> list[tuple[str, ...]]:
+    """One block per child; in an ``nn.Sequential``, a child without parameters (an activation, ``Flatten``) joins
+    the block before it (leading ones the first block with parameters): no stage holds only an activation, and the
+    cuts fall where the weights are."""
+    if not isinstance(modules[container], nn.Sequential) or all(_params(modules[k]) == 0 for k in kids):
+        return [(k,) for k in kids]
+    blocks: list[tuple[str, ...]] = []
+    leading: tuple[str, ...] = ()
+    for k in kids:
+        if _params(modules[k]) > 0:
+            blocks.append((*leading, k))
+            leading = ()
+        elif blocks:
+            blocks[-1] += (k,)
+        else:
+            leading += (k,)
+    return blocks
 
 
 def describe(model: nn.Module, blocks: "str | Sequence[str]", *, zip_siblings: bool = True,
@@ -133,7 +191,7 @@ def describe(model: nn.Module, blocks: "str | Sequence[str]", *, zip_siblings: b
     for group in _groups(model, containers, zip_siblings):
         prefixes = [f"{c}." if c else "" for c in group]
         kids = [[f"{p}{n}" for n, _ in modules[c].named_children()] for p, c in zip(prefixes, group)]
-        members += list(zip(*kids))
+        members += list(zip(*kids)) if len(group) > 1 else _with_neighbours(modules, group[0], kids[0])
         done_after[group[-1]] = len(members)
     position = {n: i for i, n in enumerate(modules)}
     block_starts = [min((order[n] for m in block for n in forward_modules(modules[m], m) if n in order),
@@ -292,6 +350,10 @@ def bounds_from_split_points(points: Sequence[str], members: Sequence[Sequence[s
         found = [i for i, m in enumerate(members) if p in m]
         if not found:
             raise PipelinePartitionError(f"split point {p!r} is not a block; blocks are {names}")
+        first = members[found[0]][0]
+        if found[0] > 0 and p != first and p.rpartition(".")[0] == first.rpartition(".")[0]:  # an activation
+            raise PipelinePartitionError(f"split point {p!r} has no parameters and runs in the block of {first!r}; "
+                                         f"name a block, e.g. {first!r}; blocks are {names}")
         idx.append(found[0])
     starts = [0, *idx]
     if any(b <= a for a, b in zip(starts, starts[1:])):
@@ -304,7 +366,7 @@ def plan_partition(model: nn.Module, stages: int, *, blocks: "str | Sequence[str
                    balance_by: "Sequence[int] | str" = "params", split_points: Optional[Sequence[str]] = None,
                    block_costs: Optional[Sequence[float]] = None) -> Partition:
     """Choose the stage bounds: ``split_points`` > explicit ``balance`` counts > costs (parameters or measured)."""
-    containers = find_block_sequences(model) if blocks is None else (
+    containers = find_block_sequences(model, stages=stages) if blocks is None else (
         (blocks,) if isinstance(blocks, str) else tuple(blocks))
     members, pre, post, middle = describe(model, containers, zip_siblings=blocks is None,
                                           order=forward_order(model, containers))

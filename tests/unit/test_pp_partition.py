@@ -170,10 +170,10 @@ def test_describe_llama_and_root_sequential():
     members, pre, post, _ = describe(TinyLlama(n_layers=3), "layers")
     assert members == (("layers.0",), ("layers.1",), ("layers.2",))
     assert pre == ("tok_embeddings",) and post == ("norm", "output")
-    members, pre, post, _ = describe(_mlp(), "")
-    assert members == (("0",), ("1",), ("2",), ("3",), ("4",)) and pre == () and post == ()
+    members, pre, post, _ = describe(_mlp(), "")  # an activation goes with the layer before it
+    assert members == (("0", "1"), ("2", "3"), ("4",)) and pre == () and post == ()
     members, pre, post, _ = describe(_Wrapper(), "net")
-    assert [m[0] for m in members] == ["net.0", "net.1", "net.2", "net.3", "net.4"] and pre == () and post == ()
+    assert members == (("net.0", "net.1"), ("net.2", "net.3"), ("net.4",)) and pre == () and post == ()
 
 
 def test_describe_unknown_container_raises():
@@ -477,3 +477,107 @@ def test_an_embedding_registered_after_the_blocks_goes_with_the_first_stage() ->
 
     part = plan_partition(EmbeddingLast(), 2)
     assert part.pre == ("emb",) and part.post == ("head",)
+
+
+# ---- a plain nn.Sequential of mixed layers, wherever it sits (issue #30 item 5) ----------------------------------
+class _SeqBesideOthers(nn.Module):
+    """A LightningModule's way: the MLP as ``self.net`` beside a loss module and a small head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Flatten(), nn.Linear(16 * 8, 96), nn.ReLU(),
+                                 nn.Linear(96, 96), nn.ReLU(), nn.Linear(96, 10))
+        self.loss = nn.CrossEntropyLoss()
+        self.head = nn.Linear(10, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net(x))
+
+
+def _nested(inner_kids: int = 3) -> nn.Sequential:
+    """An outer Sequential of four layers with parameters, the second a Sequential holding most of them."""
+    inner = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), *[nn.Linear(64, 64) for _ in range(inner_kids - 2)],
+                          nn.Linear(64, 16))
+    return nn.Sequential(nn.Linear(16, 16), inner, nn.Linear(16, 16), nn.Linear(16, 16))
+
+
+def test_a_sequential_beside_other_modules_is_the_block_sequence() -> None:
+    model = _SeqBesideOthers()
+    assert find_block_sequences(model) == ("net",)
+    part = plan_partition(model, 2)
+    assert part.members == (("net.0", "net.1"), ("net.2", "net.3"), ("net.4", "net.5"), ("net.6",))
+    assert part.pre == () and part.post == ("head",)
+    assert part.bounds == ((0, 2), (2, 4))  # 512 + 12384 against 9312 + 970 + 110
+
+
+@pytest.mark.parametrize(("name", "container"), [("seq_in_module", "model.net"),
+                                                  ("seq_nested", "model.encoder.layers")])
+def test_a_sequential_inside_a_module_is_the_block_sequence(name: str, container: str) -> None:
+    """Held by a module that is not a Sequential, which calls it in its forward; what is outside runs as embeddings
+    and heads do (placed by when the forward calls it)."""
+    part = plan_partition(LitLM(name), 2)
+    assert part.blocks == (container,)
+    if name == "seq_nested":  # the encoder's final norm and the head after the layers, the embedding before them
+        assert part.pre == ("model.embed",) and part.post == ("model.encoder.norm", "model.head")
+        assert part.members[1] == ("model.encoder.layers.1", "model.encoder.layers.2")  # Linear + GELU
+    else:
+        assert part.pre == () and part.post == ("model.norm",)
+
+
+def test_the_deepest_sequential_with_enough_children_is_taken() -> None:
+    """The inner Sequential holds most parameters: its children are the blocks while it has one per stage, else the
+    outer one's are."""
+    assert find_block_sequences(_nested(), stages=2) == ("1",)
+    assert find_block_sequences(_nested(), stages=3) == ("1",)
+    assert find_block_sequences(_nested(), stages=4) == ("",)
+    part = plan_partition(_nested(), 4)
+    assert part.blocks == ("",) and len(part.members) == 4
+    part = plan_partition(_nested(), 2)
+    assert part.pre == ("0",) and part.post == ("2", "3") and part.members[0] == ("1.0", "1.1")
+
+
+def test_a_sequential_cut_by_balance_split_points_and_measured_costs() -> None:
+    model = LitLM("seq_in_module")  # blocks: net.0 | net.1 net.2 | net.3 | net.4 net.5 | net.6
+    assert plan_partition(model, 2, balance_by=[1, 4]).bounds == ((0, 1), (1, 5))
+    assert plan_partition(model, 2, split_points=["model.net.4"]).bounds == ((0, 3), (3, 5))
+    assert plan_partition(model, 2, block_costs=[1.0, 1.0, 1.0, 1.0, 9.0]).bounds == ((0, 4), (4, 5))
+    with pytest.raises(PipelinePartitionError, match=r"split point 'model.net.9' is not a block"):
+        plan_partition(model, 2, split_points=["model.net.9"])
+    with pytest.raises(PipelinePartitionError, match=r"split point 'model.net.5' has no parameters and runs in the "
+                                                     r"block of 'model.net.4'; name a block, e.g. 'model.net.4'"):
+        plan_partition(model, 2, split_points=["model.net.5"])
+
+
+def test_parameter_free_children_join_a_neighbour() -> None:
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.ReLU(), nn.Dropout(0.0), nn.Linear(4, 4), nn.Tanh())
+    assert describe(model, "")[0] == (("0", "1", "2", "3"), ("4", "5"))
+    assert plan_partition(model, 2).bounds == ((0, 1), (1, 2))
+
+
+class _OwnForward(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self[1](self[0](x))
+
+
+class _SmallSequential(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(1000, 8)
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+
+@pytest.mark.parametrize(("factory", "stages", "why"), [
+    (_SmallSequential, 2, r"'net' holds 144 of the 8144 parameters, not more than half\. .*blocks='net' takes its "
+                          r"children; what lies outside it runs as embeddings and heads do\), then balance="),
+    (lambda: LitLM("seq_in_module"), 6, r"'model.net' has 5 children with parameters, fewer than the 6 stages\. "
+                                        r"Pass blocks=.*\(use at most 5 stages .*split_points="),
+    (lambda: _OwnForward(nn.Linear(4, 4), nn.LayerNorm(4)), 2,
+     r"the model itself \(_OwnForward\) has its own forward, which need not run its children in order\. .*"
+     r"blocks='' takes its children if its forward calls them one after the other"),
+    (lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU()), 2, r"the model itself has 1 child with parameters, fewer "
+                                                         r"than the 2 stages"),
+    (lambda: nn.Linear(4, 4), 2, r"and the model has no nn.Sequential\. Pass blocks='<module name>'"),
+], ids=["under_half", "fewer_children_than_stages", "own_forward", "one_child", "no_sequential"])
+def test_nothing_to_pipeline_names_the_largest_sequential_and_why(factory, stages: int, why: str) -> None:
+    with pytest.raises(PipelinePartitionError, match=r"no repeated block sequence in \w+: .*" + why):
+        plan_partition(factory(), stages)
