@@ -33,7 +33,8 @@ __all__ = [
     "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType", "SubprocessScriptLauncher",
     "SummaryCallbackAdapter", "all_gather_ddp_if_available", "collect_rng_states", "dcp_metadata_path",
     "default_store", "distributed_is_initialized", "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now",
-    "fsdp_sharded_params", "fsdp_state", "get_layout", "init_dist_connection",
+    "fsdp_sharded_params", "fsdp_state", "get_layout", "hf_install_output_hook", "hf_output_collector",
+    "init_dist_connection",
     "optimizer_to_device", "optimizers_to_device", "requested_weights_only", "set_rank_zero", "set_rng_states",
     "sync_ddp_if_available", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_dense_tensors",
 ]
@@ -183,6 +184,22 @@ def is_hf_pretrained(module: Any) -> bool:
     """A Hugging Face ``PreTrainedModel`` (without importing transformers: it has a config and ``_init_weights``)."""
     return callable(getattr(module, "_init_weights", None)) and hasattr(module, "config") and hasattr(
         module, "post_init")
+
+
+def hf_output_collector() -> Optional[dict]:
+    """transformers' active output collector (a dict of lists that forward hooks inside a model's layers append
+    router logits, attentions and hidden states to, read by the model after its layers), or None."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    if capturing is None:
+        return None
+    return capturing._active_collector.get()
+
+
+def hf_install_output_hook(module: Any, key: str, recorder: Any) -> None:
+    """The hook transformers installs on a layer whose output it records under ``key``."""
+    from transformers.utils.output_capturing import install_output_capuring_hook
+
+    install_output_capuring_hook(module, key, recorder.index, recorder.capture_initial_hidden_state)
 
 
 def fsdp_state(module: Any) -> Any:

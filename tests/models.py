@@ -511,13 +511,13 @@ class HFMoE(nn.Module):
     experts, sigmoid scores with group-limited routing and a score-correction bias, MLA attention), gpt-oss (transposed
     banks with biases, interleaved gate/up pairs, a clamped activation, attention sinks)."""
 
-    def __init__(self, kind: str, aux: bool = True) -> None:
+    def __init__(self, kind: str) -> None:
         super().__init__()
         import transformers
 
         common = dict(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                       num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False,
-                      output_router_logits=aux, router_aux_loss_coef=0.02)
+                      output_router_logits=True, router_aux_loss_coef=0.02)
         if kind == "mixtral":
             cfg = transformers.MixtralConfig(**common, intermediate_size=2 * DIM, num_local_experts=4,
                                              num_experts_per_tok=2)
@@ -652,7 +652,6 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "hf_qwen2_moe_labels": lambda: HFMoE("qwen2_moe"),
     "hf_deepseek_v3_labels": lambda: HFMoE("deepseek_v3"),
     "hf_gpt_oss_labels": lambda: HFMoE("gpt_oss"),
-    "hf_mixtral": lambda: HFMoE("mixtral", aux=False),  # no load-balancing loss: its router logits cross no stage
     "list_moe": ListMoELM,
 }
 

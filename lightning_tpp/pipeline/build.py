@@ -31,6 +31,7 @@ from lightning_tpp.pipeline.partition import (
     forward_modules,
     plan_partition,
 )
+from lightning_tpp.pipeline.captured import hook_twins
 from lightning_tpp.pipeline.stage import StageRuntime, Unit, _RemoteModule, _set_module, mark_dispatch, meta_twin
 
 
@@ -184,6 +185,7 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
             owner.register_buffer(attr, zeros, persistent=False)
     for unit in runtime.units:
         prepared.twins[unit.name] = meta_twin(modules[unit.name])
+    hook_twins(module, prepared.twins)  # what the units' layers record (router logits) shows on their twins
     for i, unit in enumerate(runtime.units):
         if unit.stage not in local:
             _set_module(module, unit.name, _RemoteModule(prepared.twins[unit.name], runtime, unit=i))

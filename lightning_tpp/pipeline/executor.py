@@ -163,7 +163,7 @@ class Executor:
                     f"{kind} could not be traced to find which values cross pipeline stages: it runs once with "
                     f"zeros in place of every layer's output, and raised {type(err).__name__}: {err}. A step that "
                     f"cannot run on zeros (sampling from its outputs, asserting on their values) cannot be "
-                    f"pipelined automatically{_captured_hint(self.module)}") from err
+                    f"pipelined automatically") from err
             routes = plan_routes(self.runtime, calls, result, self.partition.stages)
             self.transport.agree(repr([(k, sorted(map(repr, tags))) for k, tags in calls]), kind)
             self._route_cache[key] = routes
@@ -375,12 +375,3 @@ class Executor:
             trace(self.runtime, lambda: box.append(step(batch)) or box[0], {})
         return box[0], any(step_metric)
 
-
-def _captured_hint(module: nn.Module) -> str:
-    """Hugging Face mixtures of experts record each layer's router logits with forward hooks inside the layers, for
-    the load-balancing loss computed after the last one: a value that crosses stages outside the forward's dataflow."""
-    if any(getattr(getattr(m, "config", None), "output_router_logits", False) is True for m in module.modules()):
-        return (". This model records its router logits with hooks inside its layers (transformers' "
-                "output_router_logits=True, for the load-balancing loss), which do not cross pipeline stages yet: "
-                "under pp, set config.output_router_logits=False (no auxiliary loss), or use tp / pp=1")
-    return ""

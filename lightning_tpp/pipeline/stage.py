@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_tpp.core.meta_ops import DataDependentOnMeta
+from lightning_tpp.pipeline.captured import recorded, replay
 from lightning_tpp._compat import tree_flatten, tree_map, tree_unflatten
 from lightning_tpp.core.seeding import seeded
 from lightning_tpp.core.swap import swap_class
@@ -121,8 +122,9 @@ class StageRuntime:
         key = (id(twin), _signature(args), _signature(kwargs))
         if key not in self._shapes:
             margs, mkwargs = _to_meta(args, kwargs)
-            with torch.no_grad(), DataDependentOnMeta():  # routed layers (experts) on meta: shapes only
-                self._shapes[key] = twin(*margs, **mkwargs)
+            with torch.no_grad(), DataDependentOnMeta(), recorded(remove=True) as side:  # routed layers on meta
+                out = twin(*margs, **mkwargs)
+            self._shapes[key] = (out, side)
         return self._shapes[key]
 
     def zeros(self, meta: Any) -> Any:
@@ -145,20 +147,21 @@ class StageRuntime:
         if self.units[unit].stage == ctx.stage:
             if real is None:
                 raise RuntimeError(f"{self.units[unit].name} ran on stage {ctx.stage}, which does not hold it")
-            with seeded(None if ctx.seed is None else hash((ctx.seed, unit, n)), self.device):
+            with seeded(None if ctx.seed is None else hash((ctx.seed, unit, n)), self.device), recorded() as side:
                 out = real()  # dropout draws the same wherever the unit runs; the step's own stream is untouched
-            if key in ctx.route.keep:
-                ctx.kept[key] = tree_flatten(out)[0]
+            if key in ctx.route.keep:  # what its layers recorded (router logits) travels with its outputs
+                ctx.kept[key] = tree_flatten((out, side))[0]
             if key == ctx.route.stop_after:
                 ctx.stopping = True  # raised by _end_stage_forward, after the module's other forward hooks
             return out
-        out = self.zeros(self.meta_output(module.__dict__[BINDING].twin, args, kwargs))
+        out, side = self.zeros(self.meta_output(module.__dict__[BINDING].twin, args, kwargs))
         wanted = ctx.route.incoming.get(key)
         if wanted:
-            leaves, spec = tree_flatten(out)
+            leaves, spec = tree_flatten((out, side))
             for leaf, (stage, slot) in wanted.items():
                 leaves[leaf] = ctx.fetch(stage)[slot]
-            out = tree_unflatten(leaves, spec)
+            out, side = tree_unflatten(leaves, spec)
+        replay(side)
         return out
 
     def _trace_call(self, module: nn.Module, key: Key, args: tuple, kwargs: dict) -> Any:
@@ -167,12 +170,13 @@ class StageRuntime:
         ctx.trace.append((key, ctx.tracer.of((args, kwargs))))
         ctx.tracer.paused = True
         try:
-            out = self.zeros(self.meta_output(module.__dict__[BINDING].twin, args, kwargs))
+            out, side = self.zeros(self.meta_output(module.__dict__[BINDING].twin, args, kwargs))
         finally:
             ctx.tracer.paused = False
-        for i, leaf in enumerate(tree_flatten(out)[0]):
+        for i, leaf in enumerate(tree_flatten((out, side))[0]):
             if isinstance(leaf, Tensor):
                 ctx.tracer.tag(leaf, frozenset([(key, i)]))
+        replay(side)
         return out
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from launch import ROOT, run_ranks
@@ -34,11 +33,12 @@ def test_expert_tensor_parallel_tp2(tmp_path: Path) -> None:
 
 
 def test_moe_tp2_pp2(tmp_path: Path) -> None:
-    """Experts cut over tp inside pipeline stages (one micro-batch: a load-balancing loss is a function of the batch
-    it sees); the stand-in for the other stage's MoE layer runs on the meta device, where no token is routed."""
-    models = ["list_moe", "hf_mixtral"]
-    _launch(tmp_path, models, tp=2, pp=2, extra=("--schedule", "gpipe", "--microbatches", "1"))
-    for name in models:
+    """Experts cut over tp inside pipeline stages, the load-balancing loss on (one micro-batch: the loss is a function
+    of the batch it sees). The stand-in for the other stage's MoE layer runs on the meta device, where no token is
+    routed; the router logits that transformers records with hooks inside a layer travel from the layer's stage to the
+    last one, where the model's loss reads them, and their gradient comes back."""
+    _launch(tmp_path, MOE, tp=2, pp=2, extra=("--schedule", "gpipe", "--microbatches", "1"))
+    for name in MOE:
         ref = reference(name)
         for t in range(2):
             ranks = [s * 2 + t for s in range(2)]
@@ -49,18 +49,10 @@ def test_moe_tp2_pp2(tmp_path: Path) -> None:
 def test_moe_pp2_microbatches_equal_accumulation(tmp_path: Path) -> None:
     """Under 1F1B with 2 micro-batches, the model's load-balancing loss is computed per micro-batch, exactly as one
     process computes it when it accumulates gradients over the same two halves of each batch."""
-    _launch(tmp_path, ["list_moe"], pp=2, extra=("--microbatches", "2"))
-    got = merge_stages([load_record(tmp_path / f"list_moe.rank{r}.pt") for r in range(2)])
-    ref = train("list_moe", batch_size=2, accumulate=2)
-    ref.losses = torch.tensor(ref.losses).view(-1, 2).sum(dim=1).tolist()  # each half's loss, recorded / 2
-    assert_parity(got, ref, where="list_moe pp=2 m=2 vs accumulation over 2")
-
-
-@pytest.mark.parametrize("name", ["hf_mixtral_labels"])
-def test_router_logits_recorded_by_hooks_are_refused_under_pp(tmp_path: Path, name: str) -> None:
-    """transformers records router logits with hooks inside the layers: under pp the error says so and what to
-    set, on every rank, instead of an IndexError from the model's loss."""
-    args = ["--models", name, "--pp", "2", "--out", str(tmp_path)]
-    result = run_ranks(ROOT / "tests" / "parity.py", 2, args, timeout=300)
-    assert any(result.returncodes)
-    assert any("output_router_logits=False" in out for out in result.outputs), result.outputs[0][-3000:]
+    models = ["list_moe", "hf_mixtral_labels"]
+    _launch(tmp_path, models, pp=2, extra=("--microbatches", "2"))
+    for name in models:
+        got = merge_stages([load_record(tmp_path / f"{name}.rank{r}.pt") for r in range(2)])
+        ref = train(name, batch_size=2, accumulate=2)
+        ref.losses = torch.tensor(ref.losses).view(-1, 2).sum(dim=1).tolist()  # each half's loss, recorded / 2
+        assert_parity(got, ref, where=f"{name} pp=2 m=2 vs accumulation over 2")

@@ -396,3 +396,22 @@ def test_fsdp2_backward_prefetch_turned_off(tmp_path: Path) -> None:
         assert prefetches(True) == []
     finally:
         dist.destroy_process_group()
+
+
+def test_transformers_output_capturing_names() -> None:
+    """transformers records router logits through an active collector (a context variable holding a dict of lists)
+    and installs its hooks with ``install_output_capuring_hook``: the pipeline reads and fills that collector."""
+    pytest.importorskip("transformers")
+    from transformers.utils import output_capturing
+
+    from lightning_tpp._compat import hf_install_output_hook, hf_output_collector
+
+    assert hf_output_collector() is None  # none active outside a model's forward
+    token = output_capturing._active_collector.set({"router_logits": []})
+    try:
+        layer = torch.nn.Linear(2, 3)
+        hf_install_output_hook(layer, "router_logits", output_capturing.OutputRecorder(torch.nn.Linear, index=0))
+        layer(torch.ones(1, 2))
+        assert len(hf_output_collector()["router_logits"]) == 1
+    finally:
+        output_capturing._active_collector.reset(token)
