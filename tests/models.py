@@ -503,6 +503,40 @@ class BlockGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+# ---- batch statistics under micro-batching (issue #30 item 4): a small ResNet classifier --------------------------
+class ResidualBlock(nn.Module):
+    """conv -> BatchNorm -> ReLU -> conv -> BatchNorm, plus the input."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels, momentum=None)  # cumulative average: reads num_batches_tracked
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class TinyResNet(nn.Module):
+    """Classifies a 4 x 4 one-channel image (the token ids, scaled) into VOCAB classes: a stem convolution and its
+    BatchNorm (a unit of the pipeline by itself), residual blocks, an InstanceNorm that tracks running statistics,
+    pooling and a linear head."""
+
+    def __init__(self, channels: int = 4, n_blocks: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+        self.blocks = nn.Sequential(*[ResidualBlock(channels) for _ in range(n_blocks)])
+        self.norm = nn.InstanceNorm2d(channels, affine=True, track_running_stats=True)
+        self.head = nn.Linear(channels, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pixels = (idx.float() / VOCAB).view(idx.shape[0], 1, 4, 4)
+        x = self.norm(self.blocks(F.relu(self.bn(self.stem(pixels)))))
+        return self.head(x.mean(dim=(2, 3)))  # (batch, VOCAB): one class per image
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "nanogpt": NanoGPT,
     "llama": TinyLlama,
@@ -536,6 +570,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": lambda: nn.Sequential(nn.Embedding(VOCAB, 8), nn.Flatten(), nn.Linear(SEQ * 8, 96), nn.ReLU(),
                                  nn.Linear(96, 64), nn.ReLU(), nn.Linear(64, 96), nn.ReLU(),
                                  nn.Linear(96, SEQ * VOCAB), nn.Unflatten(1, (SEQ, VOCAB))),
+    # batch statistics under micro-batching (issue #30 item 4)
+    "resnet": TinyResNet,
 }
 
 
