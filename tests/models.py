@@ -519,21 +519,21 @@ class ResidualBlock(nn.Module):
 
 
 class TinyResNet(nn.Module):
-    """Classifies a 4 x 4 one-channel image (the token ids, scaled) into VOCAB classes: a stem convolution and its
-    BatchNorm (a unit of the pipeline by itself), residual blocks, an InstanceNorm that tracks running statistics,
-    pooling and a linear head."""
+    """Classifies a 4 x 4 one-channel image (the token ids, scaled) into VOCAB classes: a stem convolution, an
+    InstanceNorm that tracks running statistics and a BatchNorm (units of the pipeline by themselves), residual
+    blocks, pooling and a linear head."""
 
     def __init__(self, channels: int = 4, n_blocks: int = 4) -> None:
         super().__init__()
         self.stem = nn.Conv2d(1, channels, 3, padding=1, bias=False)
+        self.norm = nn.InstanceNorm2d(channels, affine=True, track_running_stats=True)
         self.bn = nn.BatchNorm2d(channels)
         self.blocks = nn.Sequential(*[ResidualBlock(channels) for _ in range(n_blocks)])
-        self.norm = nn.InstanceNorm2d(channels, affine=True, track_running_stats=True)
         self.head = nn.Linear(channels, VOCAB)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pixels = (idx.float() / VOCAB).view(idx.shape[0], 1, 4, 4)
-        x = self.norm(self.blocks(F.relu(self.bn(self.stem(pixels)))))
+        x = self.blocks(F.relu(self.bn(self.norm(self.stem(pixels)))))
         return self.head(x.mean(dim=(2, 3)))  # (batch, VOCAB): one class per image
 
 

@@ -76,7 +76,8 @@ class RunContext:
 
 def meta_twin(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose parameters and buffers live on the meta device (no memory, shapes only); a
-    LightningModule's copy has no Trainer."""
+    LightningModule's copy has no Trainer. Its batch normalisation runs on meta tensors (``momentum=None`` would read
+    the value of ``num_batches_tracked``)."""
     memo: dict[int, Any] = {}
     for p in module.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
@@ -85,7 +86,11 @@ def meta_twin(module: nn.Module) -> nn.Module:
     trainer = module.__dict__.get("_trainer")
     if trainer is not None:
         memo[id(trainer)] = None
-    return copy.deepcopy(module, memo)
+    twin = copy.deepcopy(module, memo)
+    for m in twin.modules():  # momentum=None reads num_batches_tracked's value, which a meta tensor has not
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None:
+            m.momentum = 0.0  # shapes only: the twin's statistics are never read
+    return twin
 
 
 def _signature(obj: Any, depth: int = 0) -> Any:
