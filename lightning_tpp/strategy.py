@@ -35,7 +35,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_tpp._compat import StrategyRegistryType, optimizers_to_device
+from lightning_tpp._compat import StrategyRegistryType, layer_sync_requested, optimizers_to_device
 from lightning_tpp.checkpoint.state import check_state_layout
 from lightning_tpp.checkpoint.weights import covered_names, load_weights
 from lightning_tpp.core.comm import TPGroup
@@ -378,8 +378,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
 
     @property
     def _sync_batchnorm(self) -> bool:
-        """``Trainer(sync_batchnorm=True)`` (Lightning sets ``_layer_sync``)."""
-        return self._layer_sync is not None
+        """``Trainer(sync_batchnorm=True)``."""
+        return layer_sync_requested(self)
 
     def _fingerprint(self, module: nn.Module) -> dict[str, Any]:
         return {"configuration": self._config(), "model": model_structure(module),

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.instancenorm import _InstanceNorm
 
+from lightning_tpp._compat import BatchNormBase as _BatchNorm
+from lightning_tpp._compat import InstanceNormBase as _InstanceNorm
 from lightning_tpp.core.recompute import recomputing
 from lightning_tpp.core.swap import original_class, swap_class
 

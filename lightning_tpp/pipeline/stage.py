@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_tpp._compat import tree_flatten, tree_map, tree_unflatten
+from lightning_tpp._compat import BatchNormBase, tree_flatten, tree_map, tree_unflatten
 from lightning_tpp.core.seeding import seeded
 from lightning_tpp.core.swap import swap_class
 from lightning_tpp.core.walk import VERIFYING, Taint, tensors_in
@@ -88,7 +88,7 @@ def meta_twin(module: nn.Module) -> nn.Module:
         memo[id(trainer)] = None
     twin = copy.deepcopy(module, memo)
     for m in twin.modules():  # momentum=None reads num_batches_tracked's value, which a meta tensor has not
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None:
+        if isinstance(m, BatchNormBase) and m.momentum is None:
             m.momentum = 0.0  # shapes only: the twin's statistics are never read
     return twin
 

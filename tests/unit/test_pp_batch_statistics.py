@@ -6,6 +6,7 @@ micro-batch is unchanged; eval is untouched; a recomputation is not counted; the
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -136,16 +137,16 @@ def test_warning_a_layer_of_another_class() -> None:
 
 
 def test_sync_batchnorm_converts_over_dp_only() -> None:
-    group = object()  # stands in for the dp process group
+    group: Any = object()  # stands in for the dp process group
     model = TinyResNet()
-    n = sync_batchnorm_over_dp(model, convert=True, dp=2, group=group, device=torch.device("cuda"))  # type: ignore
+    n = sync_batchnorm_over_dp(model, convert=True, dp=2, group=group, device=torch.device("cuda"))
     assert n == 9 and isinstance(model.blocks[0].bn1, nn.SyncBatchNorm)
     assert all(m.process_group is group for m in model.modules() if isinstance(m, nn.SyncBatchNorm))
     assert not isinstance(model.norm, nn.SyncBatchNorm)
     one = TinyResNet()  # one replica: nothing to synchronise
-    assert sync_batchnorm_over_dp(one, convert=True, dp=1, group=group, device=torch.device("cuda")) == 0  # type: ignore
+    assert sync_batchnorm_over_dp(one, convert=True, dp=1, group=group, device=torch.device("cuda")) == 0
     own = nn.Sequential(nn.SyncBatchNorm(2))  # the user's own, without a group: the dp group, not the world
-    sync_batchnorm_over_dp(own, convert=False, dp=1, group=group, device=torch.device("cuda"))  # type: ignore
+    sync_batchnorm_over_dp(own, convert=False, dp=1, group=group, device=torch.device("cuda"))
     assert own[0].process_group is group
 
 
