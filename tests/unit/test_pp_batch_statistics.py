@@ -153,3 +153,43 @@ def test_sync_batchnorm_converts_over_dp_only() -> None:
 def test_sync_batchnorm_on_cpu_raises() -> None:
     with pytest.raises(SyncBatchNormDeviceError, match=r"9 SyncBatchNorm layer\(s\) .* GPUs only.*accelerator='gpu'"):
         sync_batchnorm_over_dp(TinyResNet(), convert=True, dp=2, group=None, device=torch.device("cpu"))
+
+
+def test_sync_batchnorm_commits_the_replicas_union(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SyncBatchNorm adds its sums over its process group before committing: two replicas that saw the same batch
+    (all_reduce doubles) commit what one layer gets from both batches together. torch's SyncBatchNorm trains on GPUs
+    only, so the sums are added here as its forward would add them."""
+    import torch.distributed as dist
+
+    from lightning_tpp.pipeline import batchnorm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.SyncBatchNorm(3))
+    stats = DeferredStatistics.install(model, pp=2, microbatches=2, warn=[])
+    assert stats is not None
+    batch = torch.randn(4, 3, 4, 4)
+    stats.begin(4, 2)
+    for part in batch.chunk(2):
+        model[0].__dict__[batchnorm._SLOT].add(model[0], part)
+    groups = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: groups.append(group) or t.mul_(2))
+    model[0].process_group = "dp"
+    stats.commit()
+    ref = nn.BatchNorm2d(3)
+    ref(torch.cat([batch, batch]))
+    assert groups == ["dp"]
+    _assert_same({n: b for n, b in model[0].named_buffers()}, {n: b for n, b in ref.named_buffers()})
+
+
+def test_the_strategy_reads_trainers_sync_batchnorm() -> None:
+    import lightning as L
+
+    from lightning_tpp import TensorPipeStrategy
+
+    for flag in (True, False):
+        trainer = L.Trainer(strategy=TensorPipeStrategy(), accelerator="cpu", devices=1, sync_batchnorm=flag,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        assert trainer.strategy._sync_batchnorm is flag  # type: ignore[attr-defined]
+        assert trainer.strategy._config()["_sync_batchnorm"] == repr(flag)  # type: ignore[attr-defined]
