@@ -143,7 +143,7 @@ def _tracks(m: nn.Module) -> bool:
 
 class DeferredStatistics:
     """The layers of this rank whose running statistics are committed once per training step (see the module
-    docstring). ``warning``: the layers that normalise by batch statistics (the whole model's; said once, on rank 0,
+    docstring). ``warn``: the layers that normalise by batch statistics (the whole model's; said once, on rank 0,
     at the first training step, when the batch size is known)."""
 
     def __init__(self, layers: list[tuple[str, nn.Module]], *, warn: list[StatisticsLayer], pp: int,

@@ -5,6 +5,7 @@
       Executor.routes / .run                           F / B / I / W on this rank's chunks      (executor)
       Transport                                        activations, gradients, headers, loss    (transport)
       GradientParking.schedule                         .grad kept across Lightning's zero_grad  (parking)
+      DeferredStatistics.begin / .commit               BatchNorm running statistics, once per step (batchnorm)
 
 The logging adapter the strategy wraps around a step (``captured_logs``, ``replay_logs``) lives in ``logging``.
 
