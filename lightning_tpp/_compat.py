@@ -26,16 +26,19 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.serialization import _get_layout
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
-    "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType", "SubprocessScriptLauncher",
+    "BatchNormBase", "InstanceNormBase", "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType",
+    "SubprocessScriptLauncher",
     "SummaryCallbackAdapter", "all_gather_ddp_if_available", "collect_rng_states", "dcp_metadata_path",
     "default_store", "distributed_is_initialized", "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now",
     "fsdp_sharded_params", "fsdp_state", "get_layout", "hf_install_output_hook", "hf_output_collector",
-    "init_dist_connection",
-    "optimizer_to_device", "optimizers_to_device", "requested_weights_only", "set_rank_zero", "set_rng_states",
+    "init_dist_connection", "layer_sync_requested", "optimizer_to_device", "optimizers_to_device",
+    "requested_weights_only", "set_rank_zero", "set_rng_states",
     "sync_ddp_if_available", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_dense_tensors",
 ]
 
@@ -58,6 +61,14 @@ flatten_dense_tensors = _flatten_dense_tensors
 unflatten_dense_tensors = _unflatten_dense_tensors
 StorageInfo = _StorageInfo  # a class pickled into DCP's ``.metadata``: the safe unpickler must admit it
 get_layout = _get_layout  # ``torch.serialization._get_layout``: pickled into DCP metadata (name -> torch.layout)
+BatchNormBase = _BatchNorm  # every batch normalisation (BatchNorm1d/2d/3d, SyncBatchNorm, lazy ones): no public base
+InstanceNormBase = _InstanceNorm  # InstanceNorm1d/2d/3d and lazy ones
+
+
+def layer_sync_requested(strategy: Any) -> bool:
+    """``Trainer(sync_batchnorm=True)``: the accelerator connector sets a ``ParallelStrategy``'s ``_layer_sync`` (what
+    DDP/FSDP apply in their setup); no public accessor."""
+    return getattr(strategy, "_layer_sync", None) is not None
 
 
 def enclosing_saved_tensors_hooks() -> Optional[tuple[Any, Any]]:

@@ -31,6 +31,7 @@ from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.params import ParamNames, ShardIndex
 from lightning_tpp.core.recompute import recompute_blocks
 from lightning_tpp.experts import find_experts, shard_banks
+from lightning_tpp.pipeline.batchnorm import DeferredStatistics, batch_statistics_layers
 from lightning_tpp.pipeline.build import PreparedStages, TiedWeight, finish_stages, format_partition, prepare_stages
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.partition import PipelinePartitionError, block_modules, describe, find_block_sequences
@@ -143,14 +144,16 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
 
         single-device names -> pipeline stages (this rank keeps its units; stand-ins for the others)
           -> tensor-parallel plan (automatic, Hugging Face, the user's globs) -> apply (swap and shard)
-          -> activation checkpointing (each block of this rank) -> finish the stages (dispatchers, tied weights,
-          the engine)
+          -> activation checkpointing (each block of this rank) -> running statistics of this rank's batch
+          normalisation kept over the whole batch (``pipeline.batchnorm``) -> finish the stages (dispatchers, tied
+          weights, the engine)
           -> a model built on the meta device: this rank's shards allocated and initialised (``meta``)
 
     Everything before the last step works on meta tensors (shapes only), so no rank ever holds the whole model.
     """
     state = ParallelState(dims, groups, ParamNames.of(module))  # names before stages drop modules
     coords = dims.coords(rank)
+    statistics = batch_statistics_layers(module) if config.pp > 1 else []  # the whole model's, for the warning
     state.stages, state.plan, state.shards = cut(module, config, dims, pp_rank=coords["pp"], device=device,
                                                  tp_group=groups.tp)
     plan = state.plan
@@ -163,8 +166,11 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
         for element in state.sequence:
             element.recomputed = element.name in state.recomputed
     if state.stages is not None:
+        # running statistics over the whole batch: below the dispatchers, which decide whether a layer runs
+        deferred = DeferredStatistics.install(module, pp=config.pp, microbatches=config.microbatches, warn=statistics)
         state.engine = finish_stages(module, state.stages, dims=dims, coords=coords, virtual=config.virtual_stages,
                                      schedule=config.schedule, microbatches=config.microbatches, pp_group=groups.pp)
+        state.engine.batch_statistics = deferred
         if config.tp > 1:
             _check_tied(module, state, device)
     if meta is not None:

@@ -4,6 +4,7 @@ Setup order (runs for every fit/validate/test/predict; a module that already hol
 
     init process group -> mesh (dp, pp, tp) and groups          (integration.topology)
       -> model to device -> ranks agree, rank 0's weights broadcast  (reliability.preflight)
+      -> sync_batchnorm: BatchNorm to SyncBatchNorm over the dp group  (integration.sync_batchnorm)
       -> parallel_state.build_state: names -> pipeline stages -> tensor-parallel plan -> apply -> engine
       -> precision -> optimizers
 
@@ -34,7 +35,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_tpp._compat import StrategyRegistryType, optimizers_to_device
+from lightning_tpp._compat import StrategyRegistryType, layer_sync_requested, optimizers_to_device
 from lightning_tpp.checkpoint.state import check_state_layout
 from lightning_tpp.checkpoint.weights import covered_names, load_weights
 from lightning_tpp.core.comm import TPGroup
@@ -50,6 +51,7 @@ from lightning_tpp.integration.launchers import make_launcher
 from lightning_tpp.integration.pipeline_steps import PipelineSteps
 from lightning_tpp.integration.precision import GlobalNormClippingStrategy
 from lightning_tpp.integration.summary import count_whole_model
+from lightning_tpp.integration.sync_batchnorm import sync_batchnorm_over_dp
 from lightning_tpp.integration.topology import MeshTopology
 from lightning_tpp.parallel_state import (Materialization, ParallelConfig, ParallelState, ProcessGroups, build_state,
                                          shard_state_over_dp)
@@ -319,6 +321,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
                 raise ValueError("pipeline parallelism (pp>1) does not support a loss-scaling GradScaler "
                                  "(precision='16-mixed'): every stage would have to agree on each step's scale and "
                                  "skip decision. Use precision='bf16-mixed' (no scaler needed) or '32-true'")
+        sync_batchnorm_over_dp(module, convert=self._sync_batchnorm, dp=self.dims.dp, group=self._dp_group,
+                               device=self.root_device)  # before the cut: Trainer(sync_batchnorm=True), over dp only
         config = ParallelConfig(self._tp, self._pp, self.microbatches, self.schedule, self.virtual_stages,
                                 self._balance, self._split_points, self._blocks, self._tp_plan_arg, self._verify,
                                 activation_checkpointing=self._activation_checkpointing,
@@ -369,7 +373,13 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
                                                      "virtual_stages", "_tp_plan_arg", "_balance", "_split_points",
                                                      "_blocks", "_save_sharded", "_on_nonfinite", "_weights",
                                                      "_weights_prefix", "_activation_checkpointing",
-                                                     "_dp_sharding", "_vocab_exchange", "_sequence_parallel")}
+                                                     "_dp_sharding", "_vocab_exchange", "_sequence_parallel",
+                                                     "_sync_batchnorm")}
+
+    @property
+    def _sync_batchnorm(self) -> bool:
+        """``Trainer(sync_batchnorm=True)``."""
+        return layer_sync_requested(self)
 
     def _fingerprint(self, module: nn.Module) -> dict[str, Any]:
         return {"configuration": self._config(), "model": model_structure(module),

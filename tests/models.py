@@ -612,6 +612,38 @@ class ListMoELM(nn.Module):
         for block in self.blocks:
             x, aux = block(x, aux)
         return self.head(self.norm(x)), aux
+# ---- batch statistics under micro-batching (issue #30 item 4): a small ResNet classifier --------------------------
+class ResidualBlock(nn.Module):
+    """conv -> BatchNorm -> ReLU -> conv -> BatchNorm, plus the input."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels, momentum=None)  # cumulative average: reads num_batches_tracked
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class TinyResNet(nn.Module):
+    """Classifies a 4 x 4 one-channel image (the token ids, scaled) into VOCAB classes: a stem convolution, an
+    InstanceNorm that tracks running statistics and a BatchNorm (units of the pipeline by themselves), residual
+    blocks, pooling and a linear head."""
+
+    def __init__(self, channels: int = 4, n_blocks: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, channels, 3, padding=1, bias=False)
+        self.norm = nn.InstanceNorm2d(channels, affine=True, track_running_stats=True)
+        self.bn = nn.BatchNorm2d(channels)
+        self.blocks = nn.Sequential(*[ResidualBlock(channels) for _ in range(n_blocks)])
+        self.head = nn.Linear(channels, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pixels = (idx.float() / VOCAB).view(idx.shape[0], 1, 4, 4)
+        x = self.blocks(F.relu(self.bn(self.norm(self.stem(pixels)))))
+        return self.head(x.mean(dim=(2, 3)))  # (batch, VOCAB): one class per image
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
@@ -653,6 +685,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "hf_deepseek_v3_labels": lambda: HFMoE("deepseek_v3"),
     "hf_gpt_oss_labels": lambda: HFMoE("gpt_oss"),
     "list_moe": ListMoELM,
+    # batch statistics under micro-batching (issue #30 item 4)
+    "resnet": TinyResNet,
 }
 
 

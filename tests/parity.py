@@ -26,6 +26,11 @@ class Record:
     params: dict[str, Tensor] = field(default_factory=dict)
     logged: dict[str, float] = field(default_factory=dict)
     local_fraction: float = 1.0  # this rank's parameter elements / the whole model's (tensor-parallel shards)
+    # running statistics of normalisation layers (running_mean/var, num_batches_tracked) after each step
+    buffers: list[dict[str, Tensor]] = field(default_factory=list)
+
+
+RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def _full(t: Tensor, p: Tensor, trainer: L.Trainer) -> Tensor:
@@ -48,6 +53,8 @@ class Recorder(Callback):
                            batch_idx: int) -> None:
         loss = outputs["loss"].detach().float().clone()
         self.record.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
+        self.record.buffers.append({n: b.detach().double().clone() for n, b in pl_module.named_buffers()
+                                    if n.rpartition(".")[2] in RUNNING_STATS})
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self.record.grads.append({n: _full(p.grad, p, trainer)
@@ -112,10 +119,13 @@ def merge_stages(records: list[Record]) -> Record:
     for i, r in enumerate(records):
         assert r.losses == records[0].losses, f"rank {i} losses {r.losses} differ from rank 0's {records[0].losses}"
     merged.grads = [{} for _ in records[0].grads]
+    merged.buffers = [{} for _ in records[0].buffers]
     for r in records:
         assert len(r.grads) == len(merged.grads)
         for step, g in enumerate(r.grads):
             merged.grads[step].update(g)
+        for step, b in enumerate(r.buffers):
+            merged.buffers[step].update(b)
         merged.params.update(r.params)
     return merged
 
@@ -143,6 +153,18 @@ def assert_parity(got: Record, ref: Record, *, rtol: float = FP32["rtol"], atol:
     for name in ref.params:
         _close(got.params[name], ref.params[name], f"{where} updated parameter {name}", rtol,
                atol if param_atol is None else param_atol)
+    assert_same_buffers(got, ref, steps=len(ref.buffers), rtol=rtol, atol=atol, where=where)
+
+
+def assert_same_buffers(got: Record, ref: Record, *, steps: int, rtol: float = FP32["rtol"],
+                        atol: float = FP32["atol"], where: str = "") -> None:
+    """Running statistics of normalisation layers after each of the first ``steps`` steps, by name."""
+    assert len(got.buffers) >= steps and len(ref.buffers) >= steps, f"{where}: buffers of fewer than {steps} steps"
+    for step in range(steps):
+        g, r = got.buffers[step], ref.buffers[step]
+        assert g.keys() == r.keys(), f"{where} step {step}: running statistics differ in names: {set(g) ^ set(r)}"
+        for name in r:
+            _close(g[name], r[name], f"{where} step {step} running statistic {name}", rtol, atol)
 
 
 def main() -> None:  # a rank of a parallel run (see tests/launch.py)
@@ -154,7 +176,8 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     # a name, or "lists:NAME" for NAME's orders as action lists; several names, comma-separated, train each model
     # once per schedule (records NAME.SCHEDULE.rankR.pt; --virtual applies to the interleaved ones only)
     parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--microbatches", type=int, default=None)
+    # several, comma-separated: each model trained once per count (records NAME.mM.rankR.pt)
+    parser.add_argument("--microbatches", default=None)
     parser.add_argument("--virtual", type=int, default=1)
     parser.add_argument("--blocks", default=None)
     parser.add_argument("--out", required=True)
@@ -184,10 +207,11 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
         if schedule.startswith("lists:"):  # a user's per-rank action lists, copied from a built-in schedule's
             from lightning_tpp.pipeline.schedule import actions
 
-            m = args.microbatches or 2 * args.pp
+            m = int(args.microbatches or 2 * args.pp)
             schedule = [actions(schedule[len("lists:"):], r, args.pp, m, virtual) for r in range(args.pp)]
-        for name in args.models.split(","):
-            strategy = TensorPipeStrategy(tp=args.tp, pp=args.pp, schedule=schedule, microbatches=args.microbatches,
+        counts = [int(m) for m in args.microbatches.split(",")] if args.microbatches else [None]
+        for name, microbatches in ((n, m) for n in args.models.split(",") for m in counts):
+            strategy = TensorPipeStrategy(tp=args.tp, pp=args.pp, schedule=schedule, microbatches=microbatches,
                                           virtual_stages=virtual, blocks=args.blocks,
                                           activation_checkpointing=args.activation_checkpointing,
                                           dp_sharding=args.dp_sharding, vocab_exchange=args.vocab_exchange,
@@ -217,6 +241,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
             if args.activation_checkpointing and not strategy.parallel_state.recomputed:
                 raise AssertionError(f"{name}: activation_checkpointing=True but no block is recomputed")
             stem = name if len(schedules) == 1 else f"{name}.{schedule_name}"
+            stem = stem if len(counts) == 1 else f"{stem}.m{microbatches}"
             torch.save(asdict(record), Path(args.out) / f"{stem}.rank{rank}.pt")
 
 

@@ -44,6 +44,7 @@ ContextFactory = Callable[[], ContextManager]
 # contexts to re-enter around each recomputation of a block run in the current forward (see replay_on_recompute)
 _REPLAY: contextvars.ContextVar[tuple[ContextFactory, ...]] = contextvars.ContextVar("lightning_tpp_replay",
                                                                                      default=())
+_RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_tpp_recomputing", default=False)
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size, slice)
 
 
@@ -112,10 +113,22 @@ class _Call:
             self.before = _copy(args, kwargs, owner)
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
-        if self.ran and self.before is not None:
+        if not self.ran:
+            self.ran = True
+            return self.forward(*args, **kwargs)
+        if self.before is not None:
             args, kwargs = copy.deepcopy(self.before, _memo(self.before))
-        self.ran = True
-        return self.forward(*args, **kwargs)
+        token = _RECOMPUTING.set(True)
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            _RECOMPUTING.reset(token)
+
+
+def recomputing() -> bool:
+    """Whether a block's forward is running again in backward (state a forward accumulates, such as batch
+    statistics, must not count it twice)."""
+    return _RECOMPUTING.get()
 
 
 def _memo(obj: Any) -> dict[int, Any]:

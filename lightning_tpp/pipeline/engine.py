@@ -5,6 +5,7 @@
       Executor.routes / .run                           F / B / I / W on this rank's chunks      (executor)
       Transport                                        activations, gradients, headers, loss    (transport)
       GradientParking.schedule                         .grad kept across Lightning's zero_grad  (parking)
+      DeferredStatistics.begin / .commit               BatchNorm running statistics, once per step (batchnorm)
 
 The logging adapter the strategy wraps around a step (``captured_logs``, ``replay_logs``) lives in ``logging``.
 
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_tpp._compat import tree_map
+from lightning_tpp.pipeline.batchnorm import DeferredStatistics
 from lightning_tpp.pipeline.errors import PipelineError
 from lightning_tpp.pipeline.executor import COST_KINDS, Executor, Step, StepTimes, Trace
 from lightning_tpp.pipeline.microbatch import batch_size, split_batch
@@ -86,6 +88,8 @@ class PipelineEngine:
             rank_zero_info(self.choice.describe())
         # around a schedule: how gradients sharded over dp are reduced (FSDP2: per backward, or once at the end)
         self.reduction: Callable[[], ContextManager[None]] = contextlib.nullcontext
+        # batch normalisation of this rank: running statistics committed once per step (``batchnorm``)
+        self.batch_statistics: Optional[DeferredStatistics] = None
 
     @property
     def splits_backward(self) -> bool:
@@ -155,6 +159,8 @@ class PipelineEngine:
         """Run the schedule over ``batch``; returns the mean micro-batch loss (the same tensor value on every stage).
         ``stale_grads``: the gradients the parameters hold will be zeroed after this step (freed before it)."""
         micro, shares = split_batch(batch, min(self.microbatches, batch_size(batch)))
+        if self.batch_statistics is not None:
+            self.batch_statistics.begin(batch_size(batch), len(micro))
         order = self._order(len(micro))
         routes = self.executor.routes("training_step", step, micro[0])
         self.transport.post_headers(self.executor.inbound(routes), len(micro))
@@ -162,6 +168,8 @@ class PipelineEngine:
         splits = self.requested != AUTO or any(kind in ("I", "W") for kind, _, _ in order)
         with self.parking.schedule(stale=stale_grads), (self.reduction if splits else contextlib.nullcontext)():
             total = self.executor.run(order, step, micro, routes, shares, loss_scale)
+        if self.batch_statistics is not None:
+            self.batch_statistics.commit()
         if self.deciding and len(micro) == self.microbatches:
             self._auto_steps += 1
             if self._auto_steps > 1:  # the first warms up

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from lightning_tpp.core.meta_ops import DataDependentOnMeta
 from lightning_tpp.pipeline.captured import recorded, replay
-from lightning_tpp._compat import tree_flatten, tree_map, tree_unflatten
+from lightning_tpp._compat import BatchNormBase, tree_flatten, tree_map, tree_unflatten
 from lightning_tpp.core.seeding import seeded
 from lightning_tpp.core.swap import swap_class
 from lightning_tpp.core.walk import VERIFYING, Taint, tensors_in
@@ -78,7 +78,8 @@ class RunContext:
 
 def meta_twin(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose parameters and buffers live on the meta device (no memory, shapes only); a
-    LightningModule's copy has no Trainer."""
+    LightningModule's copy has no Trainer. Its batch normalisation runs on meta tensors (``momentum=None`` would read
+    the value of ``num_batches_tracked``)."""
     memo: dict[int, Any] = {}
     for p in module.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
@@ -87,7 +88,11 @@ def meta_twin(module: nn.Module) -> nn.Module:
     trainer = module.__dict__.get("_trainer")
     if trainer is not None:
         memo[id(trainer)] = None
-    return copy.deepcopy(module, memo)
+    twin = copy.deepcopy(module, memo)
+    for m in twin.modules():  # momentum=None reads num_batches_tracked's value, which a meta tensor has not
+        if isinstance(m, BatchNormBase) and m.momentum is None:
+            m.momentum = 0.0  # shapes only: the twin's statistics are never read
+    return twin
 
 
 def _signature(obj: Any, depth: int = 0) -> Any:

@@ -166,6 +166,29 @@ def test_torch_pytree() -> None:
     assert _compat.tree_map(lambda x: x * 2, [1, (2,)]) == [2, (4,)]
 
 
+def test_normalisation_bases() -> None:
+    for cls in (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm,
+                torch.nn.LazyBatchNorm2d):
+        assert issubclass(cls, _compat.BatchNormBase)
+    assert issubclass(torch.nn.InstanceNorm2d, _compat.InstanceNormBase)
+    assert not issubclass(torch.nn.InstanceNorm2d, _compat.BatchNormBase)
+
+
+def test_layer_sync_is_handed_to_the_strategy() -> None:
+    from lightning.pytorch.strategies import ParallelStrategy
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    assert "self.strategy._layer_sync = self._layer_sync" in inspect.getsource(_AcceleratorConnector)
+    assert "self._layer_sync" in inspect.getsource(ParallelStrategy.__init__)
+
+    class Holder:
+        _layer_sync = None
+
+    assert not _compat.layer_sync_requested(Holder())
+    Holder._layer_sync = object()
+    assert _compat.layer_sync_requested(Holder())
+
+
 def test_torch_default_store_accessor() -> None:
     import torch.distributed.distributed_c10d as c10d
 
