@@ -30,7 +30,7 @@ class PlanRows:
     whole: int  # the same parameters counted whole (before tensor parallelism cut them)
     sharded: int  # parameter tensors cut
     tensors: int  # parameter tensors held
-    blocks: int
+    blocks: tuple[str, ...]  # the blocks the plan found (under a pipeline each rank may see every stage's)
     notes: tuple[str, ...]
 
 
@@ -45,7 +45,7 @@ def plan_rows(model: nn.Module, plan: TPPlan, shards: ShardIndex) -> PlanRows:
                      get_human_readable_count(sum(shards.full_numel(p) for p in own))))
     params = list(model.parameters())
     return PlanRows(tuple(rows), sum(p.numel() for p in params), sum(shards.full_numel(p) for p in params),
-                    sum(1 for p in params if p in shards), len(params), len(plan.blocks), tuple(plan.notes))
+                    sum(1 for p in params if p in shards), len(params), tuple(plan.blocks), tuple(plan.notes))
 
 
 def format_plan(parts: Sequence[PlanRows], tp: int, *, model_params: Optional[int] = None) -> str:
@@ -59,7 +59,7 @@ def format_plan(parts: Sequence[PlanRows], tp: int, *, model_params: Optional[in
     rows += [((str(r),) if staged else ()) + row for r, part in enumerate(parts) for row in part.rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     sharded, tensors = sum(p.sharded for p in parts), sum(p.tensors for p in parts)
-    lines = [f"Tensor-parallel plan (tp={tp}): {sum(p.blocks for p in parts)} blocks, {sharded} of {tensors} "
+    lines = [f"Tensor-parallel plan (tp={tp}): {len({b for p in parts for b in p.blocks})} blocks, {sharded} of {tensors} "
              f"parameter tensors sharded, the rest replicated"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     count = get_human_readable_count

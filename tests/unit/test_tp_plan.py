@@ -736,8 +736,8 @@ def test_plan_table_lists_every_pp_rank_with_the_models_total() -> None:
     compares what each holds with the whole model's parameters, not with stage 0's."""
     from lightning_tpp.tensor_parallel.report import PlanRows, format_plan
 
-    first = PlanRows((("wte", "Embedding", "vocab", "4.1 K", "8.2 K"),), 111_000, 214_000, 7, 14, 1, ("a note",))
-    last = PlanRows((("lm_head", "Linear", "colwise", "4.1 K", "8.2 K"),), 105_000, 207_000, 7, 12, 1, ("a note",))
+    first = PlanRows((("wte", "Embedding", "vocab", "4.1 K", "8.2 K"),), 111_000, 214_000, 7, 14, ("b.0", "b.1"), ("a note",))
+    last = PlanRows((("lm_head", "Linear", "colwise", "4.1 K", "8.2 K"),), 105_000, 207_000, 7, 12, ("b.0", "b.1"), ("a note",))
     table = format_plan([first, last], 2, model_params=413_000)
     assert re.search(r"^pp rank\s+module\s+type", table, re.M)
     assert re.search(r"^0\s+wte\s+Embedding\s+vocab", table, re.M) and re.search(r"^1\s+lm_head\s+Linear", table, re.M)
