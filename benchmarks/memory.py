@@ -11,8 +11,9 @@ strategy takes ``activation_checkpointing``; "n/a" otherwise). Per rank, after t
 
 - states: bytes of the rank's parameters, gradients and optimizer state (its own tensors; a DTensor's local shard);
 - peak: ``ru_maxrss`` at the end minus the resident memory measured at the start of ``fit`` (the callback's
-  ``setup``, before ``configure_model``, which builds on the meta device): everything the rank allocated (ranks run
-  with ``MALLOC_MMAP_THRESHOLD_=65536``, so that freed large blocks leave RSS);
+  ``setup``, before ``configure_model``, which builds on the meta device): everything the rank allocated (as a user
+  runs it: no environment variable; the strategy fixes glibc's mmap threshold on CPU ranks, see
+  ``lightning_tpp/core/heap.py``, so that freed large blocks leave RSS);
 - setup: the same, at the start of the first step (after the strategy cut the model and materialised the shards);
 - fixed: what setup added to the resident memory that no tensor holds (the RSS growth at the first step's start
   minus the bytes of all live tensor storages): process groups (gloo keeps buffers per peer; 8 ranks make many
@@ -259,7 +260,6 @@ def _table(name: str, measured: list[dict], report: Any) -> None:
 def levers(args: argparse.Namespace) -> None:
     """tp=2 (2 processes), the same model and batches, with each activation lever on and off: per rank, the most
     bytes saved for backward alive at once, and the peak (resident growth, without the fixed part)."""
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     config = _config(args)
     print(f"tp=2, vocabulary {config['vocab_size']}, {MICROBATCHES} x 1 x {args.seq} tokens per step (one batch), "
           f"AdamW, {args.steps} step(s); activ. = most bytes saved for backward alive at once")
@@ -303,10 +303,8 @@ def main() -> None:
         return levers(args)
     from lightning_tpp import TensorPipeStrategy
 
-    # glibc's dynamic mmap threshold keeps freed large blocks in the heap (FSDP2 gathers and frees a block's
-    # parameters over and over): RSS then counts memory no tensor holds (peak 3.2-3.8 x instead of 1.7-1.8 x at
-    # tp2 x pp2 x dp2). A fixed threshold returns them to the system, so that RSS follows what is alive.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    # no MALLOC_MMAP_THRESHOLD_ here: the ranks measure what a user's process holds (the strategy fixes glibc's
+    # mmap threshold itself on CPU ranks: lightning_tpp/core/heap.py)
     config = _config(args)
     has_ckpt = "activation_checkpointing" in inspect.signature(TensorPipeStrategy.__init__).parameters
     whole = _estimate(config, dict(tp=1, pp=1, dp=1), False, args.seq).whole_params

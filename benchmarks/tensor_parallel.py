@@ -125,7 +125,7 @@ class LM(L.LightningModule):
 class _Collectives:
     """Counts the process-group collectives a step issues (all-reduce, all-gather, ...), by name."""
 
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+    NAMES = ("all_reduce", "all_gather", "all_gather_single", "reduce_scatter_single", "broadcast")
 
     def __init__(self) -> None:
         import torch.distributed as dist

@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_tpp.checkpoint.dcp import consolidate, is_sharded_checkpoint
 from lightning_tpp.checkpoint.safe_load import load_or_explain
+from lightning_tpp.core.optional import MissingDependencyError, require
 from lightning_tpp.memory import GiB, MemoryReport, estimate_memory
 from lightning_tpp.pipeline.build import format_partition
 
@@ -53,8 +54,7 @@ def build_on_meta(target: str, init_args: Optional[dict[str, Any]] = None) -> nn
     if path.is_dir() and (path / "config.json").is_file():
         path = path / "config.json"
     if path.suffix == ".json" and path.is_file():
-        import transformers
-
+        transformers = require("transformers", f"building the model of {path} (a Hugging Face config)")
         config = transformers.AutoConfig.for_model(**json.loads(path.read_text()))
         with torch.device("meta"):
             return transformers.AutoModelForCausalLM.from_config(config)
@@ -134,14 +134,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if "" not in sys.path and os.getcwd() not in sys.path:  # --module/MODEL import paths resolve from the working
         sys.path.insert(0, os.getcwd())                     # directory, as under `python -m lightning_tpp`
-    if args.command == "plan":
-        plan(args)
-    elif args.command == "consolidate":
-        consolidate(args.checkpoint, args.out, weights_only=args.weights_only)
-        print(f"wrote {args.out}")
-    else:
-        export_hf(args.checkpoint, args.out, args.module, weights_only=args.weights_only)
-        print(f"wrote {args.out} (load with from_pretrained)")
+    try:
+        if args.command == "plan":
+            plan(args)
+        elif args.command == "consolidate":
+            consolidate(args.checkpoint, args.out, weights_only=args.weights_only)
+            print(f"wrote {args.out}")
+        else:
+            export_hf(args.checkpoint, args.out, args.module, weights_only=args.weights_only)
+            print(f"wrote {args.out} (load with from_pretrained)")
+    except MissingDependencyError as err:  # what to install, without a traceback
+        print(f"lightning-tpp {args.command}: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -48,6 +49,7 @@ from lightning_tpp.tensor_parallel import (
     format_plan,
     hf_plan,
     overlay,
+    plan_rows,
 )
 
 _SLOT = "_tpp_state"  # the one attribute lightning_tpp keeps on the user's LightningModule
@@ -179,13 +181,24 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
         if state.stages is not None:
             _sync_tied(module, state, dims, coords)
     if print_plan and config.tp > 1:
-        rank_zero_info(format_plan(module, plan, config.tp, state.shards))
+        rank_zero_info(_plan_table(module, state, config.tp))
     if print_plan and state.stages is not None:
         rank_zero_info(format_partition(state.stages.partition, dims.pp))
     if print_plan and state.recomputed:
         rank_zero_info(f"Activation checkpointing: {len(state.recomputed)} blocks of this rank recomputed in backward "
                        f"({state.recomputed[0]}..{state.recomputed[-1]})")
     return state
+
+
+def _plan_table(module: nn.Module, state: ParallelState, tp: int) -> str:
+    """The plan table of the whole model: under a pipeline each rank knows only its stages' modules, so every pp
+    rank's rows are gathered (an object collective over the pp group, once at setup)."""
+    part = plan_rows(module, state.plan, state.shards)
+    if state.stages is None or state.groups.pp is None:
+        return format_plan([part], tp)
+    parts: list[Any] = [None] * dist.get_world_size(state.groups.pp)
+    dist.all_gather_object(parts, part, group=state.groups.pp)
+    return format_plan(parts, tp, model_params=state.stages.total_params)
 
 
 def cut(module: nn.Module, config: ParallelConfig, dims: MeshDims, *, pp_rank: int, device: torch.device,

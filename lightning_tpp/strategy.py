@@ -412,6 +412,12 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         """Which parameters tensor parallelism cut, and how (empty before setup and at tp=1)."""
         return self._state.shards if self._state is not None else ShardIndex()
 
+    @property
+    def parameter_names(self) -> dict[str, str]:
+        """Every alias of every parameter of the whole model -> its one-process name (empty before setup): the summary
+        counts a weight tied across pipeline stages once."""
+        return dict(self._state.names.canonical) if self._state is not None else {}
+
     @override
     def model_to_device(self) -> None:
         assert self.model is not None

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from lightning_tpp.checkpoint.dcp import Box, is_sharded_checkpoint, model_entry_shapes, read_model_boxes
 from lightning_tpp.checkpoint.safe_load import CheckpointMismatchError, load_or_explain
+from lightning_tpp.core.optional import require
 from lightning_tpp.core.params import ParamNames, ShardIndex
 from lightning_tpp.core.sharding import ShardSpec
 
@@ -133,11 +134,7 @@ class SafetensorsSource:
         return source
 
     def read(self, wanted: Mapping[str, Sequence[Box]]) -> tuple[str, ...]:
-        try:
-            from safetensors import safe_open
-        except ImportError as err:  # pragma: no cover - installed with transformers
-            raise ImportError("reading safetensors weights needs the safetensors package: pip install safetensors"
-                              ) from err
+        safe_open = require("safetensors", "reading safetensors weights").safe_open
 
         by_file: dict[Path, list[str]] = {}
         for key in wanted:

@@ -95,7 +95,7 @@ class _GatherFromTP(torch.autograd.Function):
         for start in range(0, rows.shape[0], step):
             piece = rows[start:start + step]
             received = piece.new_empty(size * len(piece), width)  # rank after rank
-            dist.all_gather_into_tensor(received, piece, group=group.group)
+            dist.all_gather_single(received, piece, group=group.group)
             out[start:start + len(piece)].view(len(piece), size, width).copy_(
                 received.view(size, len(piece), width).transpose(0, 1))
             del received

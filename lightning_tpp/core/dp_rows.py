@@ -99,7 +99,7 @@ class RowsOverDP:
 def _token_counts(n: int, group: ProcessGroup, size: int, device: torch.device) -> list[int]:
     mine = torch.tensor([n], dtype=torch.int64, device=device)
     out = torch.empty(size, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, mine, group=group)
+    dist.all_gather_single(out, mine, group=group)
     return out.tolist()
 
 
@@ -108,7 +108,7 @@ def _gather_rows(x: Tensor, sizes: Sequence[int], group: ProcessGroup) -> Tensor
     most = max(sizes)
     padded = x if x.shape[0] == most else torch.cat([x, x.new_zeros(most - x.shape[0], *x.shape[1:])])
     out = x.new_empty(len(sizes) * most, *x.shape[1:])
-    dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+    dist.all_gather_single(out, padded.contiguous(), group=group)
     if all(s == most for s in sizes):
         return out
     return torch.cat([out[r * most:r * most + s] for r, s in enumerate(sizes)])

@@ -27,6 +27,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_tpp.core.optional import missing, require
+
 __all__ = ["PipelineTimeline", "chrome_trace", "draw"]
 
 # one recorded batch: {"step", "batch", "schedule", "pp", "virtual", "microbatches", "ranks": [per rank:
@@ -35,8 +37,8 @@ __all__ = ["PipelineTimeline", "chrome_trace", "draw"]
 Record = dict[str, Any]
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#64B5CD", "W": "#DD8452", "receive": "#B0B0B0", "send": "#333333",
           "wait": "#E8E8E8"}
-_MATPLOTLIB = ("PipelineTimeline draws timeline.png with matplotlib, which is not installed: pip install matplotlib "
-               "(or PipelineTimeline(..., png=False) for timeline.json alone)")
+_PNG = dict(feature="PipelineTimeline drawing timeline.png", instead="or PipelineTimeline(..., png=False) for "
+            "timeline.json alone")
 
 
 class PipelineTimeline(Callback):
@@ -56,7 +58,7 @@ class PipelineTimeline(Callback):
         if not self.steps or self.steps[0] < 0:
             raise ValueError(f"steps={steps!r} must name at least one global step >= 0, e.g. steps=[10]")
         if png and importlib.util.find_spec("matplotlib") is None:
-            raise ImportError(_MATPLOTLIB)
+            raise missing("matplotlib", **_PNG)
         self.png = png
         self.records: list[Record] = []  # on rank 0
         self._t0: Optional[float] = None  # this rank's clock at the barrier before a recorded batch
@@ -200,12 +202,9 @@ def chrome_trace(records: list[Record]) -> dict[str, Any]:
 
 def draw(records: list[Record], path: str | os.PathLike[str]) -> None:
     """``timeline.png``: one panel per recorded step, one row per rank; micro-batch numbers on the actions."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
-    except ImportError as err:
-        raise ImportError(_MATPLOTLIB) from err
+    FigureCanvasAgg = require("matplotlib.backends.backend_agg", **_PNG).FigureCanvasAgg
+    Figure = require("matplotlib.figure", **_PNG).Figure
+    Patch = require("matplotlib.patches", **_PNG).Patch
     world = max(len(r["ranks"]) for r in records)
     fig = Figure(figsize=(12, 0.9 + len(records) * (0.35 * world + 0.9)), dpi=110)
     FigureCanvasAgg(fig)

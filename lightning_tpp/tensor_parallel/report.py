@@ -1,9 +1,10 @@
-"""The tensor-parallel plan as a table: what each module became and what it holds per rank; and the warning when it
-shards less than half of the blocks."""
+"""The tensor-parallel plan as a table: what each module became and what it holds per rank (every pipeline rank's
+modules, totals of the whole model); and the warning when it shards less than half of the blocks."""
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 from torch import nn
@@ -18,26 +19,61 @@ _ROW_NAMES = ("o", "wo", "o_proj", "out_proj", "out", "proj", "c_proj", "dense",
               "to_out", "dense_4h_to_h", "linear2")
 
 
-def format_plan(model: nn.Module, plan: TPPlan, tp: int, shards: ShardIndex) -> str:
-    """A table: every parallelised module, its style and parameters per rank vs in total; then the totals."""
+@dataclass(frozen=True)
+class PlanRows:
+    """One pipeline rank's part of the plan table, as plain data: under a pipeline each rank knows only the modules
+    of its own stage(s), so the parts are gathered to rank 0 (an object collective over the pp group) and printed as
+    one table for the whole model."""
+
+    rows: tuple[tuple[str, str, str, str, str], ...]  # module, type, style, params/rank, params total
+    local: int  # parameter elements this rank holds
+    whole: int  # the same parameters counted whole (before tensor parallelism cut them)
+    sharded: int  # parameter tensors cut
+    tensors: int  # parameter tensors held
+    blocks: tuple[str, ...]  # the blocks the plan found (under a pipeline each rank may see every stage's)
+    notes: tuple[str, ...]
+
+
+def plan_rows(model: nn.Module, plan: TPPlan, shards: ShardIndex) -> PlanRows:
+    """Every parallelised module of this rank, its style and parameters per rank vs in total; and this rank's sums."""
     modules = dict(model.named_modules())
-    rows = [("module", "type", "style", "params/rank", "params total")]
+    rows = []
     for name, style in plan.styles.items():
         m = modules[name]
         own = list(m.parameters(recurse=style == "mha"))
-        rows.append((name, original_class(m).__name__,
-                     style, get_human_readable_count(sum(p.numel() for p in own)),
+        rows.append((name, original_class(m).__name__, style, get_human_readable_count(sum(p.numel() for p in own)),
                      get_human_readable_count(sum(shards.full_numel(p) for p in own))))
     params = list(model.parameters())
-    local, total = sum(p.numel() for p in params), sum(shards.full_numel(p) for p in params)
-    sharded = sum(1 for p in params if p in shards)
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = [f"Tensor-parallel plan (tp={tp}): {len(plan.blocks)} blocks, {sharded} of {len(params)} parameter "
-             f"tensors sharded, the rest replicated"]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.append(f"parameters per rank: {get_human_readable_count(local)} of {get_human_readable_count(total)} "
-                 f"({local / max(total, 1):.1%})")
-    lines += [f"note: {n}" for n in plan.notes]
+    return PlanRows(tuple(rows), sum(p.numel() for p in params), sum(shards.full_numel(p) for p in params),
+                    sum(1 for p in params if p in shards), len(params), tuple(plan.blocks), tuple(plan.notes))
+
+
+def format_plan(parts: Sequence[PlanRows], tp: int, *, model_params: Optional[int] = None) -> str:
+    """A table: every parallelised module, its style and parameters per rank vs in total; then the totals.
+
+    ``parts``: one per pipeline rank (one without a pipeline); with several, a ``pp rank`` column says who holds
+    each module, and the totals compare what each pp rank holds with the whole model's ``model_params``."""
+    head = ("module", "type", "style", "params/rank", "params total")
+    staged = len(parts) > 1
+    rows = [(("pp rank",) if staged else ()) + head]
+    rows += [((str(r),) if staged else ()) + row for r, part in enumerate(parts) for row in part.rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    sharded, tensors = sum(p.sharded for p in parts), sum(p.tensors for p in parts)
+    lines = [f"Tensor-parallel plan (tp={tp}): {len({b for p in parts for b in p.blocks})} blocks, {sharded} of {tensors} "
+             f"parameter tensors sharded, the rest replicated"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    count = get_human_readable_count
+    if not staged:
+        local, whole = parts[0].local, model_params if model_params is not None else parts[0].whole
+        lines.append(f"parameters per rank: {count(local)} of {count(whole)} ({local / max(whole, 1):.1%})")
+    else:
+        whole = model_params if model_params is not None else sum(p.whole for p in parts)
+        most = max(p.local for p in parts)
+        held = ", ".join(f"{count(p.local)} on pp rank {r}" for r, p in enumerate(parts))
+        lines.append(f"parameters per rank: {held}, of {count(whole)} in the model ({most / max(whole, 1):.1%} at "
+                     f"most)")
+    notes = dict.fromkeys(n for p in parts for n in p.notes)
+    lines += [f"note: {n}" for n in notes]
     return "\n".join(lines)
 
 

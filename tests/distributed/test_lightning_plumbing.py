@@ -44,6 +44,14 @@ def test_model_summary_counts_whole_model(plumbing) -> None:
     _, ranks = plumbing
     expected = sum(p.numel() for p in LitLM("nanogpt").parameters())
     assert all(r["summary_total"] == expected for r in ranks)
+    from lightning.pytorch.utilities.model_summary import summarize
+    from worker_plumbing import PlumbingLM
+
+    for depth in (1, -1):  # the model's own classes (not the tensor-parallel swaps) and whole counts on every row
+        s = summarize(PlumbingLM(), max_depth=depth)
+        rows = list(zip(s.layer_names, s.layer_types, s.param_nums))
+        for rank, r in enumerate(ranks):
+            assert r["summary_rows"][depth] == rows, (depth, rank, set(r["summary_rows"][depth]) ^ set(rows))
 
 
 def test_checkpoint_loads_in_one_process_and_predicts_the_same(plumbing, tmp_path: Path) -> None:
@@ -74,3 +82,13 @@ def test_tied_embedding_and_head_stay_one_vocab_parallel_parameter(plumbing) -> 
     _, ranks = plumbing
     assert all(r["tied"] for r in ranks)
     assert all(r["wte_local_shape"] == (32, 32) for r in ranks)  # vocab 64 split over tp=2
+
+
+def test_cpu_ranks_return_freed_blocks(plumbing) -> None:
+    """The strategy fixed glibc's mmap threshold on its CPU ranks, once (core/heap.py); no-op without glibc."""
+    import platform
+    import sys
+
+    _, ranks = plumbing
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert all(r["heap"] == ("set" if glibc else "unavailable", 1) for r in ranks), [r["heap"] for r in ranks]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.utilities.model_summary import summarize
 
 from launch import ROOT, run_ranks
 from models import token_dataset
@@ -17,9 +18,11 @@ from models import token_dataset
 def pp_run(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[tuple[int, int, int], list[dict]]:
     tp, pp, dp = request.param
     out = tmp_path_factory.mktemp("pp_plumbing")
-    run_ranks(ROOT / "tests" / "distributed" / "worker_pp_plumbing.py", tp * pp * dp,
-              [str(out), str(tp), str(pp), str(dp)], timeout=400).check()
-    return request.param, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(tp * pp * dp)]
+    run = run_ranks(ROOT / "tests" / "distributed" / "worker_pp_plumbing.py", tp * pp * dp,
+                    [str(out), str(tp), str(pp), str(dp)], timeout=400).check()
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(tp * pp * dp)]
+    ranks[0]["output"] = run.outputs[0]
+    return request.param, ranks
 
 
 def test_logged_values_identical_on_every_stage(pp_run) -> None:
@@ -60,9 +63,28 @@ def test_summary_and_stage_state_dicts(pp_run) -> None:
     full = PipeLM()
     expected_keys = set(full.state_dict())
     assert all(r["summary_total"] == sum(p.numel() for p in full.parameters()) for r in ranks)
+    for depth in (1, -1):  # the model's own classes and whole counts on every row, other stages' modules included
+        s = summarize(full, max_depth=depth)
+        rows = list(zip(s.layer_names, s.layer_types, s.param_nums))
+        for rank, r in enumerate(ranks):
+            assert r["summary_rows"][depth] == rows, (depth, rank, set(r["summary_rows"][depth]) ^ set(rows))
     union = set()
     for r in ranks:
         assert set(r["state_keys"]) <= expected_keys  # a stage's keys keep the single-device names
         assert len(r["state_keys"]) < len(expected_keys)  # and other stages' parameters are gone
         union |= set(r["state_keys"])
     assert union == expected_keys
+
+
+def test_plan_table_is_the_whole_models(pp_run) -> None:
+    """Under tp x pp rank 0's plan table lists both pipeline ranks' modules and compares with the model's total."""
+    from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
+    from worker_pp_plumbing import PipeLM
+
+    (tp, pp, dp), ranks = pp_run
+    if tp == 1:
+        pytest.skip("no tensor-parallel plan at tp=1")
+    table = ranks[0]["output"].split("Tensor-parallel plan")[1].split("Pipeline partition")[0]
+    assert "\n0  " in table and "\n1  " in table, table  # rows of pp rank 0 and of pp rank 1
+    total = get_human_readable_count(sum(p.numel() for p in PipeLM().parameters()))
+    assert f"of {total} in the model" in table, table

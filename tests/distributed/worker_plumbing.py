@@ -13,6 +13,7 @@ import torchmetrics
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ModelSummary
 
 from lightning_tpp import TensorPipeStrategy
+from lightning_tpp.core.heap import return_freed_blocks
 from models import VOCAB, LitLM, token_dataset
 
 
@@ -34,6 +35,17 @@ class PlumbingLM(LitLM):
 
     def on_train_start(self) -> None:
         self.gathered = self.all_gather(torch.tensor([float(self.global_rank)]))
+
+
+def summary_rows(callback: ModelSummary, trainer: L.Trainer, model: L.LightningModule) -> dict[int, list]:
+    """(name, type, parameters) of each row of the user's summary callback, at depth 1 and at every depth."""
+    rows = {}
+    for depth in (1, -1):
+        callback._max_depth = depth
+        s = callback._summary(trainer, model)
+        rows[depth] = list(zip(s.layer_names, s.layer_types, s.param_nums))
+    callback._max_depth = 1
+    return rows
 
 
 def main() -> None:
@@ -61,6 +73,8 @@ def main() -> None:
         "n_preds": len(preds),
         "gathered": model.gathered,
         "summary_total": summary._summary(trainer, model).total_parameters,
+        "summary_rows": summary_rows(summary, trainer, model),
+        "heap": (return_freed_blocks(), return_freed_blocks.cache_info().misses),
         "best": ckpt.best_model_path,
         "tied": model.model.transformer.wte.weight is model.model.lm_head.weight,
         "wte_local_shape": tuple(model.model.transformer.wte.weight.shape),

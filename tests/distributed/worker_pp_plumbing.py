@@ -44,6 +44,17 @@ class PipeLM(LitLM):
         self.log("test_loss", F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1)), sync_dist=True)
 
 
+def summary_rows(callback: ModelSummary, trainer: L.Trainer, model: L.LightningModule) -> dict[int, list]:
+    """(name, type, parameters) of each row of the user's summary callback, at depth 1 and at every depth."""
+    rows = {}
+    for depth in (1, -1):
+        callback._max_depth = depth
+        s = callback._summary(trainer, model)
+        rows[depth] = list(zip(s.layer_names, s.layer_types, s.param_nums))
+    callback._max_depth = 1
+    return rows
+
+
 def main() -> None:
     out, tp, pp, dp = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     rank = int(os.environ["LOCAL_RANK"])
@@ -65,6 +76,7 @@ def main() -> None:
         "test": trainer.test(model, val, verbose=False),
         "preds": trainer.predict(model, val),
         "summary_total": summary._summary(trainer, model).total_parameters,
+        "summary_rows": summary_rows(summary, trainer, model),
         "last": ckpt.last_model_path,
         "state_keys": sorted(model.state_dict()),
     }

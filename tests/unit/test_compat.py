@@ -438,3 +438,37 @@ def test_transformers_output_capturing_names() -> None:
         assert len(hf_output_collector()["router_logits"]) == 1
     finally:
         output_capturing._active_collector.reset(token)
+
+
+def _torch_names_used(tree: ast.AST) -> set[tuple[str, str]]:
+    """(module, name) of every ``dist.X``/``torch.distributed.X`` attribute and ``from torch... import X`` in a file."""
+    aliases = {"dist": "torch.distributed"}
+    used: set[tuple[str, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            used |= {(node.module, a.name) for a in node.names}
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.asname and a.name.startswith("torch")})
+        elif isinstance(node, ast.Attribute):
+            base = ast.unparse(node.value)
+            if base in aliases or base.startswith("torch"):
+                used.add((aliases.get(base, base), node.attr))
+    return used
+
+
+def test_no_deprecated_torch_call_of_our_own() -> None:
+    """No torch function marked ``@deprecated`` (``all_gather_into_tensor``, ``reduce_scatter_tensor`` in torch 2.13)
+    is called by lightning_tpp: each would print a ``FutureWarning`` in the user's output."""
+    import importlib
+
+    root = Path(_compat.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for module, name in _torch_names_used(ast.parse(path.read_text())):
+            try:
+                obj = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError):
+                continue
+            if getattr(obj, "__deprecated__", None):
+                found.append(f"{path.relative_to(root)}: {module}.{name}: {obj.__deprecated__}")
+    assert not found, "\n".join(found)

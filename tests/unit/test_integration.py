@@ -102,3 +102,44 @@ def test_launcher_hands_whole_weights_through_a_removed_hook(monkeypatch: Any) -
     assert launcher.collect_rank_zero_results(Trainer(), "results") == "results"
     assert seen.keys() == full.keys() and seen["weight"].shape == (4, 2)
     assert module.state_dict()["weight"].shape == (2, 2)  # the hook is gone
+
+
+# --- the newcomer's view: the summary shows the model's own classes and whole counts (issue #30, item 6) ---
+
+def _summary_rows(summary: Any) -> list[tuple[str, str, int]]:
+    return list(zip(summary.layer_names, summary.layer_types, summary.param_nums))
+
+
+def test_summary_rows_show_the_models_classes_and_other_stages_modules() -> None:
+    """A swapped class shows its original name, and another stage's stand-in shows the module it stands for, with
+    the counts of its meta twin: the rows are one process's, at every depth."""
+    from lightning.pytorch.utilities.model_summary import summarize
+
+    from lightning_tpp.core.swap import swap_class
+    from lightning_tpp.pipeline.stage import StageRuntime, Unit, _RemoteModule, meta_twin
+
+    class Mixin:
+        pass
+
+    def build() -> L.LightningModule:
+        torch.manual_seed(0)
+        model = L.LightningModule()
+        model.emb = nn.Embedding(10, 4)
+        model.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)) for _ in range(2))
+        model.head = nn.Linear(4, 10)
+        return model
+
+    one, cut = build(), build()
+    swap_class(cut.emb, Mixin)
+    swap_class(cut.blocks[0][0], Mixin)
+    runtime = StageRuntime(torch.device("cpu"))
+    runtime.units = [Unit("blocks.1", 1), Unit("head", 1, "post")]
+    cut.blocks[1] = _RemoteModule(meta_twin(one.blocks[1]), runtime, unit=0)
+    cut.head = _RemoteModule(meta_twin(one.head), runtime, unit=1)
+    assert type(cut.emb).__name__ == "Mixin[Embedding]"
+    for depth in (1, 2, -1):
+        expected = summarize(one, max_depth=depth)
+        got = ShardedModelSummary(cut, max_depth=depth)
+        assert _summary_rows(got) == _summary_rows(expected), depth
+        assert got.total_parameters == expected.total_parameters
+        assert got.total_training_modes == expected.total_training_modes

@@ -259,3 +259,16 @@ def test_fused_attention_keeps_no_probabilities() -> None:
     short = estimate_memory(llama, tp=1, pp=1, batch_size=1, seq_len=256).ranks[0].activations
     long = estimate_memory(llama, tp=1, pp=1, batch_size=1, seq_len=512).ranks[0].activations
     assert long == pytest.approx(2 * short, rel=0.05)
+
+
+def test_cli_plan_without_transformers_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A Hugging Face config.json on a machine without transformers: the install command, no traceback."""
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="llama")))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now fails
+    assert main(["plan", str(tmp_path / "config.json"), "--batch-size", "8", "--seq-len", "32"]) == 1
+    err = capsys.readouterr().err
+    assert "needs transformers, which is not installed: pip install transformers" in err
+    assert "Traceback" not in err

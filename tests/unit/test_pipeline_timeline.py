@@ -67,3 +67,12 @@ def test_missing_matplotlib_says_how_to_install(monkeypatch: pytest.MonkeyPatch)
 def test_steps_must_be_given() -> None:
     with pytest.raises(ValueError, match=r"steps=\[\] must name at least one global step >= 0, e.g. steps=\[10\]"):
         PipelineTimeline("out", steps=[])
+
+
+def test_drawing_without_matplotlib_says_how_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # the import inside draw() fails
+    with pytest.raises(ModuleNotFoundError, match=r"timeline.png needs matplotlib, which is not installed: pip "
+                                                  r"install matplotlib \(or PipelineTimeline\(\.\.\., png=False\)"):
+        draw([_record()], tmp_path / "timeline.png")

@@ -727,3 +727,22 @@ def test_warning_when_every_block_is_partly_sharded() -> None:
     assert message is not None
     assert "every block is only partly sharded" in message and "for blocks.0 (_PartlyCutBlock)" in message
     assert "blocks.0: 8.2 K parameters left whole" in message
+
+
+# --- the newcomer's view: the plan table of the whole model under a pipeline (issue #30, item 6) ---
+
+def test_plan_table_lists_every_pp_rank_with_the_models_total() -> None:
+    """Under pp each rank knows only its stage: the table holds every pp rank's modules (a ``pp rank`` column) and
+    compares what each holds with the whole model's parameters, not with stage 0's."""
+    from lightning_tpp.tensor_parallel.report import PlanRows, format_plan
+
+    first = PlanRows((("wte", "Embedding", "vocab", "4.1 K", "8.2 K"),), 111_000, 214_000, 7, 14, ("b.0", "b.1"), ("a note",))
+    last = PlanRows((("lm_head", "Linear", "colwise", "4.1 K", "8.2 K"),), 105_000, 207_000, 7, 12, ("b.0", "b.1"), ("a note",))
+    table = format_plan([first, last], 2, model_params=413_000)
+    assert re.search(r"^pp rank\s+module\s+type", table, re.M)
+    assert re.search(r"^0\s+wte\s+Embedding\s+vocab", table, re.M) and re.search(r"^1\s+lm_head\s+Linear", table, re.M)
+    assert "2 blocks, 14 of 26 parameter tensors sharded" in table
+    assert table.count("note: a note") == 1
+    assert "parameters per rank: 111 K on pp rank 0, 105 K on pp rank 1, of 413 K in the model (26.9% at most)" in table
+    one = format_plan([first], 2)
+    assert "pp rank" not in one and "parameters per rank: 111 K of 214 K (51.9%)" in one

@@ -246,3 +246,17 @@ def test_weights_are_part_of_the_strategy_configuration() -> None:
     a = TensorPipeStrategy()._config()
     b = TensorPipeStrategy(weights="w.safetensors", weights_prefix="model.")._config()
     assert {k for k in a if a[k] != b[k]} == {"_weights", "_weights_prefix"}
+
+
+def test_safetensors_without_the_package_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    import sys
+
+    from lightning_tpp.checkpoint.weights import SafetensorsSource
+
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    source = SafetensorsSource.file(tmp_path / "model.safetensors")  # headers read without the package
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    with pytest.raises(ModuleNotFoundError, match="reading safetensors weights needs safetensors, which is not "
+                                                  "installed: pip install safetensors"):
+        source.read({"w": [((), (), torch.empty(2))]})
