@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from launch import ROOT, run_ranks
@@ -56,3 +57,32 @@ def test_moe_pp2_microbatches_equal_accumulation(tmp_path: Path) -> None:
         ref = train(name, batch_size=2, accumulate=2)
         ref.losses = torch.tensor(ref.losses).view(-1, 2).sum(dim=1).tolist()  # each half's loss, recorded / 2
         assert_parity(got, ref, where=f"{name} pp=2 m=2 vs accumulation over 2")
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])
+def test_moe_checkpoint_resumes_across_layouts(tmp_path: Path, sharded: bool) -> None:
+    """Mixtral's 3-D expert banks saved at tp=2 (a whole file, or DCP shards consolidated by ``lightning-tpp
+    consolidate``) resume in one process without the strategy: the steps after the resume equal an uninterrupted
+    run's, momentum included, and the file holds the model's own names and shapes."""
+    from lightning_tpp import consolidate
+    from worker_resume import run
+
+    name, ckpt = "hf_mixtral_labels", tmp_path / "run.ckpt"
+    reference = []
+    for phase in ("first", "second"):
+        run(tmp_path, phase, 0, 0, tmp_path / "plain.ckpt", model=name)
+        reference.append(load_record(tmp_path / f"{phase}.rank0.pt"))
+    run_ranks(ROOT / "tests" / "distributed" / "worker_resume.py", 2,
+              [str(tmp_path), "first", "2", "1", str(ckpt), "sharded" if sharded else "whole", "sgdm", "1", name],
+              timeout=300).check()
+    assert_parity(load_record(tmp_path / "first.rank0.pt"), reference[0], where="tp=2 first phase")
+    if sharded:
+        consolidate(ckpt, tmp_path / "single.ckpt")
+        ckpt = tmp_path / "single.ckpt"
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    bank = "model.model.model.layers.0.mlp.experts"
+    assert tuple(state[f"{bank}.gate_up_proj"].shape) == (4, 128, 32) and tuple(state[f"{bank}.down_proj"].shape) == (
+        4, 32, 64)
+    run(tmp_path, "second", 0, 0, ckpt, model=name)
+    assert_parity(load_record(tmp_path / "second.rank0.pt"), reference[1], rtol=1e-5, atol=1e-5,
+                  where="tp=2 -> one process")

@@ -2,8 +2,9 @@
 
     python worker_resume.py OUT first  TP PP CKPT   # 1 epoch (3 steps), then save CKPT
     python worker_resume.py OUT second TP PP CKPT   # resume from CKPT for a second epoch (steps 4-6)
-    ... [sharded|whole] [OPTIMIZER] [DP]            # save as a torch.distributed.checkpoint folder; sgdm or adafactor;
-                                                    # DP replicas (FSDP2-sharded), each reading every batch
+    ... [sharded|whole] [OPTIMIZER] [DP] [MODEL]    # save as a torch.distributed.checkpoint folder; sgdm or adafactor;
+                                                    # DP replicas (FSDP2-sharded), each reading every batch; a MODELS
+                                                    # name (default nanogpt4)
 """
 
 from __future__ import annotations
@@ -44,4 +45,5 @@ def run(out: Path, phase: str, tp: int, pp: int, ckpt: Path, model: str = "nanog
 if __name__ == "__main__":
     out, phase, tp, pp, ckpt = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
     run(out, phase, tp, pp, ckpt, sharded=len(sys.argv) > 6 and sys.argv[6] == "sharded",
-        optimizer=sys.argv[7] if len(sys.argv) > 7 else "sgdm", dp=int(sys.argv[8]) if len(sys.argv) > 8 else 1)
+        optimizer=sys.argv[7] if len(sys.argv) > 7 else "sgdm", dp=int(sys.argv[8]) if len(sys.argv) > 8 else 1,
+        model=sys.argv[9] if len(sys.argv) > 9 else "nanogpt4")
