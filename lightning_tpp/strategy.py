@@ -57,6 +57,8 @@ from lightning_tpp.parallel_state import (Materialization, ParallelConfig, Paral
                                          shard_state_over_dp)
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.metrics import PipelineMetrics
+from lightning_tpp.experts import find_experts
+from lightning_tpp.integration.expert_load import ExpertLoad
 from lightning_tpp.pipeline.auto import AUTO as AUTO_SCHEDULE
 from lightning_tpp.pipeline.auto import settle_auto
 from lightning_tpp.pipeline.schedule import ScheduleLike
@@ -234,6 +236,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             raise TypeError(f"pipeline_metrics={pipeline_metrics!r} must be True or False")
         self._pipeline_metrics = pipeline_metrics
         self._metrics: Optional[PipelineMetrics] = None
+        self._expert_load: Optional[ExpertLoad] = None  # tokens per expert, logged under moe/
         self._signal_report: Optional[SignalReport] = None
         self._watch: Optional[FailureWatch] = None
         self._skip_backward = False
@@ -352,6 +355,10 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         coords = self.dims.coords(self.global_rank)
         self._metrics = PipelineMetrics(self._engine, coords=coords, tp=self.dims.tp) \
             if self._pipeline_metrics and self._engine is not None else None
+        layers = find_experts(self.lightning_module) if self.lightning_module is not None else []
+        if self._expert_load is not None:
+            self._expert_load.remove()
+        self._expert_load = ExpertLoad(self.lightning_module, layers, counts=coords["tp"] == 0) if layers else None
         if self._watch is not None:
             engine = self._engine
             label = f"rank {self.global_rank} {coords}"
@@ -448,6 +455,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             *args, **kwargs)
         if self._metrics is not None and self.lightning_module is not None:
             self._metrics.after_step(self.lightning_module, args[0], args[1] if len(args) > 1 else None)
+        if self._expert_load is not None and self.lightning_module is not None:
+            self._expert_load.after_step(self.lightning_module, args[1] if len(args) > 1 else None)
         if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
             return out  # the loss was checked where it met manual_backward (see backward)
         loss = out.get("loss") if isinstance(out, dict) else out

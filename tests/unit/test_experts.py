@@ -123,3 +123,36 @@ def test_intermediate_width_not_divisible() -> None:
     with pytest.raises(ExpertParallelConfigError, match=r"tp=4 must divide the intermediate width 6 of every expert "
                                                         r"of experts .*tp_plan=\{'experts': 'replicate'\}"):
         shard_banks(moe, find_experts(moe), TPGroup(None, 0, 4), ShardIndex(), verify=False)
+
+
+def test_tokens_per_expert_are_logged(tmp_path) -> None:
+    """``moe/`` values through the Trainer's loggers: every routed token counted once per expert it went to (top-2
+    of 4 experts: 2 x 4 x 16 tokens a step), for a bank (counted from its expert indices) and a list of experts
+    (from the rows each expert receives)."""
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_tpp import TensorPipeStrategy
+    from models import LitLM, token_dataset
+
+    for name, layer in [("hf_mixtral_labels", "model.model.model.layers.1.mlp"), ("list_moe", "model.blocks.1.moe")]:
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=TensorPipeStrategy(), max_steps=2,
+                            log_every_n_steps=1, logger=CSVLogger(tmp_path, name=name), enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(LitLM(name), torch.utils.data.DataLoader(token_dataset(8), batch_size=4))
+        metrics = trainer.callback_metrics
+        counts = [float(metrics[f"moe/{layer}/expert{e}"]) for e in range(4)]
+        assert sum(counts) == 2 * 4 * 16, (name, counts)
+        assert float(metrics[f"moe/{layer}/imbalance"]) == pytest.approx(max(counts) / (sum(counts) / 4))
+        assert float(metrics["moe/imbalance"]) >= float(metrics[f"moe/{layer}/imbalance"])
+        assert float(metrics[f"moe/{layer}/idle_experts"]) == sum(c == 0 for c in counts)
+
+
+def test_summarize_sums_the_ranks_that_counted() -> None:
+    from lightning_tpp.integration.expert_load import summarize
+
+    values = summarize([{"a": [1, 3]}, {}, {"a": [1, 1], "b": [0, 4]}])  # a rank that did not count sends {}
+    assert values["moe/a/expert0"] == 2 and values["moe/a/expert1"] == 4
+    assert values["moe/a/imbalance"] == pytest.approx(4 / 3) and values["moe/b/idle_experts"] == 1
+    assert values["moe/imbalance"] == pytest.approx(2.0)
+    assert summarize([{}, {}]) == {}
