@@ -33,7 +33,7 @@ __all__ = [
     "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType", "SubprocessScriptLauncher",
     "SummaryCallbackAdapter", "all_gather_ddp_if_available", "collect_rng_states", "dcp_metadata_path",
     "default_store", "distributed_is_initialized", "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now",
-    "fsdp_sharded_params", "fsdp_state", "get_layout", "init_dist_connection",
+    "fsdp_sharded_params", "fsdp_state", "get_layout", "in_backward", "init_dist_connection",
     "optimizer_to_device", "optimizers_to_device", "requested_weights_only", "set_rank_zero", "set_rng_states",
     "sync_ddp_if_available", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_dense_tensors",
 ]
@@ -57,6 +57,11 @@ flatten_dense_tensors = _flatten_dense_tensors
 unflatten_dense_tensors = _unflatten_dense_tensors
 StorageInfo = _StorageInfo  # a class pickled into DCP's ``.metadata``: the safe unpickler must admit it
 get_layout = _get_layout  # ``torch.serialization._get_layout``: pickled into DCP metadata (name -> torch.layout)
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (a checkpointed block recomputing its forward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def enclosing_saved_tensors_hooks() -> Optional[tuple[Any, Any]]:
