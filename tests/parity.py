@@ -4,6 +4,7 @@ per-step losses, per-parameter gradients (by original name) and the updated para
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ class Record:
     params: dict[str, Tensor] = field(default_factory=dict)
     logged: dict[str, float] = field(default_factory=dict)
     local_fraction: float = 1.0  # this rank's parameter elements / the whole model's (tensor-parallel shards)
+    rng: list[str] = field(default_factory=list)  # where the user's CPU generator stands after each step (a digest)
 
 
 def _full(t: Tensor, p: Tensor, trainer: L.Trainer) -> Tensor:
@@ -48,6 +50,7 @@ class Recorder(Callback):
                            batch_idx: int) -> None:
         loss = outputs["loss"].detach().float().clone()
         self.record.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
+        self.record.rng.append(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16])
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self.record.grads.append({n: _full(p.grad, p, trainer)

@@ -214,10 +214,12 @@ class _ParallelMultiheadAttention:
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                  is_causal=is_causal and mask is None)
-        out = mha.out_proj(out.transpose(1, 2).reshape(b, t, h * hd))
+        # (t, b, width) in memory, then viewed as torch's layer returns it: what follows sees torch's strides (a
+        # dropout over the output draws its mask in memory order, so that order decides which elements it drops)
+        out = mha.out_proj(out.permute(2, 0, 1, 3).reshape(t, b, h * hd))
         if unbatched:
-            out = out.squeeze(0)
+            out = out.squeeze(1)
             weights = weights.squeeze(0) if weights is not None else None
-        elif not mha.batch_first:
+        elif mha.batch_first:
             out = out.transpose(0, 1)
         return out, weights
