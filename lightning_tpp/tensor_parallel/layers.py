@@ -214,12 +214,12 @@ class _ParallelMultiheadAttention:
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                  is_causal=is_causal and mask is None)
-        # (t, b, width) in memory, then viewed as torch's layer returns it: what follows sees torch's strides (a
-        # dropout over the output draws its mask in memory order, so that order decides which elements it drops)
-        out = mha.out_proj(out.permute(2, 0, 1, 3).reshape(t, b, h * hd))
+        out = mha.out_proj(out.transpose(1, 2).reshape(b, t, h * hd))
         if unbatched:
-            out = out.squeeze(1)
+            out = out.squeeze(0)
             weights = weights.squeeze(0) if weights is not None else None
-        elif mha.batch_first:
-            out = out.transpose(0, 1)
+        else:  # torch's layer returns (t, b, width) in memory, viewed (b, t, width) when batch_first: a dropout over
+            # the output draws its mask in memory order, so the strides decide which elements it drops
+            out = out.transpose(0, 1).contiguous()
+            out = out.transpose(0, 1) if mha.batch_first else out
         return out, weights
