@@ -73,9 +73,9 @@ class OwnStream:
     _calls: dict[tuple[str, bytes], int] = field(default_factory=dict)
 
     def start_step(self, step: int) -> None:
-        if step != self.step:
-            self.step = step
-            self._calls.clear()
+        """A training batch begins (``step``: its index over the run, from the Trainer's progress)."""
+        self.step = step
+        self._calls.clear()  # (a second fit starts at batch 0 again: the calls of the first one are not this one's)
 
     def enter(self, block: str, device: torch.device, *, recomputing: bool) -> tuple[Any, ...]:
         """The key of this call of ``block``: a block called twice from one random state (weight sharing, a model
