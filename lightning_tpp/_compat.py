@@ -37,7 +37,7 @@ __all__ = [
     "SummaryCallbackAdapter", "all_gather_ddp_if_available", "collect_rng_states", "dcp_metadata_path",
     "default_store", "distributed_is_initialized", "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now",
     "fsdp_sharded_params", "fsdp_state", "get_layout", "hf_install_output_hook", "hf_output_collector",
-    "init_dist_connection", "layer_sync_requested", "optimizer_to_device", "optimizers_to_device",
+    "in_backward", "init_dist_connection", "layer_sync_requested", "optimizer_to_device", "optimizers_to_device",
     "requested_weights_only", "set_rank_zero", "set_rng_states",
     "sync_ddp_if_available", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_dense_tensors",
 ]
@@ -69,6 +69,11 @@ def layer_sync_requested(strategy: Any) -> bool:
     """``Trainer(sync_batchnorm=True)``: the accelerator connector sets a ``ParallelStrategy``'s ``_layer_sync`` (what
     DDP/FSDP apply in their setup); no public accessor."""
     return getattr(strategy, "_layer_sync", None) is not None
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (a checkpointed block recomputing its forward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def enclosing_saved_tensors_hooks() -> Optional[tuple[Any, Any]]:

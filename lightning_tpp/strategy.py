@@ -331,11 +331,12 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
                                 activation_checkpointing=self._activation_checkpointing,
                                 loss_parallel=self._loss_parallel, sequence_parallel=self._sequence_parallel)
         groups = ProcessGroups(self._mesh, self._tp_group, self._pp_group, self._dp_group)
+        self._tp_group.stream.seed = seed = self._agreed_seed()  # the strategy's own draws derive from it
         meta = None
         if on_meta:  # what a weights file fills is only allocated (strict or not, the rest is initialised)
             loaded = covered_names(self._weights, names=ParamNames.of(module), prefix=self._weights_prefix) \
                 if self._weights is not None else frozenset()
-            meta = Materialization(self.root_device, self._agreed_seed(), loaded)
+            meta = Materialization(self.root_device, seed, loaded)
         state = build_state(module, config, self.dims, groups, rank=self.global_rank, device=self.root_device,
                             print_plan=self._print_plan, meta=meta)
         state.config = self._config()
@@ -368,7 +369,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
                 self._signal_report.install()
 
     def _agreed_seed(self) -> int:
-        """The seed a meta-built model is initialised from: rank 0's (``seed_everything``'s on every rank)."""
+        """The seed a meta-built model is initialised from, and the strategy's own random stream: rank 0's
+        (``seed_everything``'s on every rank)."""
         seed = torch.tensor([torch.initial_seed() % (2 ** 63)], dtype=torch.int64, device=self.root_device)
         if dist.is_available() and dist.is_initialized():
             dist.broadcast(seed, src=0)
@@ -451,6 +453,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._skip_manual_steps = False
+        if self.lightning_module is not None:  # the strategy's own random stream moves on per training batch
+            self._tp_group.stream.start_step(self.lightning_module.trainer.fit_loop.total_batch_idx)
         out = super().training_step(*args, **kwargs) if self._engine is None else self._pipeline_training_step(
             *args, **kwargs)
         if self._metrics is not None and self.lightning_module is not None:

@@ -599,6 +599,25 @@ class ListMoEBlock(nn.Module):
 
 class ListMoELM(nn.Module):
     """A decoder whose blocks carry the running load-balancing loss beside the stream; returns (logits, aux)."""
+# ---- the user's random numbers (issue #30 item 7): a DiT-style denoiser whose training_step draws timesteps and ---
+# ---- noise (LitLM's "_noisy" names), with dropout over replicated values inside its blocks ------------------------
+class DropAdaLNBlock(AdaLNBlock):
+    """adaLN block with dropout on both residual branches (replicated under tp: drawn from the user's stream)."""
+
+    def __init__(self, dim: int, heads: int, p: float = 0.1) -> None:
+        super().__init__(dim, heads)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.modulation(c).unsqueeze(1).chunk(2, dim=-1)
+        h = self.norm(x) * (1 + scale) + shift
+        x = x + self.drop(self.attn(h, h, h, attn_mask=mask, need_weights=False)[0])
+        return x + self.drop(self.mlp(self.norm(x) * (1 + scale) + shift))
+
+
+class NoisyDiT(nn.Module):
+    """Token embeddings noised at a timestep (a cosine schedule), conditioned on the timestep's sinusoidal features
+    through an MLP; ``t`` and ``noise`` come from the caller (the step draws them), none at inference."""
 
     def __init__(self, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS, n_layers: int = LAYERS) -> None:
         super().__init__()
@@ -644,6 +663,24 @@ class TinyResNet(nn.Module):
         pixels = (idx.float() / VOCAB).view(idx.shape[0], 1, 4, 4)
         x = self.blocks(F.relu(self.bn(self.norm(self.stem(pixels)))))
         return self.head(x.mean(dim=(2, 3)))  # (batch, VOCAB): one class per image
+        self.t_mlp = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.blocks = nn.ModuleList([DropAdaLNBlock(dim, heads) for _ in range(n_layers)])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor, t: torch.Tensor | None = None, noise: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        x = self.embed(idx)
+        t = torch.zeros(idx.shape[0], device=idx.device) if t is None else t.float()
+        if noise is not None:
+            a = torch.cos(t / 1000 * math.pi / 2).view(-1, 1, 1)
+            x = a * x + (1 - a ** 2).sqrt() * noise
+        half = x.shape[-1] // 2
+        freqs = torch.exp(-math.log(1e4) * torch.arange(half, device=idx.device) / half)
+        c = self.t_mlp(torch.cat([torch.cos(t[:, None] * freqs), torch.sin(t[:, None] * freqs)], dim=-1))
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], device=idx.device)
+        for block in self.blocks:
+            x = block(x, c, mask)
+        return self.head(x)
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
@@ -687,6 +724,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "list_moe": ListMoELM,
     # batch statistics under micro-batching (issue #30 item 4)
     "resnet": TinyResNet,
+    # the user's random numbers (issue #30 item 7)
+    "dit_noisy": NoisyDiT,
 }
 
 
@@ -712,6 +751,10 @@ class LitLM(L.LightningModule):
             x, y = x[:, :SEQ - 4 * (batch_idx % 2)], y[:, :SEQ - 4 * (batch_idx % 2)]
         if self.hparams.name.endswith("_labels"):  # the Hugging Face model computes the loss in its forward
             loss = self.model.model(input_ids=x, labels=x).loss
+        elif self.hparams.name.endswith("_noisy"):  # a diffusion model's draws, in the step, from the global stream
+            t = torch.randint(0, 1000, (x.shape[0],), device=x.device)
+            noise = torch.randn(*x.shape, self.model.embed.embedding_dim, device=x.device)
+            loss = F.cross_entropy(self.model(x, t=t, noise=noise).reshape(-1, VOCAB), y.reshape(-1))
         else:
             out = self(x)  # a classifier (the vision transformer) predicts the first target of each sequence
             out, aux = out if isinstance(out, tuple) else (out, 0.0)  # a model that returns its auxiliary loss

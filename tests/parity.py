@@ -4,6 +4,7 @@ per-step losses, per-parameter gradients (by original name) and the updated para
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ class Record:
     local_fraction: float = 1.0  # this rank's parameter elements / the whole model's (tensor-parallel shards)
     # running statistics of normalisation layers (running_mean/var, num_batches_tracked) after each step
     buffers: list[dict[str, Tensor]] = field(default_factory=list)
+    rng: list[str] = field(default_factory=list)  # where the user's CPU generator stands after each step (a digest)
 
 
 RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
@@ -55,6 +57,7 @@ class Recorder(Callback):
         self.record.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
         self.record.buffers.append({n: b.detach().double().clone() for n, b in pl_module.named_buffers()
                                     if n.rpartition(".")[2] in RUNNING_STATS})
+        self.record.rng.append(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16])
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self.record.grads.append({n: _full(p.grad, p, trainer)

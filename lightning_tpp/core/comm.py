@@ -22,16 +22,19 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_tpp.core.seeding import OwnStream
 from lightning_tpp.core.sharding import ShardSpec, unshard_tensor
 
 
 @dataclass
 class TPGroup:
-    """The tensor-parallel process group of this rank (``group=None`` means a single process)."""
+    """The tensor-parallel process group of this rank (``group=None`` means a single process), and the strategy's
+    own random stream for dropout over its shards."""
 
     group: Optional[ProcessGroup]
     rank: int
     size: int
+    stream: OwnStream = field(default_factory=OwnStream, compare=False, repr=False)
 
 
 def _all_reduce(t: Tensor, group: TPGroup) -> Tensor:

@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from lightning.fabric.utilities.seed import reset_seed
 from typing_extensions import override
 
 from lightning_tpp._compat import default_store, init_dist_connection, set_rank_zero
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.heap import return_freed_blocks
 from lightning_tpp.core.mesh import MeshDims, build_mesh, resolve_dims
+from lightning_tpp.core.seeding import agree_with_rank0
 from lightning_tpp.reliability.watch import FailureWatch
 
 
@@ -109,7 +109,6 @@ class MeshTopology:
         super().setup_environment()
         if self.root_device.type == "cpu":  # resident memory follows what tensors hold (see core/heap.py)
             return_freed_blocks()
-        reset_seed()
         self._set_world_ranks()
         self._process_group_backend = self._process_group_backend or dist.Backend.default_device_backend_map.get(
             self.root_device.type, "gloo")
@@ -119,6 +118,7 @@ class MeshTopology:
             kwargs["device_id"] = self.root_device
         init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         _destroy_process_group_at_exit()
+        agree_with_rank0(self.root_device)  # the user's streams as rank 0 holds them (DDP reseeds them instead)
         self._dims = resolve_dims(self.world_size, self._tp, self._pp, self._dp_arg)
         self._mesh = build_mesh(self._dims, self.root_device.type)
         coords = self._dims.coords(self.global_rank)

@@ -135,7 +135,8 @@ class _TPBlock:
             if not (self.training and st.draws is not False) or VERIFYING.get():  # type: ignore[attr-defined]
                 with st.shape_mode(), saved_as_shards():
                     return block_output(super().forward(*args, **kwargs))  # type: ignore[misc]
-            with following(st.scope.group.rank) as draws, st.shape_mode(), saved_as_shards():  # dropout: per rank
+            group = st.scope.group  # dropout over shards: per rank, from the strategy's stream
+            with following(group.rank, group.stream, st.name) as draws, st.shape_mode(), saved_as_shards():
                 out = super().forward(*args, **kwargs)  # type: ignore[misc]
             st.draws = st.draws or draws.dropped
             return block_output(out)

@@ -218,6 +218,8 @@ class _ParallelMultiheadAttention:
         if unbatched:
             out = out.squeeze(0)
             weights = weights.squeeze(0) if weights is not None else None
-        elif not mha.batch_first:
-            out = out.transpose(0, 1)
+        else:  # torch's layer returns (t, b, width) in memory, viewed (b, t, width) when batch_first: a dropout over
+            # the output draws its mask in memory order, so the strides decide which elements it drops
+            out = out.transpose(0, 1).contiguous()
+            out = out.transpose(0, 1) if mha.batch_first else out
         return out, weights

@@ -1,17 +1,19 @@
 """Dropout inside tensor-parallel blocks: independent masks across tp ranks where the activation is sharded, the same
-mask where it is replicated (what Megatron's RNG tracker gives; here without a second generator to keep and save).
+mask where it is replicated (Megatron's RNG contract), without drawing from or reseeding the user's generators.
 
-Every tp rank holds the same global random state (one seed; the same draws in the same order). A replicated
-activation (a block's input, a row-parallel output) is dropped with the global stream as it is: the same mask on
-every tp rank, so the replicas stay equal. A sharded activation (a column-parallel output, attention heads, and what
-is computed from them until the row-parallel layer) is dropped with a generator seeded by (one draw of the global
-stream, the tp rank): each rank draws the mask of its own part, as one device would draw different numbers for
-different features, and the global streams still advance alike. Since the seed comes from the global stream, a
-block recomputed in backward (which restores the global state) draws the same masks, and checkpoints need nothing
-beyond the global states they already carry::
+Every tp rank holds the same global random state (the user's: one seed, the same draws in the same order). A
+replicated activation (a block's input, a row-parallel output) is dropped with the global stream as it is: the same
+mask on every tp rank, the replicas stay equal, and the numbers are those one process draws there. A sharded
+activation (a column-parallel output, attention heads, and what is computed from them until the row-parallel layer)
+is dropped with the strategy's own stream (``core.seeding.OwnStream``): a generator seeded by (the run's seed, the
+training batch, the block, where the global generators stood when it was entered, the call, the draw, the tp rank).
+Each rank draws the mask of its own part, as one device draws different numbers for different features, and the
+global stream is left where it was. A block recomputed in backward (which restores the global state it was entered
+with) draws the same masks, and checkpoints need nothing beyond the generator states and the Trainer's progress they
+already carry::
 
     column-parallel output ----> sharded (marked) --(every op)--> sharded ... --> row-parallel output: replicated
-    dropout(sharded x)        -> fork: seed = hash(randint(global), tp rank); draw; back to the global stream
+    dropout(sharded x)        -> own stream: seed = (run seed, batch, block, global state at entry, call, draw, rank)
     dropout(replicated x)     -> the global stream, as without tensor parallelism
 
 Which values are sharded is followed by a ``TorchFunctionMode`` in the block's training forward, only for blocks
@@ -29,7 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_tpp.core.seeding import seeded
+from lightning_tpp._compat import in_backward
+from lightning_tpp.core.seeding import OwnStream, derived_seed, seeded
 from lightning_tpp.core.walk import tensors_in
 
 # functions that draw a mask over their first argument: (position, keyword, default) of the probability and of the
@@ -52,22 +55,21 @@ def _draws(func: Any, args: tuple, kwargs: dict) -> bool:
     return float(_argument(args, kwargs, p)) > 0 and (training is None or bool(_argument(args, kwargs, training)))
 
 
-@contextlib.contextmanager
-def rank_stream(tp_rank: int, device: torch.device) -> Iterator[None]:
-    """Draws inside come from a generator seeded by (one draw of the global stream, ``tp_rank``); the global state
-    afterwards is as after that one draw, on every tp rank alike."""
-    seed = int(torch.randint(0, 2 ** 62, (1,)).item())
-    with seeded(hash((seed, tp_rank)), device):
-        yield
+def _stream_device() -> torch.device:
+    """The GPU whose generator dropout over GPU tensors draws from (the CPU alone where CUDA is not in use)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class ShardedDraws(TorchFunctionMode):
     """Follows which values of a block's forward are sharded (marked by the column-parallel layers, unmarked by the
     row-parallel ones) and draws dropout over them from this tp rank's stream (see the module docstring)."""
 
-    def __init__(self, tp_rank: int) -> None:
+    def __init__(self, tp_rank: int, key: tuple[Any, ...]) -> None:
         super().__init__()
-        self.tp_rank = tp_rank
+        self.tp_rank, self.key = tp_rank, key  # key: this block call's in the strategy's stream
+        self.draws = 0  # sharded draws so far in this call
         self.sharded: dict[int, Tensor] = {}
         self.dropped = False  # a dropout with p > 0 ran (over any value)
 
@@ -87,7 +89,8 @@ class ShardedDraws(TorchFunctionMode):
             first = args[0] if args else next(iter(kwargs.values()))
             if self._is_sharded(first):
                 device = first.device if isinstance(first, Tensor) else torch.device("cpu")
-                with rank_stream(self.tp_rank, device):
+                self.draws += 1
+                with seeded(derived_seed(*self.key, self.draws, self.tp_rank), device):
                     out = func(*args, **kwargs)
                 for t in tensors_in(out, set()):
                     self.mark(t)
@@ -106,9 +109,10 @@ ACTIVE: contextvars.ContextVar[Optional[ShardedDraws]] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def following(tp_rank: int) -> Iterator[ShardedDraws]:
-    """Follow sharded values for the duration of one block forward."""
-    mode = ShardedDraws(tp_rank)
+def following(tp_rank: int, stream: OwnStream, block: str) -> Iterator[ShardedDraws]:
+    """Follow sharded values for the duration of one forward of ``block`` (its name), drawing dropout over them from
+    ``stream``."""
+    mode = ShardedDraws(tp_rank, stream.enter(block, _stream_device(), recomputing=in_backward()))
     token = ACTIVE.set(mode)
     try:
         with mode:

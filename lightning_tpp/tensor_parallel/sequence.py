@@ -210,7 +210,7 @@ class _SequenceElement:
             if not (self.training and st.draws is not False):  # type: ignore[attr-defined]
                 out = super().forward(*args, **kwargs)  # type: ignore[misc]
             else:  # dropout over the shards draws per tp rank, as over a column layer's output
-                with following(st.group.rank) as draws:
+                with following(st.group.rank, st.group.stream, f"sequence:{st.name}") as draws:
                     draws.mark(stream)
                     out = super().forward(*args, **kwargs)  # type: ignore[misc]
                 st.draws = st.draws or draws.dropped

@@ -1,6 +1,7 @@
 """Dropout under tensor parallelism (Megatron's RNG contract): independent masks across tp ranks over sharded
 activations (attention probabilities of each rank's heads, the MLP hidden), the same mask over replicated ones (the
-residual branches, so replicas stay equal); activation checkpointing recomputes the same masks."""
+residual branches, so replicas stay equal); activation checkpointing recomputes the same masks. The masks over shards
+come from the strategy's own stream: the user's generator moves as in one process without them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from launch import ROOT, run_ranks
+from worker_tp_rng import one_process_rng
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +59,15 @@ def test_dropout_masks_on_sequence_shards(ranks: list[dict]) -> None:
         for kind in ("hidden", "resid"):
             assert all(torch.equal(x, y) for x, y in zip(again["masks"][kind], plain[rank]["masks"][kind]))
         assert again["losses"] == plain[rank]["losses"]
+
+
+@pytest.mark.parametrize("sequence", [False, True], ids=["tp", "sequence_parallel"])
+def test_masks_over_shards_leave_the_users_stream_alone(ranks: list[dict], sequence: bool) -> None:
+    """After every step the user's generator stands where one process's does with the dropouts over shards off:
+    the replicated ones draw from it as one process does, those over shards draw nothing from it (they used to take
+    one draw each), recomputation included."""
+    want = one_process_rng(sequence)
+    assert len(want) == 2 and len(set(want)) == (1 if sequence else 2)  # sequence shards: every dropout on shards
+    for rank in range(2):
+        for recompute in (False, True):
+            assert ranks[rank][(recompute, sequence)]["rng"] == want, (rank, recompute)

@@ -6,6 +6,7 @@ activation checkpointing, and with sequence parallelism.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import sys
@@ -89,6 +90,31 @@ class Lit(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+def digest() -> str:
+    """Where the user's CPU generator stands."""
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]
+
+
+def one_process_rng(sequence: bool) -> list[str]:
+    """The user's generator after each step in one process without the strategy, the dropouts that tensor
+    parallelism draws over shards (from the strategy's own stream) set to p=0: what the global stream must show."""
+    L.seed_everything(0, verbose=False)
+    module = Lit(SequenceDropBlock if sequence else DropBlock)
+    for block in module.blocks:  # the residual dropout is over sequence shards only under sequence parallelism
+        for drop in (block.attn_drop, block.mlp[2], *((block.resid_drop,) if sequence else ())):
+            drop.p = 0.0
+    states: list[str] = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            states.append(digest())
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()])
+    trainer.fit(module, torch.utils.data.DataLoader(token_dataset(16, SEQ), batch_size=4))
+    return states
+
+
 def main() -> None:
     from lightning_tpp import TensorPipeStrategy
 
@@ -104,10 +130,12 @@ def main() -> None:
                                            if m.training and torch._C._current_graph_task_id() == -1 else None)
         losses: list[float] = []
         grads: list[dict[str, torch.Tensor]] = []
+        rng: list[str] = []
 
         class Record(L.Callback):
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
                 losses.append(float(outputs["loss"]))
+                rng.append(digest())
 
             def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
                 grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters()})
@@ -118,7 +146,7 @@ def main() -> None:
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             use_distributed_sampler=False, callbacks=[Record()])
         trainer.fit(module, torch.utils.data.DataLoader(token_dataset(16, SEQ), batch_size=4))
-        results[(recompute, sequence)] = {"masks": masks, "losses": losses, "grads": grads,
+        results[(recompute, sequence)] = {"masks": masks, "losses": losses, "grads": grads, "rng": rng,
                               "recomputed": len(strategy.parallel_state.recomputed)}
     torch.save(results, out / f"tp_rng.rank{rank}.pt")
 

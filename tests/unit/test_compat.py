@@ -76,6 +76,17 @@ def test_fabric_rng_states_round_trip() -> None:
     assert torch.equal(torch.rand(3), a)
 
 
+def test_in_backward() -> None:
+    """tensor_parallel.rng tells a recomputation in backward from a forward by it."""
+    seen: list[bool] = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: seen.append(_compat.in_backward()))
+    assert _compat.in_backward() is False
+    y.sum().backward()
+    assert seen == [True]
+
+
 def test_strategy_registry_type() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
