@@ -599,25 +599,6 @@ class ListMoEBlock(nn.Module):
 
 class ListMoELM(nn.Module):
     """A decoder whose blocks carry the running load-balancing loss beside the stream; returns (logits, aux)."""
-# ---- the user's random numbers (issue #30 item 7): a DiT-style denoiser whose training_step draws timesteps and ---
-# ---- noise (LitLM's "_noisy" names), with dropout over replicated values inside its blocks ------------------------
-class DropAdaLNBlock(AdaLNBlock):
-    """adaLN block with dropout on both residual branches (replicated under tp: drawn from the user's stream)."""
-
-    def __init__(self, dim: int, heads: int, p: float = 0.1) -> None:
-        super().__init__(dim, heads)
-        self.drop = nn.Dropout(p)
-
-    def forward(self, x: torch.Tensor, c: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        shift, scale = self.modulation(c).unsqueeze(1).chunk(2, dim=-1)
-        h = self.norm(x) * (1 + scale) + shift
-        x = x + self.drop(self.attn(h, h, h, attn_mask=mask, need_weights=False)[0])
-        return x + self.drop(self.mlp(self.norm(x) * (1 + scale) + shift))
-
-
-class NoisyDiT(nn.Module):
-    """Token embeddings noised at a timestep (a cosine schedule), conditioned on the timestep's sinusoidal features
-    through an MLP; ``t`` and ``noise`` come from the caller (the step draws them), none at inference."""
 
     def __init__(self, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS, n_layers: int = LAYERS) -> None:
         super().__init__()
@@ -631,6 +612,8 @@ class NoisyDiT(nn.Module):
         for block in self.blocks:
             x, aux = block(x, aux)
         return self.head(self.norm(x)), aux
+
+
 # ---- batch statistics under micro-batching (issue #30 item 4): a small ResNet classifier --------------------------
 class ResidualBlock(nn.Module):
     """conv -> BatchNorm -> ReLU -> conv -> BatchNorm, plus the input."""
@@ -663,6 +646,31 @@ class TinyResNet(nn.Module):
         pixels = (idx.float() / VOCAB).view(idx.shape[0], 1, 4, 4)
         x = self.blocks(F.relu(self.bn(self.norm(self.stem(pixels)))))
         return self.head(x.mean(dim=(2, 3)))  # (batch, VOCAB): one class per image
+
+
+# ---- the user's random numbers (issue #30 item 7): a DiT-style denoiser whose training_step draws timesteps and ---
+# ---- noise (LitLM's "_noisy" names), with dropout over replicated values inside its blocks ------------------------
+class DropAdaLNBlock(AdaLNBlock):
+    """adaLN block with dropout on both residual branches (replicated under tp: drawn from the user's stream)."""
+
+    def __init__(self, dim: int, heads: int, p: float = 0.1) -> None:
+        super().__init__(dim, heads)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.modulation(c).unsqueeze(1).chunk(2, dim=-1)
+        h = self.norm(x) * (1 + scale) + shift
+        x = x + self.drop(self.attn(h, h, h, attn_mask=mask, need_weights=False)[0])
+        return x + self.drop(self.mlp(self.norm(x) * (1 + scale) + shift))
+
+
+class NoisyDiT(nn.Module):
+    """Token embeddings noised at a timestep (a cosine schedule), conditioned on the timestep's sinusoidal features
+    through an MLP; ``t`` and ``noise`` come from the caller (the step draws them), none at inference."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS, n_layers: int = LAYERS) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
         self.t_mlp = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, dim))
         self.blocks = nn.ModuleList([DropAdaLNBlock(dim, heads) for _ in range(n_layers)])
         self.head = nn.Linear(dim, vocab)
@@ -681,7 +689,6 @@ class TinyResNet(nn.Module):
         for block in self.blocks:
             x = block(x, c, mask)
         return self.head(x)
-
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "nanogpt": NanoGPT,
