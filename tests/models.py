@@ -539,6 +539,35 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
+# ---- attention with fewer K/V heads than tp ranks (issue 30): multi-query, Falcon's fused [q..., k, v] -------------
+class HFFalcon(nn.Module):
+    """Hugging Face Falcon-7B's layout, tiny: multi-query (one K/V head), fused ``query_key_value``, attention and MLP
+    in parallel from one norm."""
+
+    def __init__(self, new_decoder_architecture: bool = False) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=LAYERS,
+                                        num_attention_heads=HEADS, multi_query=True, parallel_attn=True,
+                                        new_decoder_architecture=new_decoder_architecture, num_kv_heads=1,
+                                        bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+                                        max_position_embeddings=SEQ)
+        self.model = transformers.FalconForCausalLM(cfg)
+        self.model.config._attn_implementation = "eager"
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx).logits
+
+
+MODELS.update({
+    "mqa_llama": lambda: TinyLlama(n_kv_heads=1),  # separate q, k, v: k and v one head each
+    "mqa_fused": lambda: FusedGQAModel(n_kv_head=1),  # fused [q | k | v], split by sizes
+    "hf_falcon": HFFalcon,
+    "hf_falcon_new": lambda: HFFalcon(new_decoder_architecture=True),  # per-group [q_g..., k_g, v_g]
+})
+
+
 class LitLM(L.LightningModule):
     """An ordinary next-token LightningModule around any model above."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -69,6 +70,17 @@ def _set_shard(module: nn.Module, attr: str, spec: ShardSpec, group: TPGroup,
         shards.add(new, ShardInfo(spec, tuple(old.shape)))
         done[id(old)] = (old, new)  # the old one kept alive: its id is not reused while ``done`` is consulted
     setattr(module, attr, new)
+
+
+def _shared_infos(layer: nn.Module, shards: ShardIndex) -> dict[str, ShardInfo]:
+    """The layer's parameters some of whose rows other ranks hold too (K/V heads fewer than tp), by attribute."""
+    out = {}
+    for attr in ("weight", "bias"):
+        p = getattr(layer, attr, None)
+        info = shards.get(p) if p is not None else None
+        if info is not None:
+            out[attr] = info
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -152,15 +164,18 @@ def _localize_attrs(owner: nn.Module, info: BlockInfo, tp: int) -> None:
     A module that also holds an MLP (projections that are a block's direct children) keeps its widths, which other
     parts of its forward may read; ``_LocalShapes`` repairs the reshapes that use them."""
     q_width, kv_width = info.heads * info.head_dim, info.kv_heads * info.head_dim
+    local_kv = max(1, info.kv_heads // tp)  # fewer K/V heads than ranks: each rank holds one (kv_share)
     alone = len(info.row_layers()) == 1
 
     def local_value(name: str, value: Any) -> Optional[int]:
         if not isinstance(value, int) or isinstance(value, bool) or name in HEAD_DIM_NAMES:
             return None
-        if name in HEAD_NAMES and value == info.heads or name in KV_NAMES and value == info.kv_heads:
+        if name in HEAD_NAMES and value == info.heads:
             return value // tp
+        if name in KV_NAMES and value == info.kv_heads:
+            return local_kv
         if alone and any(h in name.lower() for h in WIDTH_HINTS) and value in (q_width, kv_width):
-            return value // tp
+            return value // tp if value == q_width else local_kv * info.head_dim
         return None
 
     targets = [owner] + [m for m in owner.children() if not isinstance(m, (nn.Linear, nn.Embedding))]
@@ -194,7 +209,8 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
             _localize_attrs(block, info, group.size)
         if info.kind == "attention":
             qw, kvw = info.heads * info.head_dim, info.kv_heads * info.head_dim
-            state.shapes = frozenset({qw, kvw, info.heads, info.kv_heads, info.head_dim * group.size})
+            kv = (kvw, info.kv_heads) if info.kv_heads >= group.size else ()  # else K/V stay whole: no repair
+            state.shapes = frozenset({qw, *kv, info.heads, info.head_dim * group.size})
         block._tpp_block = state
         if info.kind == "mha":
             block._tpp_layer = LayerTP(group, scope=state.scope, heads=info.heads)
@@ -212,9 +228,10 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
         if style in ("colwise", "colwise_gather"):
             spec = fused[0] if fused else ShardSpec(1 if is_transposed_linear(m) else 0)
             _set_shard(m, "weight", spec, group, done, shards)
-            _set_shard(m, "bias", ShardSpec(0, spec.parts), group, done, shards)
+            _set_shard(m, "bias", dataclasses.replace(spec, dim=0), group, done, shards)
             m._tpp_layer = LayerTP(group, scope=scopes.get(name), gather=style == "colwise_gather",
-                                   check=layer_check(name, shards) if verify and style == "colwise_gather" else None)
+                                   check=layer_check(name, shards) if verify and style == "colwise_gather" else None,
+                                   shared=_shared_infos(m, shards) if spec.replicated else {})
             set_local_attr(m, "nf" if is_transposed_linear(m) else "out_features", m.weight.shape[spec.dim])
             swap_class(m, _ColumnParallel)
         elif style == "rowwise":
@@ -338,7 +355,7 @@ def _close(got: Any, want: Any, group: TPGroup, path: str = "output") -> Optiona
 
 
 def _reshard(layer: nn.Module, spec: ShardSpec, group: TPGroup, shards: ShardIndex) -> None:
-    for attr, s in (("weight", spec), ("bias", ShardSpec(0, spec.parts))):
+    for attr, s in (("weight", spec), ("bias", dataclasses.replace(spec, dim=0))):
         p = getattr(layer, attr, None)
         info = shards.get(p) if p is not None else None
         if info is None:

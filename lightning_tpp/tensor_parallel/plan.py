@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from lightning_tpp.core.sharding import ShardSpec
 from lightning_tpp.core.walk import VERIFYING, Taint, tensors_in
+from lightning_tpp.tensor_parallel.kv_share import plain_kv_spec, shared_specs
 from lightning_tpp.tensor_parallel.layers import is_transposed_linear, linear_dims
 
 STYLES = ("colwise", "rowwise", "colwise_gather", "vocab", "mha", "replicate")
@@ -118,22 +119,27 @@ def _child_linears(module: nn.Module, prefix: str, claimed: set[str], depth: int
     return out
 
 
-def _divisible_choices(*values: int) -> list[int]:
-    top = min(values)
-    return [d for d in range(1, top + 1) if all(v % d == 0 for v in values)]
+def _fits(label: str, size: int, tp: int) -> bool:
+    """``tp`` divides ``size``; K/V heads may also be fewer than ranks, if they divide tp (each then replicated)."""
+    return size % tp == 0 or label == "num_kv_heads" and tp % size == 0
+
+
+def _divisible_choices(sizes: list[tuple[str, int]]) -> list[int]:
+    top = min(v for label, v in sizes if label != "num_kv_heads")
+    return [d for d in range(1, top + 1) if all(_fits(label, v, d) for label, v in sizes)]
 
 
 def check_divisible(plan: TPPlan, tp: int) -> None:
     """Raise for the first block (in model order) whose heads / hidden size ``tp`` does not divide, listing the tp
     values that suit every block of the plan."""
-    every = [v for b in plan.blocks.values() for v in b.sizes.values()]
+    every = [(label, v) for b in plan.blocks.values() for label, v in b.sizes.items()]
     for fqn, b in plan.blocks.items():
         for label, v in b.sizes.items():
-            if v % tp == 0:
+            if _fits(label, v, tp):
                 continue
             what = f"the hidden size {v} of MLP {fqn or '<root>'}" if b.kind == "mlp" else \
                 f"{label}={v} of {fqn} (heads={b.heads}, kv_heads={b.kv_heads})"
-            raise TensorParallelConfigError(f"tp={tp} must divide {what}; choose tp in {_divisible_choices(*every)}, "
+            raise TensorParallelConfigError(f"tp={tp} must divide {what}; choose tp in {_divisible_choices(every)}, "
                                             f"or pass tp_plan={{'{fqn}': 'replicate'}}")
 
 
@@ -178,6 +184,22 @@ def _attention(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], b
         return None
     return BlockInfo("attention", [n for n, _ in lins], heads, derived_kv, head_dim, fused,
                      {"num_heads": heads, "num_kv_heads": derived_kv})
+
+
+def _share_kv(info: BlockInfo, modules: Mapping[str, nn.Module], tp: int) -> None:
+    """Attention with fewer K/V heads than ranks (``kv_heads`` divides ``tp``): K/V layouts that give each rank the
+    K/V heads its query heads read, whole (see :mod:`~lightning_tpp.tensor_parallel.kv_share`)."""
+    if info.kind != "attention" or not info.kv_heads or info.kv_heads >= tp or tp % info.kv_heads:
+        return
+    kv_width = info.kv_heads * info.head_dim
+    for name in info.layers:
+        if name in info.row_layers():
+            continue
+        m = modules[name]
+        if name in info.fused:
+            info.fused[name] = shared_specs(info.fused[name], info.heads, info.kv_heads, info.head_dim, tp)
+        elif linear_dims(m)[1] == kv_width:  # a K or a V projection of its own
+            info.fused[name] = [plain_kv_spec(1 if is_transposed_linear(m) else 0, kv_width, info.kv_heads, tp)]
 
 
 def _mlp(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]]) -> Optional[BlockInfo]:
@@ -469,6 +491,8 @@ def detect(model: nn.Module, tp: int, *, check: bool = True,
         for name in info.layers:
             plan.styles[name] = "rowwise" if name in rows else "colwise"
         claimed.update(info.layers)
+    for info in plan.blocks.values():
+        _share_kv(info, modules, tp)
     _vocab(model, claimed, tp, plan, remote if isinstance(remote, Mapping) else {})
     plan = _ordered(plan, model)
     if check:

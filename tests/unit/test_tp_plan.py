@@ -94,9 +94,43 @@ def test_tinyllama() -> None:
 
 
 def test_tinyllama_kv_heads_limit_tp() -> None:
-    with pytest.raises(TensorParallelConfigError, match=r"tp=4 must divide num_kv_heads=2 of layers\.\d\.attention "
-                                                        r"\(heads=4, kv_heads=2\); choose tp in \[1, 2\]"):
-        detect(TinyLlama(), 4)
+    """K/V heads that neither tp divides nor divide tp (3 of them at tp=2) cannot be given out whole or cut."""
+    with pytest.raises(TensorParallelConfigError, match=r"tp=2 must divide num_kv_heads=3 of layers\.\d\.attention "
+                                                        r"\(heads=6, kv_heads=3\); choose tp in \[1, 3, 6\]"):
+        detect(TinyLlama(dim=48, n_heads=6, n_kv_heads=3), 2)
+
+
+# ---- fewer K/V heads than tp (issue 30): each rank keeps the K/V heads its query heads read, whole ----------------
+@pytest.mark.parametrize("name", ["mqa_llama", "mqa_fused", "hf_falcon"])
+def test_kv_heads_fewer_than_tp_are_replicated(name: str) -> None:
+    """Multi-query (separate k/v of one head, a fused [q | k | v], Falcon's fused query_key_value) at tp=2: query
+    heads cut, the K/V rows held whole by both ranks (shares=2), not refused."""
+    plan = detect(MODELS[name](), 2)
+    attn = [b for b in plan.blocks.values() if b.kind == "attention"]
+    assert len(attn) == 2 and all((b.heads, b.kv_heads) == (4, 1) for b in attn)
+    for b in attn:
+        specs = [s[0] for s in b.fused.values()]
+        assert specs and all(s.replicated for s in specs), b.fused
+        if len(b.layers) == 2:  # fused: q split, k and v shared
+            assert specs[0].shares == (1, 2, 2) and specs[0].parts == (32, 8, 8)
+
+
+def test_grouped_query_kv_fewer_than_tp_per_group_layout() -> None:
+    """8 query heads over 2 K/V heads at tp=4: rank r holds query heads 2r, 2r+1 and K/V head r // 2, for a
+    [q | k | v] layout and for one interleaved per group ([q_g... k_g v_g] per group, Falcon's new architecture)."""
+    from lightning_tpp.core.sharding import shard_tensor, unshard_tensor
+    from lightning_tpp.tensor_parallel.kv_share import shared_specs
+
+    split, grouped = shared_specs([ShardSpec(0, (8, 2, 2)), ShardSpec(0)], heads=8, kv_heads=2, head_dim=1, tp=4)
+    rows = torch.arange(12.0)
+    q, k, v = rows[:8], rows[8:10], rows[10:]
+    for r in range(4):
+        assert shard_tensor(rows, split, r, 4).tolist() == [*q[2 * r:2 * r + 2], k[r // 2], v[r // 2]]
+    assert unshard_tensor([shard_tensor(rows, split, r, 4) for r in range(4)], split).equal(rows)
+    per_group = torch.arange(12.0)  # [q0 q1 q2 q3 k0 v0 | q4 q5 q6 q7 k1 v1]
+    got = [shard_tensor(per_group, grouped, r, 4).tolist() for r in range(4)]
+    assert got == [[0, 1, 4, 5], [2, 3, 4, 5], [6, 7, 10, 11], [8, 9, 10, 11]]
+    assert unshard_tensor([torch.tensor(g) for g in got], grouped).equal(per_group)
 
 
 # ---- fused grouped-query qkv ---------------------------------------------------------------------------------------
