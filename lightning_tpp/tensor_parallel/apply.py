@@ -40,6 +40,7 @@ from lightning_tpp.tensor_parallel.layers import (
     _VocabParallelEmbedding,
     is_transposed_linear,
 )
+from lightning_tpp.tensor_parallel.heads import WholeHeads, to_local_heads
 from lightning_tpp.tensor_parallel.rng import following
 from lightning_tpp.tensor_parallel.sequence import block_inputs, block_output, saved_as_shards
 from lightning_tpp.tensor_parallel.plan import HEAD_DIM_NAMES, HEAD_NAMES, KV_NAMES, WIDTH_HINTS, BlockInfo, TPPlan
@@ -88,9 +89,9 @@ def _shared_infos(layer: nn.Module, shards: ShardIndex) -> dict[str, ShardInfo]:
 
 
 class _LocalShapes(TorchFunctionMode):
-    def __init__(self, tp: int, global_sizes: frozenset[int]) -> None:
+    def __init__(self, tp: int, global_sizes: frozenset[int], heads: int = 0, group: Optional[TPGroup] = None) -> None:
         super().__init__()
-        self.tp, self.sizes = tp, global_sizes
+        self.tp, self.sizes, self.heads, self.group = tp, global_sizes, heads, group
 
     def _local(self, shape: tuple[int, ...], numel: int) -> tuple[int, ...]:
         if -1 in shape or math.prod(shape) != numel * self.tp:
@@ -113,6 +114,8 @@ class _LocalShapes(TorchFunctionMode):
             dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
             if sum(sizes) == x.shape[dim] * self.tp and all(s % self.tp == 0 for s in sizes):
                 args = (x, [s // self.tp for s in sizes], *args[2:])
+        elif self.group is not None:  # a whole per-head side tensor (a position bias) meets this rank's heads
+            args, kwargs = to_local_heads(func, args, kwargs, self.heads, self.group)
         return func(*args, **kwargs)
 
 
@@ -128,7 +131,9 @@ class BlockState:
     draws: Optional[bool] = None  # whether its training forward drew dropout (None: not run in training yet)
 
     def shape_mode(self) -> contextlib.AbstractContextManager:
-        return _LocalShapes(self.scope.group.size, self.shapes) if self.shapes else contextlib.nullcontext()
+        if not self.shapes:
+            return contextlib.nullcontext()
+        return _LocalShapes(self.scope.group.size, self.shapes, self.info.heads, self.scope.group)
 
 
 class _TPBlock:
@@ -404,7 +409,8 @@ def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:
     try:
         with torch.no_grad(), against_reference(block, group, st.shards) as ref:
             a, k = _isolated(args, kwargs)
-            want = ref.forward(*a, **k)
+            with WholeHeads(st.info.heads, group) if st.info.kind == "attention" else contextlib.nullcontext():
+                want = ref.forward(*a, **k)
             for i in range(attempts):
                 if i:
                     for name, specs in fused.items():

@@ -761,3 +761,23 @@ def test_warning_when_every_block_is_partly_sharded() -> None:
     assert message is not None
     assert "every block is only partly sharded" in message and "for blocks.0 (_PartlyCutBlock)" in message
     assert "blocks.0: 8.2 K parameters left whole" in message
+
+
+# ---- per-head side tensors (issue 30): a whole (1, heads, S, S) bias meets this rank's (B, heads / tp, S, S) ------
+@pytest.mark.parametrize("rank", [0, 1])
+def test_whole_per_head_bias_is_cut_to_the_ranks_heads(rank: int) -> None:
+    """T5's relative position bias (made whole by the first layer, passed to the others) added to the scores of
+    this rank's heads, and given to scaled_dot_product_attention as its mask: cut to heads [2 rank, 2 rank + 2);
+    a (B, 1, S, S) mask (an ordinary broadcast) is left alone."""
+    from lightning_tpp.core.comm import TPGroup
+    from lightning_tpp.tensor_parallel.heads import to_local_heads
+
+    group = TPGroup(None, rank, 2)
+    scores, bias, mask = torch.zeros(3, 2, 5, 5), torch.randn(1, 4, 5, 5), torch.zeros(3, 1, 5, 5)
+    with torch.no_grad():
+        args, _ = to_local_heads(torch.add, (scores, bias), {}, 4, group)
+        assert args[1].equal(bias[:, 2 * rank:2 * rank + 2])
+        args, kwargs = to_local_heads(F.scaled_dot_product_attention, (scores[..., :3],) * 3, {"attn_mask": bias},
+                                      4, group)
+        assert kwargs["attn_mask"].equal(bias[:, 2 * rank:2 * rank + 2])
+        assert to_local_heads(torch.add, (scores, mask), {}, 4, group)[0][1] is mask
