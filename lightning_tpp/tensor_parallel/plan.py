@@ -16,6 +16,7 @@ Hugging Face model's own ``base_model_tp_plan`` / ``_tp_plan`` are laid over it.
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping, Optional, Sequence, Union
@@ -27,6 +28,8 @@ from lightning_tpp.core.sharding import ShardSpec
 from lightning_tpp.core.walk import VERIFYING, Taint, tensors_in
 from lightning_tpp.tensor_parallel.kv_share import plain_kv_spec, shared_specs
 from lightning_tpp.tensor_parallel.layers import is_transposed_linear, linear_dims
+
+SMALL_VOCAB = 32  # an embedding with fewer rows (a label table) is kept whole: a vocabulary split saves nothing
 
 STYLES = ("colwise", "rowwise", "colwise_gather", "vocab", "mha", "replicate")
 
@@ -309,8 +312,19 @@ def _trace_flow(module: nn.Module, lins: list[tuple[str, nn.Module]]
     token = VERIFYING.set(True)  # a pipeline stage's dispatchers run the real modules
     try:
         module.eval()
-        with torch.no_grad(), flow:
-            module(x)
+        first: Optional[Exception] = None
+        for args in _made_up_inputs(module, x):
+            calls.clear()
+            flow.tags.clear()
+            try:
+                with torch.no_grad(), flow:
+                    module(*args)
+                break
+            except Exception as err:  # noqa: BLE001 - the next convention may fit
+                first = first or err
+        else:
+            assert first is not None
+            raise first
     finally:
         VERIFYING.reset(token)
         for h in hooks:
@@ -318,6 +332,30 @@ def _trace_flow(module: nn.Module, lins: list[tuple[str, nn.Module]]
         for m, mode in modes.items():
             m.training = mode
     return calls, flow
+
+
+def _input_names(module: nn.Module) -> str:
+    """``(x, mask)``: the forward's required inputs, as tried by :func:`_made_up_inputs`."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return "(x)"
+    return "(" + ", ".join(p.name for p in params if p.default is inspect.Parameter.empty
+                            and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)) + ")"
+
+
+def _made_up_inputs(module: nn.Module, x: Tensor) -> list[tuple[Tensor, ...]]:
+    """The inputs tried in turn: ``x`` alone; with a forward that needs more (a conditioning vector ``c``, adaLN or
+    FiLM), each further input as one vector per sample ``(1, width)``, then shaped as ``x``."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return [(x,)]
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    needed = sum(1 for p in params[1:] if p.kind in kinds and p.default is inspect.Parameter.empty)
+    if not params or not needed:
+        return [(x,)]
+    return [(x, *[x[:, 0]] * needed), (x, *[x] * needed)]
 
 
 _UNTRACED = BlockInfo("untraced")  # what _traced returns when the module's forward could not run
@@ -332,14 +370,14 @@ def _traced(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], bloc
     outputs meet in a matrix product are attention (heads from an attribute or the forward's
     ``view(..., heads, head_dim)``); the others an MLP, if their features meet in no norm or reduction before the
     row layer. The block is checked numerically at its first call like any other. ``whole``
-    receives why a module stays whole. Returns ``_UNTRACED`` when the forward does not run on one made-up input
+    receives why a module stays whole. Returns ``_UNTRACED`` when the forward does not run on made-up inputs
     (e.g. it needs a mask or rotary tables): the caller falls back to recognising the layout."""
     names = [n for n, _ in lins]
     try:
         calls, flow = _trace_flow(module, lins)
     except Exception as err:  # noqa: BLE001 - any forward may refuse a made-up input
-        whole[fqn] = (f"no known layout, and its forward could not be traced with one (1, 8, width) input "
-                      f"({type(err).__name__}: {str(err)[:120]})")
+        whole[fqn] = (f"no known layout, and its forward could not be traced with made-up inputs "
+                      f"{_input_names(module)} ({type(err).__name__}: {str(err)[:120]})")
         return _UNTRACED
     called = [n for n, _ in calls]
     if any(called.count(n) > 1 for n in names):
@@ -428,6 +466,10 @@ def _vocab(model: nn.Module, claimed: set[str], tp: int, plan: TPPlan,
         if not heads:
             continue
         vocab = emb.num_embeddings
+        if vocab < SMALL_VOCAB:
+            plan.notes.append(f"{e_name}: {vocab} rows (fewer than {SMALL_VOCAB}) are not worth a vocabulary split; "
+                              f"embedding and its matching linear stay whole")
+            continue
         if vocab % tp or emb.max_norm is not None or emb.sparse or emb.scale_grad_by_freq:
             plan.notes.append(f"{e_name}: vocab {vocab} not divisible by tp={tp} (or max_norm/sparse set); "
                               f"embedding and LM head stay replicated")
@@ -441,6 +483,31 @@ def _vocab(model: nn.Module, claimed: set[str], tp: int, plan: TPPlan,
             if n in here:
                 plan.styles[n] = style
         claimed.update({e_name, h_name, *aliases})
+
+
+def _widening(model: nn.Module, claimed: set[str], tp: int, plan: TPPlan, remote: Collection[str]) -> None:
+    """Linear layers of the repeated blocks (in a ``ModuleList``: never an LM head, which a pipeline must pair with
+    its embedding on another stage) left whole that read the model's width and widen it (adaLN / FiLM modulation:
+    ``Linear(d, 6d)`` of a conditioning vector, whose shift / scale / gate chunks are read element-wise), unless
+    small (under 0.1% of the model): cut by columns, their output gathered (exact whatever reads it; a modulation's
+    output is one vector per sample). A patch embedding (pixels -> d) does not read the model's width; a layer of a
+    module left whole for a reason (``plan.whole``: an attention not understood) stays whole with it."""
+    total = sum(p.numel() for p in model.parameters())
+    widths = [linear_dims(m)[0] for _, m in model.named_modules() if _is_linear(m)]
+    width = max(set(widths), key=widths.count) if widths else 0
+    entries = {f"{n}.{c}" if n else c for n, m in model.named_modules() if isinstance(m, nn.ModuleList)
+               for c, _ in m.named_children()}
+    for name, m in model.named_modules():
+        if name in claimed or name in remote or not _is_linear(m) or plan.styles.get(name):
+            continue
+        d_in, d_out = linear_dims(m)
+        parent = name.rpartition(".")[0]
+        left = any(w == parent or w.startswith(f"{parent} (") for w in plan.whole)  # its module was left whole
+        in_blocks = any(name.startswith(f"{entry}.") for entry in entries)  # an LM head or a classifier never is
+        if (in_blocks and d_in == width and d_out >= 2 * d_in and d_out % tp == 0
+                and m.weight.numel() * 1000 >= total and not left):
+            plan.styles[name] = "colwise_gather"
+            claimed.add(name)
 
 
 def detect(model: nn.Module, tp: int, *, check: bool = True,
@@ -481,8 +548,9 @@ def detect(model: nn.Module, tp: int, *, check: bool = True,
         if info is None:
             blocks = frozenset(id(modules[b]) for b in plan.blocks)
             info = _traced(fqn, module, lins, blocks, plan.whole)
-        if info is _UNTRACED:  # its forward needs more than one input: the layout decides
-            info = _attention(fqn, module, lins, blocks) or _mlp(fqn, module, lins)
+        if info is _UNTRACED:  # its forward needs more than one input: the layout decides, unless it holds blocks
+            holds = any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in module.modules())  # a model
+            info = None if holds else _attention(fqn, module, lins, blocks) or _mlp(fqn, module, lins)
         if info is None:
             continue
         plan.whole.pop(fqn, None)
@@ -494,6 +562,7 @@ def detect(model: nn.Module, tp: int, *, check: bool = True,
     for info in plan.blocks.values():
         _share_kv(info, modules, tp)
     _vocab(model, claimed, tp, plan, remote if isinstance(remote, Mapping) else {})
+    _widening(model, claimed, tp, plan, remote)
     plan = _ordered(plan, model)
     if check:
         check_divisible(plan, tp)

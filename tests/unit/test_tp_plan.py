@@ -781,3 +781,29 @@ def test_whole_per_head_bias_is_cut_to_the_ranks_heads(rank: int) -> None:
                                       4, group)
         assert kwargs["attn_mask"].equal(bias[:, 2 * rank:2 * rank + 2])
         assert to_local_heads(torch.add, (scores, mask), {}, 4, group)[0][1] is mask
+
+
+# ---- conditioned blocks (issue 30): DiT's adaLN-Zero block, forward(x, c) ----------------------------------------
+def test_dit_blocks_are_recognised_and_modulation_cut() -> None:
+    """The block's forward takes (x, c): it is traced with a made-up conditioning vector, so its fused qkv attention
+    and its MLP are cut as in any block; each block's Linear(d, 6d) modulation is cut by columns and gathered; the patch
+    embedding (pixels -> d) and the 16-row label embedding stay whole."""
+    plan = detect(MODELS["dit"](), 2)
+    for i in (0, 1):
+        assert plan.blocks[f"blocks.{i}"].kind == "attention"
+        assert plan.blocks[f"blocks.{i}"].rows == [f"blocks.{i}.proj", f"blocks.{i}.fc2"]
+        assert plan.styles[f"blocks.{i}.adaLN_modulation.1"] == "colwise_gather"
+    assert "final_modulation.1" not in plan.styles  # outside the blocks (an LM head would be too): whole
+    assert "x_embedder" not in plan.styles and "y_embedder" not in plan.styles and "final" not in plan.styles
+    assert any("y_embedder: 16 rows" in n for n in plan.notes)
+
+
+def test_small_embedding_is_not_a_vocabulary() -> None:
+    """An embedding of fewer than 32 rows with a matching d -> rows linear stays whole; 64 rows are still cut."""
+    class Tiny(nn.Module):
+        def __init__(self, rows: int) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(rows, 8), nn.Linear(8, rows)
+
+    assert "emb" not in detect(Tiny(16), 2).styles
+    assert detect(Tiny(64), 2).styles == {"emb": "vocab", "head": "colwise_gather"}
