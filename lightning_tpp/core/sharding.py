@@ -60,6 +60,20 @@ class ShardSpec:
         if bad:
             raise ValueError(f"{what}: segment sizes {parts} along dim {self.dim} are not divisible by tp={world}")
 
+    def owned(self, local: Tensor, size: int, rank: int, world: int) -> list[Tensor]:
+        """The parts of ``local`` (this rank's shard) that it counts once for the whole tensor: a piece several
+        ranks hold counts on the first of them only (a global gradient norm)."""
+        if not self.replicated:
+            return [local]
+        parts = self.parts or (size // self.blocks,)
+        out, offset = [], 0
+        sub = world // self.blocks
+        for (_, n), share in zip(self.pieces(size, rank, world), self.shares or (1,) * len(parts)):
+            if (rank % sub) % share == 0:
+                out.append(local.narrow(self.dim, offset, n))
+            offset += n
+        return out
+
     def pieces(self, size: int, rank: int, world: int) -> list[tuple[int, int]]:
         """(start, length) along ``dim`` of the whole tensor's slices that ``rank`` holds, in order."""
         sub = world // self.blocks

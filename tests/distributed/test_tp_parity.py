@@ -87,11 +87,12 @@ def test_parity_sequence_parallel_fsdp(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("models", "optimizer", "lr", "param_atol", "dp_sharding"),
-                         [(["nanogpt", "llama"], "sgd", 0.1, None, "no_shard"),
+                         [(["nanogpt", "llama", "mqa_llama"], "sgd", 0.1, None, "no_shard"),
                           (["llama"], "adamw", 0.01, 1e-4, "full_shard")])
 def test_parity_clipping_accumulation(tmp_path: Path, models: list[str], optimizer: str, lr: float,
                                       param_atol: float | None, dp_sharding: str) -> None:
-    """Global-norm clipping over shards and replicas, 2 micro-batches accumulated; AdamW keeps state per shard (and,
+    """Global-norm clipping over shards and replicas, 2 micro-batches accumulated (a K/V head held by both tp ranks
+    counted once, its gradient summed over them per micro-batch); AdamW keeps state per shard (and,
     sharded over dp by FSDP2, per dp part); SGD with replicas over dp (dp_sharding='no_shard').
 
     AdamW: losses and gradients keep the fp32 tolerance, updated parameters get atol 1e-4 (= lr / 100). Adam's step

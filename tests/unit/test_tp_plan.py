@@ -131,6 +131,9 @@ def test_grouped_query_kv_fewer_than_tp_per_group_layout() -> None:
     got = [shard_tensor(per_group, grouped, r, 4).tolist() for r in range(4)]
     assert got == [[0, 1, 4, 5], [2, 3, 4, 5], [6, 7, 10, 11], [8, 9, 10, 11]]
     assert unshard_tensor([torch.tensor(g) for g in got], grouped).equal(per_group)
+    # a global gradient norm counts a shared K/V row on the first of its holders only
+    owned = [torch.cat(split.owned(shard_tensor(rows, split, r, 4), 12, r, 4)).tolist() for r in range(4)]
+    assert owned == [[0, 1, 8, 10], [2, 3], [4, 5, 9, 11], [6, 7]]
 
 
 # ---- fused grouped-query qkv ---------------------------------------------------------------------------------------
