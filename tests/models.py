@@ -346,7 +346,7 @@ class HFBart(nn.Module):
 
 # ---- Hugging Face transformers, tiny random configs ----------------------------------------------------------------
 class HFCausalLM(nn.Module):
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, kv_heads: int = 2) -> None:
         super().__init__()
         import transformers
 
@@ -357,7 +357,7 @@ class HFCausalLM(nn.Module):
             self.model = transformers.GPT2LMHeadModel(cfg)
         else:
             cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
-                                           num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=2,
+                                           num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=kv_heads,
                                            max_position_embeddings=SEQ, tie_word_embeddings=False)
             cfg._attn_implementation = "sdpa"
             self.model = transformers.LlamaForCausalLM(cfg)
@@ -565,6 +565,7 @@ MODELS.update({
     "mqa_fused": lambda: FusedGQAModel(n_kv_head=1),  # fused [q | k | v], split by sizes
     "hf_falcon": HFFalcon,
     "hf_falcon_new": lambda: HFFalcon(new_decoder_architecture=True),  # per-group [q_g..., k_g, v_g]
+    "hf_llama_mqa": lambda: HFCausalLM("llama", kv_heads=1),  # num_key_value_groups read by repeat_kv
 })
 
 

@@ -43,7 +43,15 @@ from lightning_tpp.tensor_parallel.layers import (
 from lightning_tpp.tensor_parallel.heads import WholeHeads, to_local_heads
 from lightning_tpp.tensor_parallel.rng import following
 from lightning_tpp.tensor_parallel.sequence import block_inputs, block_output, saved_as_shards
-from lightning_tpp.tensor_parallel.plan import HEAD_DIM_NAMES, HEAD_NAMES, KV_NAMES, WIDTH_HINTS, BlockInfo, TPPlan
+from lightning_tpp.tensor_parallel.plan import (
+    GROUP_NAMES,
+    HEAD_DIM_NAMES,
+    HEAD_NAMES,
+    KV_NAMES,
+    WIDTH_HINTS,
+    BlockInfo,
+    TPPlan,
+)
 
 
 class TensorParallelMismatchError(RuntimeError):
@@ -179,6 +187,8 @@ def _localize_attrs(owner: nn.Module, info: BlockInfo, tp: int) -> None:
             return value // tp
         if name in KV_NAMES and value == info.kv_heads:
             return local_kv
+        if name in GROUP_NAMES and info.kv_heads < tp and value == info.heads // info.kv_heads:
+            return info.heads // tp // local_kv  # query heads per K/V head, of this rank's heads
         if alone and any(h in name.lower() for h in WIDTH_HINTS) and value in (q_width, kv_width):
             return value // tp if value == q_width else local_kv * info.head_dim
         return None

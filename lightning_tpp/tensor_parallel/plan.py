@@ -35,6 +35,8 @@ HEAD_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nhead", 
               "n_attn_heads", "num_q_heads", "n_heads_q")
 KV_NAMES = ("n_kv_head", "n_kv_heads", "num_key_value_heads", "num_kv_heads", "kv_heads", "n_query_groups",
             "num_kv_head", "n_kv", "nkv")
+# query heads per K/V head (Hugging Face's repeat_kv count): local too when K/V heads are fewer than tp
+GROUP_NAMES = ("num_key_value_groups", "n_rep", "num_kv_groups", "kv_groups", "q_per_kv", "num_queries_per_kv")
 HEAD_DIM_NAMES = ("head_dim", "head_size", "d_head", "dim_head", "attention_head_size", "d_k", "kv_channels",
                   "key_value_proj_dim", "hd")
 WIDTH_HINTS = ("embd", "embed", "dim", "hidden", "width", "d_model", "inner", "all_head", "split", "n_state")

@@ -16,7 +16,7 @@ from parity import assert_parity, load_record, train
 
 ALL = ["nanogpt", "llama", "fused_gqa", "encoder", "seq2seq", "hf_gpt2", "hf_llama", "flat_gpt", "split_gpt",
        "hf_gemma", "hf_bert", "litgpt", "mlp", "hf_vit",
-       "mqa_llama", "mqa_fused", "hf_falcon", "hf_falcon_new",  # fewer K/V heads than tp (issue 30)
+       "mqa_llama", "mqa_fused", "hf_falcon", "hf_falcon_new", "hf_llama_mqa",  # fewer K/V heads than tp (#30)
        "hf_t5",  # a per-head position bias made whole, read by this rank's heads
        "dit"]  # adaLN-Zero blocks: forward(x, c), modulation cut by columns and gathered
 
