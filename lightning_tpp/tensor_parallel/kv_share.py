@@ -34,18 +34,15 @@ def shared_specs(specs: list[ShardSpec], heads: int, kv_heads: int, head_dim: in
     segments held whole by ``tp / kv_heads`` ranks each; a contiguous candidate (layouts interleaved per K/V group,
     ``[q_g..., k_g, v_g]``) becomes one block per group."""
     share = tp // kv_heads
+    with_q = any(s.parts is not None and len(s.parts) == 3 for s in specs)  # [q | k | v], else [k | v]
+    kv_shares = (1, share, share) if with_q else (share, share)
     out = []
     for spec in specs:
-        if spec.parts is not None:  # [q | k | v] or [k | v]
-            kv = kv_heads * head_dim
-            shares = tuple(share if p == kv and (len(spec.parts) == 2 or i > 0) else 1
-                           for i, p in enumerate(spec.parts))
-            out.append(dataclasses.replace(spec, shares=shares))
+        if spec.parts is not None:  # the segments side by side
+            out.append(dataclasses.replace(spec, shares=kv_shares))
         else:  # interleaved per K/V group: [q_g... | k_g | v_g] per group, or [k_g | v_g]
-            q_group = heads * head_dim // kv_heads
-            parts = (q_group, head_dim, head_dim) if len(specs) and specs[0].parts and len(specs[0].parts) == 3 \
-                else (head_dim, head_dim)
-            out.append(ShardSpec(spec.dim, parts, (1, share, share)[-len(parts):], blocks=kv_heads))
+            parts = (heads * head_dim // kv_heads, head_dim, head_dim) if with_q else (head_dim, head_dim)
+            out.append(ShardSpec(spec.dim, parts, kv_shares, blocks=kv_heads))
     return out
 
 
