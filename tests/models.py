@@ -346,7 +346,7 @@ class HFBart(nn.Module):
 
 # ---- Hugging Face transformers, tiny random configs ----------------------------------------------------------------
 class HFCausalLM(nn.Module):
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, kv_heads: int = 2) -> None:
         super().__init__()
         import transformers
 
@@ -357,7 +357,7 @@ class HFCausalLM(nn.Module):
             self.model = transformers.GPT2LMHeadModel(cfg)
         else:
             cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
-                                           num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=2,
+                                           num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=kv_heads,
                                            max_position_embeddings=SEQ, tie_word_embeddings=False)
             cfg._attn_implementation = "sdpa"
             self.model = transformers.LlamaForCausalLM(cfg)
@@ -736,6 +736,117 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
+# ---- attention with fewer K/V heads than tp ranks (issue 30): multi-query, Falcon's fused [q..., k, v] -------------
+class HFFalcon(nn.Module):
+    """Hugging Face Falcon-7B's layout, tiny: multi-query (one K/V head), fused ``query_key_value``, attention and MLP
+    in parallel from one norm."""
+
+    def __init__(self, new_decoder_architecture: bool = False) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=LAYERS,
+                                        num_attention_heads=HEADS, multi_query=True, parallel_attn=True,
+                                        new_decoder_architecture=new_decoder_architecture, num_kv_heads=1,
+                                        bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+                                        max_position_embeddings=SEQ)
+        self.model = transformers.FalconForCausalLM(cfg)
+        self.model.config._attn_implementation = "eager"
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx).logits
+
+
+MODELS.update({
+    "mqa_llama": lambda: TinyLlama(n_kv_heads=1),  # separate q, k, v: k and v one head each
+    "mqa_fused": lambda: FusedGQAModel(n_kv_head=1),  # fused [q | k | v], split by sizes
+    "hf_falcon": HFFalcon,
+    "hf_falcon_new": lambda: HFFalcon(new_decoder_architecture=True),  # per-group [q_g..., k_g, v_g]
+    "hf_llama_mqa": lambda: HFCausalLM("llama", kv_heads=1),  # num_key_value_groups read by repeat_kv
+})
+
+
+# ---- a DiT-style diffusion transformer (issue 30): adaLN-Zero blocks read a conditioning vector -----------------
+def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class DiTBlock(nn.Module):
+    """DiT's block with its projections as its own children: fused qkv, a plain MLP, and the adaLN-Zero modulation
+    ``Sequential(SiLU, Linear(d, 6 d))`` of the conditioning vector ``c`` (shift / scale / gate for each half)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.num_heads = heads
+        self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.fc1, self.act, self.fc2 = nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        B, N, C = x.shape
+        h = _modulate(self.norm1(x), shift_msa, scale_msa)
+        q, k, v = self.qkv(h).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, C)
+        x = x + gate_msa.unsqueeze(1) * self.proj(a)
+        h = _modulate(self.norm2(x), shift_mlp, scale_mlp)
+        return x + gate_mlp.unsqueeze(1) * self.fc2(self.act(self.fc1(h)))
+
+
+class TinyDiT(nn.Module):
+    """Patchify linear, sinusoidal timestep + MLP, a 16-row label embedding, adaLN-Zero blocks, a modulated final
+    layer (2 x 2 patches of 4 latent channels: 16 outputs, as many as the label rows). ``forward(idx)`` is the
+    training objective (noise prediction, MSE), all from the token ids: the latent is the first 16 ids as a 4 x 4
+    picture in 4 channels, the timestep and label come from the ids, the noise is a fixed pattern."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS, depth: int = LAYERS, classes: int = 15) -> None:
+        super().__init__()
+        self.patch, self.freq = 2, 32
+        self.x_embedder = nn.Linear(self.patch * self.patch * 4, dim)
+        self.t_embedder = nn.Sequential(nn.Linear(self.freq, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.y_embedder = nn.Embedding(classes + 1, dim)  # + the "no label" row of classifier-free guidance
+        self.register_buffer("pos_embed", torch.sin(torch.arange(4 * dim).float().view(4, dim) / 7.0))
+        self.blocks = nn.ModuleList([DiTBlock(dim, heads) for _ in range(depth)])
+        self.norm_final = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.final_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim))
+        self.final = nn.Linear(dim, self.patch * self.patch * 4)
+        self.classes = classes
+
+    def timestep_embedding(self, t: torch.Tensor) -> torch.Tensor:
+        half = self.freq // 2
+        freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        args = t[:, None].float() * freqs[None]
+        return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B = idx.shape[0]
+        image = (idx[:, :16].float().view(B, 1, 4, 4) / VOCAB * 2 - 1) * torch.tensor([1.0, -0.5, 0.25, 2.0],
+                                                                                      device=idx.device).view(4, 1, 1)
+        t = idx[:, 0] * 15 % 1000
+        labels = idx[:, 1] % (self.classes + 1)
+        noise = torch.sin(torch.arange(64.0, device=idx.device).view(1, 4, 4, 4) * (1 + t.view(B, 1, 1, 1) / 100))
+        alpha = torch.cos(t.float() / 1000 * math.pi / 2).view(B, 1, 1, 1)
+        noisy = alpha * image + (1 - alpha ** 2).sqrt() * noise
+        patches = patches_of(noisy)  # (B, 4 patches, 2 x 2 pixels x 4 channels)
+        x = self.x_embedder(patches) + self.pos_embed
+        c = self.t_embedder(self.timestep_embedding(t)) + self.y_embedder(labels)
+        for block in self.blocks:
+            x = block(x, c)
+        shift, scale = self.final_modulation(c).chunk(2, dim=1)
+        out = self.final(_modulate(self.norm_final(x), shift, scale))
+        return F.mse_loss(out, patches_of(noise))
+
+
+def patches_of(image: torch.Tensor) -> torch.Tensor:
+    """(B, 4, 4, 4) -> (B, 4 patches, 16): each 2 x 2 patch's pixels of every channel."""
+    return image.unfold(2, 2, 2).unfold(3, 2, 2).permute(0, 2, 3, 1, 4, 5).reshape(image.shape[0], 4, 16)
+
+
+MODELS["dit"] = TinyDiT
+
+
 class LitLM(L.LightningModule):
     """An ordinary next-token LightningModule around any model above."""
 
@@ -765,8 +876,12 @@ class LitLM(L.LightningModule):
         else:
             out = self(x)  # a classifier (the vision transformer) predicts the first target of each sequence
             out, aux = out if isinstance(out, tuple) else (out, 0.0)  # a model that returns its auxiliary loss
-            loss = F.cross_entropy(out, y[:, 0]) if out.dim() == 2 else F.cross_entropy(out.reshape(-1, VOCAB),
-                                                                                         y.reshape(-1))
+            if out.dim() == 0:  # the model computes its own objective (the diffusion transformer)
+                loss = out
+            elif out.dim() == 2:
+                loss = F.cross_entropy(out, y[:, 0])
+            else:
+                loss = F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
             loss = loss + 0.02 * aux
         self.log("train_loss", loss, prog_bar=True)
         return loss

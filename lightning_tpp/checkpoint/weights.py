@@ -70,14 +70,12 @@ def boxes(dest: Tensor, spec: Optional[ShardSpec], full_shape: Sequence[int], ra
     full = tuple(full_shape)
     if spec is None or world == 1:
         return [((0,) * len(full), full, dest)]
-    parts = spec.parts or (full[spec.dim],)
-    out, start, local = [], 0, 0
-    for part in parts:
-        step = part // world
-        offsets = tuple(start + rank * step if d == spec.dim else 0 for d in range(len(full)))
+    out, local = [], 0
+    for start, step in spec.pieces(full[spec.dim], rank, world):
+        offsets = tuple(start if d == spec.dim else 0 for d in range(len(full)))
         sizes = tuple(step if d == spec.dim else n for d, n in enumerate(full))
         out.append((offsets, sizes, dest.narrow(spec.dim, local, step)))
-        start, local = start + part, local + step
+        local += step
     return out
 
 

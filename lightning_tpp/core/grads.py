@@ -82,6 +82,18 @@ def _norm_power(grads: list[Tensor], norm_type: float, device: torch.device) -> 
     return torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in grads]).sum()
 
 
+def _counted(p: nn.Parameter, sharded: Container[Tensor], tp_rank: int, groups: list[Any]) -> list[Tensor]:
+    """``p``'s gradient as this rank counts it: rows that several tp ranks hold (K/V heads fewer than tp) count on
+    the first of them only."""
+    spec_of = getattr(sharded, "spec", None)
+    spec = spec_of(p) if spec_of is not None else None
+    if spec is None or not spec.replicated or is_dp_sharded(p.grad):
+        return [p.grad]
+    world = dist.get_world_size(groups[0]) if groups and groups[0] is not None else 1
+    size = sharded.full_shape(p)[spec.dim]  # type: ignore[attr-defined]
+    return spec.owned(p.grad, size, tp_rank, world)
+
+
 def global_grad_norm(params: Iterable[nn.Parameter], *, sharded: Container[Tensor], tp_rank: int, groups: list[Any],
                      norm_type: float = 2.0, dp_group: Optional[ProcessGroup] = None) -> Tensor:
     """Norm of all gradients of the whole (unsharded) model; every rank gets the same value. A shard's gradient counts
@@ -89,7 +101,7 @@ def global_grad_norm(params: Iterable[nn.Parameter], *, sharded: Container[Tenso
     part, summed over ``dp_group``."""
     params = [p for p in params if p.grad is not None]
     device = local(params[0].grad).device if params else torch.device("cpu")
-    mine = [p.grad for p in params if p in sharded or tp_rank == 0]
+    mine = [g for p in params if p in sharded or tp_rank == 0 for g in _counted(p, sharded, tp_rank, groups)]
     inf = norm_type == float("inf")
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     total = _norm_power([g for g in mine if not is_dp_sharded(g)], norm_type, device)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -39,9 +40,18 @@ from lightning_tpp.tensor_parallel.layers import (
     _VocabParallelEmbedding,
     is_transposed_linear,
 )
+from lightning_tpp.tensor_parallel.heads import WholeHeads, to_local_heads
 from lightning_tpp.tensor_parallel.rng import following
 from lightning_tpp.tensor_parallel.sequence import block_inputs, block_output, saved_as_shards
-from lightning_tpp.tensor_parallel.plan import HEAD_DIM_NAMES, HEAD_NAMES, KV_NAMES, WIDTH_HINTS, BlockInfo, TPPlan
+from lightning_tpp.tensor_parallel.plan import (
+    GROUP_NAMES,
+    HEAD_DIM_NAMES,
+    HEAD_NAMES,
+    KV_NAMES,
+    WIDTH_HINTS,
+    BlockInfo,
+    TPPlan,
+)
 
 
 class TensorParallelMismatchError(RuntimeError):
@@ -71,14 +81,25 @@ def _set_shard(module: nn.Module, attr: str, spec: ShardSpec, group: TPGroup,
     setattr(module, attr, new)
 
 
+def _shared_infos(layer: nn.Module, shards: ShardIndex) -> dict[str, ShardInfo]:
+    """The layer's parameters some of whose rows other ranks hold too (K/V heads fewer than tp), by attribute."""
+    out = {}
+    for attr in ("weight", "bias"):
+        p = getattr(layer, attr, None)
+        info = shards.get(p) if p is not None else None
+        if info is not None:
+            out[attr] = info
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # blocks
 
 
 class _LocalShapes(TorchFunctionMode):
-    def __init__(self, tp: int, global_sizes: frozenset[int]) -> None:
+    def __init__(self, tp: int, global_sizes: frozenset[int], heads: int = 0, group: Optional[TPGroup] = None) -> None:
         super().__init__()
-        self.tp, self.sizes = tp, global_sizes
+        self.tp, self.sizes, self.heads, self.group = tp, global_sizes, heads, group
 
     def _local(self, shape: tuple[int, ...], numel: int) -> tuple[int, ...]:
         if -1 in shape or math.prod(shape) != numel * self.tp:
@@ -101,6 +122,8 @@ class _LocalShapes(TorchFunctionMode):
             dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
             if sum(sizes) == x.shape[dim] * self.tp and all(s % self.tp == 0 for s in sizes):
                 args = (x, [s // self.tp for s in sizes], *args[2:])
+        elif self.group is not None:  # a whole per-head side tensor (a position bias) meets this rank's heads
+            args, kwargs = to_local_heads(func, args, kwargs, self.heads, self.group)
         return func(*args, **kwargs)
 
 
@@ -116,7 +139,9 @@ class BlockState:
     draws: Optional[bool] = None  # whether its training forward drew dropout (None: not run in training yet)
 
     def shape_mode(self) -> contextlib.AbstractContextManager:
-        return _LocalShapes(self.scope.group.size, self.shapes) if self.shapes else contextlib.nullcontext()
+        if not self.shapes:
+            return contextlib.nullcontext()
+        return _LocalShapes(self.scope.group.size, self.shapes, self.info.heads, self.scope.group)
 
 
 class _TPBlock:
@@ -153,15 +178,20 @@ def _localize_attrs(owner: nn.Module, info: BlockInfo, tp: int) -> None:
     A module that also holds an MLP (projections that are a block's direct children) keeps its widths, which other
     parts of its forward may read; ``_LocalShapes`` repairs the reshapes that use them."""
     q_width, kv_width = info.heads * info.head_dim, info.kv_heads * info.head_dim
+    local_kv = max(1, info.kv_heads // tp)  # fewer K/V heads than ranks: each rank holds one (kv_share)
     alone = len(info.row_layers()) == 1
 
     def local_value(name: str, value: Any) -> Optional[int]:
         if not isinstance(value, int) or isinstance(value, bool) or name in HEAD_DIM_NAMES:
             return None
-        if name in HEAD_NAMES and value == info.heads or name in KV_NAMES and value == info.kv_heads:
+        if name in HEAD_NAMES and value == info.heads:
             return value // tp
+        if name in KV_NAMES and value == info.kv_heads:
+            return local_kv
+        if name in GROUP_NAMES and info.kv_heads < tp and value == info.heads // info.kv_heads:
+            return info.heads // tp // local_kv  # query heads per K/V head, of this rank's heads
         if alone and any(h in name.lower() for h in WIDTH_HINTS) and value in (q_width, kv_width):
-            return value // tp
+            return value // tp if value == q_width else local_kv * info.head_dim
         return None
 
     targets = [owner] + [m for m in owner.children() if not isinstance(m, (nn.Linear, nn.Embedding))]
@@ -195,7 +225,8 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
             _localize_attrs(block, info, group.size)
         if info.kind == "attention":
             qw, kvw = info.heads * info.head_dim, info.kv_heads * info.head_dim
-            state.shapes = frozenset({qw, kvw, info.heads, info.kv_heads, info.head_dim * group.size})
+            kv = (kvw, info.kv_heads) if info.kv_heads >= group.size else ()  # else K/V stay whole: no repair
+            state.shapes = frozenset({qw, *kv, info.heads, info.head_dim * group.size})
         block._tpp_block = state
         if info.kind == "mha":
             block._tpp_layer = LayerTP(group, scope=state.scope, heads=info.heads)
@@ -213,9 +244,10 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
         if style in ("colwise", "colwise_gather"):
             spec = fused[0] if fused else ShardSpec(1 if is_transposed_linear(m) else 0)
             _set_shard(m, "weight", spec, group, done, shards)
-            _set_shard(m, "bias", ShardSpec(0, spec.parts), group, done, shards)
+            _set_shard(m, "bias", dataclasses.replace(spec, dim=0), group, done, shards)
             m._tpp_layer = LayerTP(group, scope=scopes.get(name), gather=style == "colwise_gather",
-                                   check=layer_check(name, shards) if verify and style == "colwise_gather" else None)
+                                   check=layer_check(name, shards) if verify and style == "colwise_gather" else None,
+                                   shared=_shared_infos(m, shards) if spec.replicated else {})
             set_local_attr(m, "nf" if is_transposed_linear(m) else "out_features", m.weight.shape[spec.dim])
             swap_class(m, _ColumnParallel)
         elif style == "rowwise":
@@ -339,7 +371,7 @@ def _close(got: Any, want: Any, group: TPGroup, path: str = "output") -> Optiona
 
 
 def _reshard(layer: nn.Module, spec: ShardSpec, group: TPGroup, shards: ShardIndex) -> None:
-    for attr, s in (("weight", spec), ("bias", ShardSpec(0, spec.parts))):
+    for attr, s in (("weight", spec), ("bias", dataclasses.replace(spec, dim=0))):
         p = getattr(layer, attr, None)
         info = shards.get(p) if p is not None else None
         if info is None:
@@ -388,7 +420,8 @@ def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:
     try:
         with torch.no_grad(), against_reference(block, group, st.shards) as ref:
             a, k = _isolated(args, kwargs)
-            want = ref.forward(*a, **k)
+            with WholeHeads(st.info.heads, group) if st.info.kind == "attention" else contextlib.nullcontext():
+                want = ref.forward(*a, **k)
             for i in range(attempts):
                 if i:
                     for name, specs in fused.items():

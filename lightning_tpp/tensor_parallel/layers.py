@@ -12,7 +12,7 @@ single-device names) and ``isinstance`` checks in user code keep passing: ``Colu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -21,7 +21,9 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_tpp.core.comm import TPGroup, TPScope, copy_to_tp, gather_from_tp, reduce_from_tp
+from lightning_tpp.core.params import ShardInfo
 from lightning_tpp.core.swap import original_class
+from lightning_tpp.tensor_parallel.kv_share import summed_shared
 from lightning_tpp.tensor_parallel.loss import VocabShardedLogits
 from lightning_tpp.tensor_parallel.rng import mark_replicated, mark_sharded
 from lightning_tpp.tensor_parallel.sequence import column_input, row_reduce
@@ -39,6 +41,7 @@ class LayerTP:
     vocab_start: int = 0  # vocab-parallel embedding: the first id of this rank's range
     padding_idx: Optional[int] = None  # ... and the padding id within it, if it falls there
     check: Optional[Callable[[nn.Module, tuple, dict, Any], None]] = None  # numerical check at the first call
+    shared: dict[str, ShardInfo] = field(default_factory=dict)  # column parallel: rows other ranks hold too (K/V)
 
 
 def is_transposed_linear(module: nn.Module) -> bool:
@@ -70,7 +73,8 @@ class _ColumnParallel:
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         tp = self._tpp_layer
         x = _column_input(tp, x)
-        y = super().forward(x, *args, **kwargs)  # type: ignore[misc]
+        with summed_shared(self, tp.shared, tp.group):  # type: ignore[arg-type]
+            y = super().forward(x, *args, **kwargs)  # type: ignore[misc]
         if tp.gather:
             local, y = y, gather_from_tp(y, tp.group)
             _first_call_check(self, (x, *args), kwargs, y)

@@ -20,12 +20,14 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping, Optional, Sequence, Union
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_tpp.core.sharding import ShardSpec
-from lightning_tpp.core.walk import VERIFYING, Taint, tensors_in
+from lightning_tpp.tensor_parallel.kv_share import plain_kv_spec, shared_specs
 from lightning_tpp.tensor_parallel.layers import is_transposed_linear, linear_dims
+from lightning_tpp.tensor_parallel.trace import input_names, trace_flow
+
+SMALL_VOCAB = 32  # an embedding with fewer rows (a label table) is kept whole: a vocabulary split saves nothing
 
 STYLES = ("colwise", "rowwise", "colwise_gather", "vocab", "mha", "replicate")
 
@@ -33,6 +35,8 @@ HEAD_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nhead", 
               "n_attn_heads", "num_q_heads", "n_heads_q")
 KV_NAMES = ("n_kv_head", "n_kv_heads", "num_key_value_heads", "num_kv_heads", "kv_heads", "n_query_groups",
             "num_kv_head", "n_kv", "nkv")
+# query heads per K/V head (Hugging Face's repeat_kv count): local too when K/V heads are fewer than tp
+GROUP_NAMES = ("num_key_value_groups", "n_rep", "num_kv_groups", "kv_groups", "q_per_kv", "num_queries_per_kv")
 HEAD_DIM_NAMES = ("head_dim", "head_size", "d_head", "dim_head", "attention_head_size", "d_k", "kv_channels",
                   "key_value_proj_dim", "hd")
 WIDTH_HINTS = ("embd", "embed", "dim", "hidden", "width", "d_model", "inner", "all_head", "split", "n_state")
@@ -118,22 +122,27 @@ def _child_linears(module: nn.Module, prefix: str, claimed: set[str], depth: int
     return out
 
 
-def _divisible_choices(*values: int) -> list[int]:
-    top = min(values)
-    return [d for d in range(1, top + 1) if all(v % d == 0 for v in values)]
+def _fits(label: str, size: int, tp: int) -> bool:
+    """``tp`` divides ``size``; K/V heads may also be fewer than ranks, if they divide tp (each then replicated)."""
+    return size % tp == 0 or label == "num_kv_heads" and tp % size == 0
+
+
+def _divisible_choices(sizes: list[tuple[str, int]]) -> list[int]:
+    top = min(v for label, v in sizes if label != "num_kv_heads")
+    return [d for d in range(1, top + 1) if all(_fits(label, v, d) for label, v in sizes)]
 
 
 def check_divisible(plan: TPPlan, tp: int) -> None:
     """Raise for the first block (in model order) whose heads / hidden size ``tp`` does not divide, listing the tp
     values that suit every block of the plan."""
-    every = [v for b in plan.blocks.values() for v in b.sizes.values()]
+    every = [(label, v) for b in plan.blocks.values() for label, v in b.sizes.items()]
     for fqn, b in plan.blocks.items():
         for label, v in b.sizes.items():
-            if v % tp == 0:
+            if _fits(label, v, tp):
                 continue
             what = f"the hidden size {v} of MLP {fqn or '<root>'}" if b.kind == "mlp" else \
                 f"{label}={v} of {fqn} (heads={b.heads}, kv_heads={b.kv_heads})"
-            raise TensorParallelConfigError(f"tp={tp} must divide {what}; choose tp in {_divisible_choices(*every)}, "
+            raise TensorParallelConfigError(f"tp={tp} must divide {what}; choose tp in {_divisible_choices(every)}, "
                                             f"or pass tp_plan={{'{fqn}': 'replicate'}}")
 
 
@@ -178,6 +187,22 @@ def _attention(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], b
         return None
     return BlockInfo("attention", [n for n, _ in lins], heads, derived_kv, head_dim, fused,
                      {"num_heads": heads, "num_kv_heads": derived_kv})
+
+
+def _share_kv(info: BlockInfo, modules: Mapping[str, nn.Module], tp: int) -> None:
+    """Attention with fewer K/V heads than ranks (``kv_heads`` divides ``tp``): K/V layouts that give each rank the
+    K/V heads its query heads read, whole (see :mod:`~lightning_tpp.tensor_parallel.kv_share`)."""
+    if info.kind != "attention" or not info.kv_heads or info.kv_heads >= tp or tp % info.kv_heads:
+        return
+    kv_width = info.kv_heads * info.head_dim
+    for name in info.layers:
+        if name in info.row_layers():
+            continue
+        m = modules[name]
+        if name in info.fused:
+            info.fused[name] = shared_specs(info.fused[name], info.heads, info.kv_heads, info.head_dim, tp)
+        elif linear_dims(m)[1] == kv_width:  # a K or a V projection of its own
+            info.fused[name] = [plain_kv_spec(1 if is_transposed_linear(m) else 0, kv_width, info.kv_heads, tp)]
 
 
 def _mlp(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]]) -> Optional[BlockInfo]:
@@ -228,76 +253,6 @@ def _sequential_pairs(fqn: str, module: nn.Module, claimed: set[str], tp: int) -
     return BlockInfo("mlp", layers, sizes=sizes, rows=rows) if layers else None
 
 
-# functions that combine two projections' outputs (attention scores, attention-weighted values)
-_MIXING = frozenset({"matmul", "__matmul__", "bmm", "baddbmm", "einsum", "scaled_dot_product_attention"})
-_RESHAPES = frozenset({"view", "reshape", "unflatten"})
-# functions that combine the features of one value (not element-wise): an MLP whose hidden features pass through
-# one cannot be cut by features (a norm over the hidden width, NormFormer's; a centring)
-_ACROSS = frozenset({"layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm", "softmax", "log_softmax",
-                     "mean", "sum", "var", "std", "var_mean", "std_mean", "norm", "amax", "amin", "max", "min",
-                     "logsumexp", "cumsum", "cumprod", "sort", "topk", "flip", "roll", "argmax", "argmin",
-                     "normalize"})
-
-
-class _LinearFlow(Taint):
-    """Tags every value of a forward with the linear layers whose outputs it was computed from (the nearest ones: a
-    layer's output carries only its own name), and notes which layers' outputs meet in a matrix product (attention)
-    and how a layer's output is split into heads (``view(B, S, heads, head_dim)``)."""
-
-    def __init__(self, widths: Mapping[str, int]) -> None:
-        super().__init__()
-        self.widths, self.mixed, self.across, self.heads = widths, set(), set(), {}
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        out = super().__torch_function__(func, types, args, kwargs)
-        name = getattr(func, "__name__", "")
-        if name in _MIXING:
-            tags = [self.of(t) for t in tensors_in((args, kwargs or {}), set())]
-            if sum(1 for t in tags if t) >= 2:
-                self.mixed.update(*tags)
-        elif name in _ACROSS and args and isinstance(args[0], Tensor):
-            self.across.update(self.of(args[0]))
-        elif name in _RESHAPES and args and isinstance(args[0], Tensor) and isinstance(out, Tensor):
-            src = self.of(args[0])
-            width = self.widths.get(next(iter(src))) if len(src) == 1 else None
-            if (width and out.dim() > args[0].dim() and args[0].shape[-1] == width
-                    and out.shape[-2] * out.shape[-1] == width):
-                self.heads.setdefault(next(iter(src)), (out.shape[-2], out.shape[-1]))
-        return out
-
-
-def _trace_flow(module: nn.Module, lins: list[tuple[str, nn.Module]]
-                ) -> tuple[list[tuple[str, frozenset]], _LinearFlow]:
-    """Run ``module`` once on a small input (on its weights' device: the meta device computes nothing) and return
-    ``(layer, layers its input came from)`` per linear call in order, and the flow. The input is ``(1, 8, width)``,
-    width the layers' most common input width; eval mode, no gradients, a private random generator (the run leaves
-    no trace in the model or the global random state)."""
-    widths = [linear_dims(m)[0] for _, m in lins]
-    width = max(set(widths), key=widths.count)
-    weight = lins[0][1].weight
-    flow = _LinearFlow({n: linear_dims(m)[1] for n, m in lins})
-    calls: list[tuple[str, frozenset]] = []
-    hooks = []
-    for n, m in lins:
-        hooks.append(m.register_forward_pre_hook(lambda _m, a, n=n: calls.append((n, flow.of(a)))))
-        hooks.append(m.register_forward_hook(  # a layer's output carries only its own name
-            lambda _m, a, out, n=n: flow.tags.__setitem__(id(out), (out, frozenset([n])))))
-    modes = {m: m.training for m in module.modules()}
-    x = torch.randn(1, 8, width, generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
-    token = VERIFYING.set(True)  # a pipeline stage's dispatchers run the real modules
-    try:
-        module.eval()
-        with torch.no_grad(), flow:
-            module(x)
-    finally:
-        VERIFYING.reset(token)
-        for h in hooks:
-            h.remove()
-        for m, mode in modes.items():
-            m.training = mode
-    return calls, flow
-
-
 _UNTRACED = BlockInfo("untraced")  # what _traced returns when the module's forward could not run
 
 
@@ -310,14 +265,14 @@ def _traced(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], bloc
     outputs meet in a matrix product are attention (heads from an attribute or the forward's
     ``view(..., heads, head_dim)``); the others an MLP, if their features meet in no norm or reduction before the
     row layer. The block is checked numerically at its first call like any other. ``whole``
-    receives why a module stays whole. Returns ``_UNTRACED`` when the forward does not run on one made-up input
+    receives why a module stays whole. Returns ``_UNTRACED`` when the forward does not run on made-up inputs
     (e.g. it needs a mask or rotary tables): the caller falls back to recognising the layout."""
     names = [n for n, _ in lins]
     try:
-        calls, flow = _trace_flow(module, lins)
+        calls, flow = trace_flow(module, lins)
     except Exception as err:  # noqa: BLE001 - any forward may refuse a made-up input
-        whole[fqn] = (f"no known layout, and its forward could not be traced with one (1, 8, width) input "
-                      f"({type(err).__name__}: {str(err)[:120]})")
+        whole[fqn] = (f"no known layout, and its forward could not be traced with made-up inputs "
+                      f"{input_names(module)} ({type(err).__name__}: {str(err)[:120]})")
         return _UNTRACED
     called = [n for n, _ in calls]
     if any(called.count(n) > 1 for n in names):
@@ -406,6 +361,10 @@ def _vocab(model: nn.Module, claimed: set[str], tp: int, plan: TPPlan,
         if not heads:
             continue
         vocab = emb.num_embeddings
+        if vocab < SMALL_VOCAB:
+            plan.notes.append(f"{e_name}: {vocab} rows (fewer than {SMALL_VOCAB}) are not worth a vocabulary split; "
+                              f"embedding and its matching linear stay whole")
+            continue
         if vocab % tp or emb.max_norm is not None or emb.sparse or emb.scale_grad_by_freq:
             plan.notes.append(f"{e_name}: vocab {vocab} not divisible by tp={tp} (or max_norm/sparse set); "
                               f"embedding and LM head stay replicated")
@@ -419,6 +378,31 @@ def _vocab(model: nn.Module, claimed: set[str], tp: int, plan: TPPlan,
             if n in here:
                 plan.styles[n] = style
         claimed.update({e_name, h_name, *aliases})
+
+
+def _widening(model: nn.Module, claimed: set[str], tp: int, plan: TPPlan, remote: Collection[str]) -> None:
+    """Linear layers of the repeated blocks (in a ``ModuleList``: never an LM head, which a pipeline must pair with
+    its embedding on another stage) left whole that read the model's width and widen it (adaLN / FiLM modulation:
+    ``Linear(d, 6d)`` of a conditioning vector, whose shift / scale / gate chunks are read element-wise), unless
+    small (under 0.1% of the model): cut by columns, their output gathered (exact whatever reads it; a modulation's
+    output is one vector per sample). A patch embedding (pixels -> d) does not read the model's width; a layer of a
+    module left whole for a reason (``plan.whole``: an attention not understood) stays whole with it."""
+    total = sum(p.numel() for p in model.parameters())
+    widths = [linear_dims(m)[0] for _, m in model.named_modules() if _is_linear(m)]
+    width = max(set(widths), key=widths.count) if widths else 0
+    entries = {f"{n}.{c}" if n else c for n, m in model.named_modules() if isinstance(m, nn.ModuleList)
+               for c, _ in m.named_children()}
+    for name, m in model.named_modules():
+        if name in claimed or name in remote or not _is_linear(m) or plan.styles.get(name):
+            continue
+        d_in, d_out = linear_dims(m)
+        parent = name.rpartition(".")[0]
+        left = any(w == parent or w.startswith(f"{parent} (") for w in plan.whole)  # its module was left whole
+        in_blocks = any(name.startswith(f"{entry}.") for entry in entries)  # an LM head or a classifier never is
+        if (in_blocks and d_in == width and d_out >= 2 * d_in and d_out % tp == 0
+                and m.weight.numel() * 1000 >= total and not left):
+            plan.styles[name] = "colwise_gather"
+            claimed.add(name)
 
 
 def detect(model: nn.Module, tp: int, *, check: bool = True,
@@ -459,8 +443,9 @@ def detect(model: nn.Module, tp: int, *, check: bool = True,
         if info is None:
             blocks = frozenset(id(modules[b]) for b in plan.blocks)
             info = _traced(fqn, module, lins, blocks, plan.whole)
-        if info is _UNTRACED:  # its forward needs more than one input: the layout decides
-            info = _attention(fqn, module, lins, blocks) or _mlp(fqn, module, lins)
+        if info is _UNTRACED:  # its forward needs more than one input: the layout decides, unless it holds blocks
+            holds = any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in module.modules())  # a model
+            info = None if holds else _attention(fqn, module, lins, blocks) or _mlp(fqn, module, lins)
         if info is None:
             continue
         plan.whole.pop(fqn, None)
@@ -469,7 +454,10 @@ def detect(model: nn.Module, tp: int, *, check: bool = True,
         for name in info.layers:
             plan.styles[name] = "rowwise" if name in rows else "colwise"
         claimed.update(info.layers)
+    for info in plan.blocks.values():
+        _share_kv(info, modules, tp)
     _vocab(model, claimed, tp, plan, remote if isinstance(remote, Mapping) else {})
+    _widening(model, claimed, tp, plan, remote)
     plan = _ordered(plan, model)
     if check:
         check_divisible(plan, tp)

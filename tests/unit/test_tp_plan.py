@@ -94,9 +94,46 @@ def test_tinyllama() -> None:
 
 
 def test_tinyllama_kv_heads_limit_tp() -> None:
-    with pytest.raises(TensorParallelConfigError, match=r"tp=4 must divide num_kv_heads=2 of layers\.\d\.attention "
-                                                        r"\(heads=4, kv_heads=2\); choose tp in \[1, 2\]"):
-        detect(TinyLlama(), 4)
+    """K/V heads that neither tp divides nor divide tp (3 of them at tp=2) cannot be given out whole or cut."""
+    with pytest.raises(TensorParallelConfigError, match=r"tp=2 must divide num_kv_heads=3 of layers\.\d\.attention "
+                                                        r"\(heads=6, kv_heads=3\); choose tp in \[1, 3, 6\]"):
+        detect(TinyLlama(dim=48, n_heads=6, n_kv_heads=3), 2)
+
+
+# ---- fewer K/V heads than tp (issue 30): each rank keeps the K/V heads its query heads read, whole ----------------
+@pytest.mark.parametrize("name", ["mqa_llama", "mqa_fused", "hf_falcon"])
+def test_kv_heads_fewer_than_tp_are_replicated(name: str) -> None:
+    """Multi-query (separate k/v of one head, a fused [q | k | v], Falcon's fused query_key_value) at tp=2: query
+    heads cut, the K/V rows held whole by both ranks (shares=2), not refused."""
+    plan = detect(MODELS[name](), 2)
+    attn = [b for b in plan.blocks.values() if b.kind == "attention"]
+    assert len(attn) == 2 and all((b.heads, b.kv_heads) == (4, 1) for b in attn)
+    for b in attn:
+        specs = [s[0] for s in b.fused.values()]
+        assert specs and all(s.replicated for s in specs), b.fused
+        if len(b.layers) == 2:  # fused: q split, k and v shared
+            assert specs[0].shares == (1, 2, 2) and specs[0].parts == (32, 8, 8)
+
+
+def test_grouped_query_kv_fewer_than_tp_per_group_layout() -> None:
+    """8 query heads over 2 K/V heads at tp=4: rank r holds query heads 2r, 2r+1 and K/V head r // 2, for a
+    [q | k | v] layout and for one interleaved per group ([q_g... k_g v_g] per group, Falcon's new architecture)."""
+    from lightning_tpp.core.sharding import shard_tensor, unshard_tensor
+    from lightning_tpp.tensor_parallel.kv_share import shared_specs
+
+    split, grouped = shared_specs([ShardSpec(0, (8, 2, 2)), ShardSpec(0)], heads=8, kv_heads=2, head_dim=1, tp=4)
+    rows = torch.arange(12.0)
+    q, k, v = rows[:8], rows[8:10], rows[10:]
+    for r in range(4):
+        assert shard_tensor(rows, split, r, 4).tolist() == [*q[2 * r:2 * r + 2], k[r // 2], v[r // 2]]
+    assert unshard_tensor([shard_tensor(rows, split, r, 4) for r in range(4)], split).equal(rows)
+    per_group = torch.arange(12.0)  # [q0 q1 q2 q3 k0 v0 | q4 q5 q6 q7 k1 v1]
+    got = [shard_tensor(per_group, grouped, r, 4).tolist() for r in range(4)]
+    assert got == [[0, 1, 4, 5], [2, 3, 4, 5], [6, 7, 10, 11], [8, 9, 10, 11]]
+    assert unshard_tensor([torch.tensor(g) for g in got], grouped).equal(per_group)
+    # a global gradient norm counts a shared K/V row on the first of its holders only
+    owned = [torch.cat(split.owned(shard_tensor(rows, split, r, 4), 12, r, 4)).tolist() for r in range(4)]
+    assert owned == [[0, 1, 8, 10], [2, 3], [4, 5, 9, 11], [6, 7]]
 
 
 # ---- fused grouped-query qkv ---------------------------------------------------------------------------------------
@@ -746,3 +783,49 @@ def test_plan_table_lists_every_pp_rank_with_the_models_total() -> None:
     assert "parameters per rank: 111 K on pp rank 0, 105 K on pp rank 1, of 413 K in the model (26.9% at most)" in table
     one = format_plan([first], 2)
     assert "pp rank" not in one and "parameters per rank: 111 K of 214 K (51.9%)" in one
+
+
+# ---- per-head side tensors (issue 30): a whole (1, heads, S, S) bias meets this rank's (B, heads / tp, S, S) ------
+@pytest.mark.parametrize("rank", [0, 1])
+def test_whole_per_head_bias_is_cut_to_the_ranks_heads(rank: int) -> None:
+    """T5's relative position bias (made whole by the first layer, passed to the others) added to the scores of
+    this rank's heads, and given to scaled_dot_product_attention as its mask: cut to heads [2 rank, 2 rank + 2);
+    a (B, 1, S, S) mask (an ordinary broadcast) is left alone."""
+    from lightning_tpp.core.comm import TPGroup
+    from lightning_tpp.tensor_parallel.heads import to_local_heads
+
+    group = TPGroup(None, rank, 2)
+    scores, bias, mask = torch.zeros(3, 2, 5, 5), torch.randn(1, 4, 5, 5), torch.zeros(3, 1, 5, 5)
+    with torch.no_grad():
+        args, _ = to_local_heads(torch.add, (scores, bias), {}, 4, group)
+        assert args[1].equal(bias[:, 2 * rank:2 * rank + 2])
+        args, kwargs = to_local_heads(F.scaled_dot_product_attention, (scores[..., :3],) * 3, {"attn_mask": bias},
+                                      4, group)
+        assert kwargs["attn_mask"].equal(bias[:, 2 * rank:2 * rank + 2])
+        assert to_local_heads(torch.add, (scores, mask), {}, 4, group)[0][1] is mask
+
+
+# ---- conditioned blocks (issue 30): DiT's adaLN-Zero block, forward(x, c) ----------------------------------------
+def test_dit_blocks_are_recognised_and_modulation_cut() -> None:
+    """The block's forward takes (x, c): it is traced with a made-up conditioning vector, so its fused qkv attention
+    and its MLP are cut as in any block; each block's Linear(d, 6d) modulation is cut by columns and gathered; the patch
+    embedding (pixels -> d) and the 16-row label embedding stay whole."""
+    plan = detect(MODELS["dit"](), 2)
+    for i in (0, 1):
+        assert plan.blocks[f"blocks.{i}"].kind == "attention"
+        assert plan.blocks[f"blocks.{i}"].rows == [f"blocks.{i}.proj", f"blocks.{i}.fc2"]
+        assert plan.styles[f"blocks.{i}.adaLN_modulation.1"] == "colwise_gather"
+    assert "final_modulation.1" not in plan.styles  # outside the blocks (an LM head would be too): whole
+    assert "x_embedder" not in plan.styles and "y_embedder" not in plan.styles and "final" not in plan.styles
+    assert any("y_embedder: 16 rows" in n for n in plan.notes)
+
+
+def test_small_embedding_is_not_a_vocabulary() -> None:
+    """An embedding of fewer than 32 rows with a matching d -> rows linear stays whole; 64 rows are still cut."""
+    class Tiny(nn.Module):
+        def __init__(self, rows: int) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(rows, 8), nn.Linear(8, rows)
+
+    assert "emb" not in detect(Tiny(16), 2).styles
+    assert detect(Tiny(64), 2).styles == {"emb": "vocab", "head": "colwise_gather"}

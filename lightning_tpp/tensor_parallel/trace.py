@@ -1,0 +1,118 @@
+"""The dataflow of a module's forward, traced once on made-up inputs: which linear layers' outputs each linear
+layer reads, which outputs meet in a matrix product (attention) or in a reduction over features, and how an output
+is viewed as heads. :mod:`~lightning_tpp.tensor_parallel.plan` groups layers into blocks from it."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_tpp.core.walk import VERIFYING, Taint, tensors_in
+from lightning_tpp.tensor_parallel.layers import linear_dims
+
+# functions that combine two projections' outputs (attention scores, attention-weighted values)
+MIXING = frozenset({"matmul", "__matmul__", "bmm", "baddbmm", "einsum", "scaled_dot_product_attention"})
+RESHAPES = frozenset({"view", "reshape", "unflatten"})
+# functions that combine the features of one value (not element-wise): an MLP whose hidden features pass through
+# one cannot be cut by features (a norm over the hidden width, NormFormer's; a centring)
+ACROSS = frozenset({"layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm", "softmax", "log_softmax",
+                     "mean", "sum", "var", "std", "var_mean", "std_mean", "norm", "amax", "amin", "max", "min",
+                     "logsumexp", "cumsum", "cumprod", "sort", "topk", "flip", "roll", "argmax", "argmin",
+                     "normalize"})
+
+
+class LinearFlow(Taint):
+    """Tags every value of a forward with the linear layers whose outputs it was computed from (the nearest ones: a
+    layer's output carries only its own name), and notes which layers' outputs meet in a matrix product (attention)
+    and how a layer's output is split into heads (``view(B, S, heads, head_dim)``)."""
+
+    def __init__(self, widths: Mapping[str, int]) -> None:
+        super().__init__()
+        self.widths, self.mixed, self.across, self.heads = widths, set(), set(), {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        out = super().__torch_function__(func, types, args, kwargs)
+        name = getattr(func, "__name__", "")
+        if name in MIXING:
+            tags = [self.of(t) for t in tensors_in((args, kwargs or {}), set())]
+            if sum(1 for t in tags if t) >= 2:
+                self.mixed.update(*tags)
+        elif name in ACROSS and args and isinstance(args[0], Tensor):
+            self.across.update(self.of(args[0]))
+        elif name in RESHAPES and args and isinstance(args[0], Tensor) and isinstance(out, Tensor):
+            src = self.of(args[0])
+            width = self.widths.get(next(iter(src))) if len(src) == 1 else None
+            if (width and out.dim() > args[0].dim() and args[0].shape[-1] == width
+                    and out.shape[-2] * out.shape[-1] == width):
+                self.heads.setdefault(next(iter(src)), (out.shape[-2], out.shape[-1]))
+        return out
+
+
+def trace_flow(module: nn.Module, lins: list[tuple[str, nn.Module]]
+                ) -> tuple[list[tuple[str, frozenset]], LinearFlow]:
+    """Run ``module`` once on a small input (on its weights' device: the meta device computes nothing) and return
+    ``(layer, layers its input came from)`` per linear call in order, and the flow. The input is ``(1, 8, width)``,
+    width the layers' most common input width; eval mode, no gradients, a private random generator (the run leaves
+    no trace in the model or the global random state)."""
+    widths = [linear_dims(m)[0] for _, m in lins]
+    width = max(set(widths), key=widths.count)
+    weight = lins[0][1].weight
+    flow = LinearFlow({n: linear_dims(m)[1] for n, m in lins})
+    calls: list[tuple[str, frozenset]] = []
+    hooks = []
+    for n, m in lins:
+        hooks.append(m.register_forward_pre_hook(lambda _m, a, n=n: calls.append((n, flow.of(a)))))
+        hooks.append(m.register_forward_hook(  # a layer's output carries only its own name
+            lambda _m, a, out, n=n: flow.tags.__setitem__(id(out), (out, frozenset([n])))))
+    modes = {m: m.training for m in module.modules()}
+    x = torch.randn(1, 8, width, generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    token = VERIFYING.set(True)  # a pipeline stage's dispatchers run the real modules
+    try:
+        module.eval()
+        first: Optional[Exception] = None
+        for args in made_up_inputs(module, x):
+            calls.clear()
+            flow.tags.clear()
+            try:
+                with torch.no_grad(), flow:
+                    module(*args)
+                break
+            except Exception as err:  # noqa: BLE001 - the next convention may fit
+                first = first or err
+        else:
+            assert first is not None
+            raise first
+    finally:
+        VERIFYING.reset(token)
+        for h in hooks:
+            h.remove()
+        for m, mode in modes.items():
+            m.training = mode
+    return calls, flow
+
+
+def input_names(module: nn.Module) -> str:
+    """``(x, mask)``: the forward's required inputs, as tried by :func:`made_up_inputs`."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return "(x)"
+    return "(" + ", ".join(p.name for p in params if p.default is inspect.Parameter.empty
+                            and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)) + ")"
+
+
+def made_up_inputs(module: nn.Module, x: Tensor) -> list[tuple[Tensor, ...]]:
+    """The inputs tried in turn: ``x`` alone; with a forward that needs more (a conditioning vector ``c``, adaLN or
+    FiLM), each further input as one vector per sample ``(1, width)``, then shaped as ``x``."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return [(x,)]
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    needed = sum(1 for p in params[1:] if p.kind in kinds and p.default is inspect.Parameter.empty)
+    if not params or not needed:
+        return [(x,)]
+    return [(x, *[x[:, 0]] * needed), (x, *[x] * needed)]
