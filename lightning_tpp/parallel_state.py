@@ -158,7 +158,6 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
     statistics = batch_statistics_layers(module) if config.pp > 1 else []  # the whole model's, for the warning
     state.stages, state.plan, state.shards = cut(module, config, dims, pp_rank=coords["pp"], device=device,
                                                  tp_group=groups.tp)
-    plan = state.plan
     if not config.loss_parallel:
         _no_loss_parallel(module)
     if config.sequence_parallel and config.tp > 1:

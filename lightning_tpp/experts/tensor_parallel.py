@@ -29,7 +29,7 @@ from lightning_tpp.core.sharding import shard_tensor
 from lightning_tpp.core.swap import original_class, set_local_attr, swap_class
 from lightning_tpp.core.walk import VERIFYING
 from lightning_tpp.experts.detect import ExpertBank, MoELayer
-from lightning_tpp.tensor_parallel.apply import TensorParallelMismatchError, _close, _isolated, against_reference
+from lightning_tpp.core.reference import TensorParallelMismatchError, against_reference, first_difference, isolated
 
 _WIDTH_NAMES = ("intermediate_dim", "intermediate_size", "moe_intermediate_size", "expert_dim", "ffn_dim")
 
@@ -142,11 +142,11 @@ def verify_bank(module: nn.Module, args: tuple, kwargs: dict) -> None:
     token = VERIFYING.set(True)
     try:
         with torch.no_grad(), against_reference(module, st.group, st.shards) as ref:
-            a, k = _isolated(args, kwargs)
+            a, k = isolated(args, kwargs)
             want = ref.forward(*a, **k)
-            a, k = _isolated(args, kwargs)
+            a, k = isolated(args, kwargs)
             try:
-                problem = _close(_reduced(module._local_forward(a, k), st.group), want,  # type: ignore[attr-defined]
+                problem = first_difference(_reduced(module._local_forward(a, k), st.group), want,  # type: ignore[attr-defined]
                                  st.group)
             except Exception as err:  # noqa: BLE001 - any error of the parallel forward is a mismatch
                 problem = f"the parallel forward raised {type(err).__name__}: {err}"

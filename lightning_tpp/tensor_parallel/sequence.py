@@ -318,23 +318,23 @@ def row_reduce(y: Tensor) -> Optional[Tensor]:
 
 def _verify(element: nn.Module, args: tuple, kwargs: dict, where: tuple[str, Any]) -> None:
     """The block's sequence-parallel output against the original block on the whole sequence."""
-    from lightning_tpp.tensor_parallel.apply import _close, _isolated, against_reference
+    from lightning_tpp.core.reference import against_reference, first_difference, isolated
 
     st: ElementState = element._tpp_sp  # type: ignore[assignment]
     group = st.group
     problem = None
     with torch.no_grad(), against_reference(element, group, st.shards) as ref:
-        a, k = _isolated(args, kwargs)
+        a, k = isolated(args, kwargs)
         a, k = _replace(a, k, where, gather_seq(_get(a, k, where), group))
         token = VERIFYING.set(True)
         try:
             want = ref(*a, **k)
         finally:
             VERIFYING.reset(token)
-        a, k = _isolated(args, kwargs)
+        a, k = isolated(args, kwargs)
         try:
             got = element._sp_forward(a, k, where)  # type: ignore[attr-defined]
-            problem = _close(got, want, group)
+            problem = first_difference(got, want, group)
         except Exception as err:  # noqa: BLE001 - any error of the sequence-parallel forward is a mismatch
             problem = f"its forward raised {type(err).__name__}: {err}"
     if not all_reduce_flag(problem is None, group.group):
@@ -351,13 +351,13 @@ def _verify_gradients(element: nn.Module, args: tuple, kwargs: dict, where: tupl
     sequence, for one random output gradient. Catches what the forward check cannot: a replicated value used on
     shards inside an attention or MLP block whose gradient would not be summed."""
     from lightning_tpp.core.comm import gather_with_spec
-    from lightning_tpp.tensor_parallel.apply import _close, _isolated, against_reference
+    from lightning_tpp.core.reference import against_reference, first_difference, isolated
 
     st: ElementState = element._tpp_sp  # type: ignore[assignment]
     group = st.group
 
     def leaves(a: tuple, k: dict, stream: Tensor) -> tuple[tuple, dict, list[tuple[Any, Tensor]]]:
-        a, k = _replace(*_isolated(a, k), where, stream)
+        a, k = _replace(*isolated(a, k), where, stream)
         made: list[tuple[Any, Tensor]] = []
 
         def leaf(key: Any, t: Any) -> Any:
@@ -403,7 +403,7 @@ def _verify_gradients(element: nn.Module, args: tuple, kwargs: dict, where: tupl
                 if key != where and g is not None:  # a side input: each rank's part of its gradient
                     g = g.clone()
                     torch.distributed.all_reduce(g, group=group.group)
-                problem = problem or _close(g, theirs[i], group, f"gradient of input {key[1]!r}")
+                problem = problem or first_difference(g, theirs[i], group, f"gradient of input {key[1]!r}")
             for (name, q), g, w in zip(named, mine[len(inputs):], theirs[len(inputs):]):
                 if g is None or w is None:
                     if (g is None) != (w is None):
@@ -416,7 +416,7 @@ def _verify_gradients(element: nn.Module, args: tuple, kwargs: dict, where: tupl
                 elif id(q) in partial or id(st.shards.stored(q)) in partial:
                     g = g.clone()
                     torch.distributed.all_reduce(g, group=group.group)
-                problem = problem or _close(g, w, group, f"gradient of {name!r}")
+                problem = problem or first_difference(g, w, group, f"gradient of {name!r}")
         except Exception as err:  # noqa: BLE001 - any error of the sequence-parallel backward is a mismatch
             problem = f"its backward raised {type(err).__name__}: {err}"
     if not all_reduce_flag(problem is None, group.group):

@@ -4,6 +4,7 @@ bank, computed from its shards, sums to the original bank's output."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,27 +126,38 @@ def test_intermediate_width_not_divisible() -> None:
         shard_banks(moe, find_experts(moe), TPGroup(None, 0, 4), ShardIndex(), verify=False)
 
 
-def test_tokens_per_expert_are_logged(tmp_path) -> None:
+def test_tokens_per_expert_are_logged(tmp_path: Path) -> None:
     """``moe/`` values through the Trainer's loggers: every routed token counted once per expert it went to (top-2
     of 4 experts: 2 x 4 x 16 tokens a step), for a bank (counted from its expert indices) and a list of experts
     (from the rows each expert receives)."""
-    import lightning as L
-    from lightning.pytorch.loggers import CSVLogger
-
-    from lightning_tpp import TensorPipeStrategy
-    from models import LitLM, token_dataset
+    import torch.distributed as dist
 
     for name, layer in [("hf_mixtral_labels", "model.model.model.layers.1.mlp"), ("list_moe", "model.blocks.1.moe")]:
-        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=TensorPipeStrategy(), max_steps=2,
-                            log_every_n_steps=1, logger=CSVLogger(tmp_path, name=name), enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False)
-        trainer.fit(LitLM(name), torch.utils.data.DataLoader(token_dataset(8), batch_size=4))
+        try:
+            trainer = _fit_logging(name, tmp_path)
+        finally:
+            if dist.is_initialized():  # the strategy's one-process group: later tests start their own
+                dist.destroy_process_group()
         metrics = trainer.callback_metrics
         counts = [float(metrics[f"moe/{layer}/expert{e}"]) for e in range(4)]
         assert sum(counts) == 2 * 4 * 16, (name, counts)
         assert float(metrics[f"moe/{layer}/imbalance"]) == pytest.approx(max(counts) / (sum(counts) / 4))
         assert float(metrics["moe/imbalance"]) >= float(metrics[f"moe/{layer}/imbalance"])
         assert float(metrics[f"moe/{layer}/idle_experts"]) == sum(c == 0 for c in counts)
+
+
+def _fit_logging(name: str, tmp_path: Path) -> "L.Trainer":
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_tpp import TensorPipeStrategy
+    from models import LitLM, token_dataset
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=TensorPipeStrategy(), max_steps=2,
+                        log_every_n_steps=1, logger=CSVLogger(tmp_path, name=name), enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(LitLM(name), torch.utils.data.DataLoader(token_dataset(8), batch_size=4))
+    return trainer
 
 
 def test_summarize_sums_the_ranks_that_counted() -> None:

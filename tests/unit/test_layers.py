@@ -6,8 +6,9 @@ the peer subpackages never import each other. Documented in docs/architecture.md
     4  integration/, memory/                         Lightning extension points (checkpoint hooks, precision, summary,
                                                      launcher); the memory planner
     3  parallel_state.py                             ParallelState: what was decided for one model
-    2  tensor_parallel/  pipeline/  checkpoint/  reliability/     peers: none imports another
-    1  core/                                         mesh, shards, collectives, parameter names, class swaps
+    2  tensor_parallel/  pipeline/  experts/  checkpoint/  reliability/     peers: none imports another
+    1  core/                                         mesh, shards, collectives, parameter names, class swaps,
+                                                     checks against the original
     0  _compat.py                                    private Lightning/torch names, wrapped once
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_tpp"
-LAYERS = {"_compat": 0, "core": 1, "tensor_parallel": 2, "pipeline": 2, "checkpoint": 2, "reliability": 2,
+LAYERS = {"_compat": 0, "core": 1, "tensor_parallel": 2, "pipeline": 2, "experts": 2, "checkpoint": 2, "reliability": 2,
           "parallel_state": 3, "memory": 4, "integration": 4, "strategy": 5, "__init__": 6, "__main__": 6}
 
 
