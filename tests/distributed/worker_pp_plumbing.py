@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ModelSum
 
 from lightning_tpp import TensorPipeStrategy
 from models import VOCAB, LitLM, token_dataset
+from worker_plumbing import summary_rows
 
 
 class PipeLM(LitLM):
@@ -42,17 +43,6 @@ class PipeLM(LitLM):
     def test_step(self, batch, batch_idx):
         x, y = batch
         self.log("test_loss", F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1)), sync_dist=True)
-
-
-def summary_rows(callback: ModelSummary, trainer: L.Trainer, model: L.LightningModule) -> dict[int, list]:
-    """(name, type, parameters) of each row of the user's summary callback, at depth 1 and at every depth."""
-    rows = {}
-    for depth in (1, -1):
-        callback._max_depth = depth
-        s = callback._summary(trainer, model)
-        rows[depth] = list(zip(s.layer_names, s.layer_types, s.param_nums))
-    callback._max_depth = 1
-    return rows
 
 
 def main() -> None:
