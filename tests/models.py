@@ -760,6 +760,7 @@ class HFFalcon(nn.Module):
 MODELS.update({
     "mqa_llama": lambda: TinyLlama(n_kv_heads=1),  # separate q, k, v: k and v one head each
     "mqa_fused": lambda: FusedGQAModel(n_kv_head=1),  # fused [q | k | v], split by sizes
+    "gqa8_kv2": lambda: TinyLlama(dim=64, n_heads=8, n_kv_heads=2),  # kv < tp=4 with two K/V heads (Llama-3-70B's case)
     "hf_falcon": HFFalcon,
     "hf_falcon_new": lambda: HFFalcon(new_decoder_architecture=True),  # per-group [q_g..., k_g, v_g]
     "hf_llama_mqa": lambda: HFCausalLM("llama", kv_heads=1),  # num_key_value_groups read by repeat_kv

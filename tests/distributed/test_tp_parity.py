@@ -140,3 +140,12 @@ def test_parity_bf16_mixed(tmp_path: Path) -> None:
             step = float((want - before_last.params[name]).abs().max())
             error = float((got.params[name] - want).abs().max())
             assert error <= 0.1 * step, f"bf16 rank {rank} {name}: off by {error:.2e}, its last update {step:.2e}"
+
+
+def test_kv_heads_fewer_than_tp4(tmp_path: Path) -> None:
+    """Grouped-query attention with two K/V heads at tp=4 (Llama-3-70B's case at tp=16): each K/V head whole on the
+    two ranks whose query heads read it, its gradient summed over them."""
+    _run(tmp_path, ["gqa8_kv2"], 4, 1)
+    ref = reference("gqa8_kv2", 1)
+    for rank in range(4):
+        assert_parity(load_record(tmp_path / f"gqa8_kv2.rank{rank}.pt"), ref, where=f"gqa8_kv2 tp=4 rank {rank}")
