@@ -4,7 +4,8 @@ A routed layer (a mixture of experts) finds which tokens each expert got (``nonz
 run its experts through a grouped matmul whose meta kernel checks dtypes the real one does not. On the meta device,
 where only output shapes are wanted (a pipeline stage's stand-in for another stage's layer, the memory planner), this
 mode answers them: index-finding ops find nothing (no token reaches an expert: the layer's output keeps its
-shape, filled by whatever the layer starts from), and grouped matmuls return their output's shape.
+shape, filled by whatever the layer starts from), and grouped matmuls run their meta kernel in the one dtype it
+takes (every token reaches its experts: the path transformers takes by default).
 """
 
 from __future__ import annotations
@@ -24,14 +25,13 @@ def _nothing(t: Tensor, as_tuple: bool) -> Any:
     return torch.empty(0, t.dim(), dtype=torch.long, device="meta")
 
 
-def _grouped_mm_shape(a: Tensor, b: Tensor, out_dtype: Optional[torch.dtype]) -> Optional[Tensor]:
-    if a.dim() == 2 and b.dim() == 3:  # tokens sorted by group (offsets) x one matrix per group
-        shape = (a.shape[0], b.shape[-1])
-    elif a.dim() == 3 and b.dim() == 3:
-        shape = (a.shape[0], a.shape[1], b.shape[-1])
-    else:
-        return None
-    return torch.empty(shape, dtype=out_dtype or a.dtype, device="meta")
+def _grouped_mm(func: Any, args: tuple, kwargs: dict) -> Tensor:
+    """The grouped matmul's meta kernel in bfloat16 (the dtype it checks for), cast back: shapes, offsets and autograd
+    as the real kernel's (what it saves for backward is counted at half its fp32 bytes)."""
+    a, b, *rest = args
+    dtype = kwargs.get("out_dtype") or a.dtype
+    low = {k: v for k, v in kwargs.items() if k != "out_dtype"}
+    return func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **low).to(dtype)
 
 
 class DataDependentOnMeta(TorchFunctionMode):
@@ -43,8 +43,7 @@ class DataDependentOnMeta(TorchFunctionMode):
                 return _nothing(first, bool(kwargs.get("as_tuple", False)))
             if func is torch.where and len(args) == 1 and not kwargs:
                 return _nothing(first, True)
-            if func is getattr(torch, "_grouped_mm", None) and len(args) >= 2 and isinstance(args[1], Tensor):
-                out = _grouped_mm_shape(first, args[1], kwargs.get("out_dtype"))
-                if out is not None:
-                    return out
+            if (func is getattr(torch, "_grouped_mm", None) and len(args) >= 2 and isinstance(args[1], Tensor)
+                    and first.dtype != torch.bfloat16):
+                return _grouped_mm(func, args, kwargs)
         return func(*args, **kwargs)

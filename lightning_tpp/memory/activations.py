@@ -16,7 +16,10 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_tpp._compat import tree_map
 from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.core.meta_ops import DataDependentOnMeta
+from lightning_tpp.core.params import ShardIndex
 from lightning_tpp.core.mesh import MeshDims
+from lightning_tpp.experts import find_experts, shard_banks
 from lightning_tpp.pipeline.partition import Partition, plan_partition
 from lightning_tpp.pipeline.stage import meta_twin
 from lightning_tpp.pipeline.wgrad import deferred_product
@@ -85,7 +88,10 @@ def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks:
     block) whose module is running, or else to the stage that ran last (the loss goes to the last stage)."""
     copy = meta_copy(module, dtype)
     if dims.tp > 1:
-        apply_plan(copy, plan, TPGroup(None, 0, dims.tp), verify=False)
+        group = TPGroup(None, 0, dims.tp)
+        apply_plan(copy, plan, group, verify=False)
+        shard_banks(copy, [layer for layer in find_experts(copy) if plan.styles.get(layer.experts) == "experts"],
+                    group, ShardIndex(), verify=False)  # each expert's intermediate features cut, as planned
     modules = dict(copy.named_modules())
     out = _Measured()
     running: list[str] = []
@@ -127,7 +133,7 @@ def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks:
     ids = torch.zeros(mb, seq_len, dtype=torch.long, device="meta")
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttention(), \
-                _WeightOperands(out.weight_operands, stage):
+                _WeightOperands(out.weight_operands, stage), DataDependentOnMeta():
             (forward or _default_forward)(copy, ids)
     except (RuntimeError, NotImplementedError, TypeError) as err:
         raise ValueError(f"estimate_memory runs the model's forward on the meta device to measure activations, and "

@@ -168,3 +168,14 @@ def test_summarize_sums_the_ranks_that_counted() -> None:
     assert values["moe/a/imbalance"] == pytest.approx(4 / 3) and values["moe/b/idle_experts"] == 1
     assert values["moe/imbalance"] == pytest.approx(2.0)
     assert summarize([{}, {}]) == {}
+
+
+def test_planner_counts_the_experts_cut_over_tp() -> None:
+    """``estimate_memory`` on a transformers 5 MoE (its default grouped matmul, fp32 on meta): the experts' parameters
+    and the activations they save are cut over tp as the strategy cuts them."""
+    from lightning_tpp import estimate_memory
+
+    one, two = (estimate_memory(MODELS["hf_mixtral_labels"](), tp=tp, pp=1, dp=1, batch_size=4, seq_len=16).ranks[0]
+                for tp in (1, 2))
+    assert two.params <= 0.51 * one.params  # experts and attention cut, embedding and head by vocabulary
+    assert two.activations < 0.7 * one.activations
