@@ -85,7 +85,7 @@ def test_notebook_runs_top_to_bottom(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     fit = _cell(nb, "trainer.fit(")  # rank 0's table, printed from a forked rank into the cell's output
     assert "Tensor-parallel plan (tp=2)" in fit and "parameters per rank:" in fit, fit[-3000:]
-    assert re.search(r"^blocks\.0\.attn\.c_attn +Linear +colwise ", fit, flags=re.M), fit[-3000:]
+    assert re.search(r"^0 +blocks\.0\.attn\.c_attn +Linear +colwise ", fit, flags=re.M), fit[-3000:]  # pp rank 0
     assert "stage 1 (pp rank 1)" in fit, fit[-3000:]
 
     curve = _cell(nb, "metrics.csv")
