@@ -3,6 +3,8 @@
     python benchmarks/memory.py            # Llama-style ~150 M parameters; about 10 minutes on 2 cores
     python benchmarks/memory.py --quick    # a ~7 M-parameter model, one step: a smoke test
     python benchmarks/memory.py --levers   # tp=2: activations with and without sequence / loss parallelism
+    python benchmarks/memory.py --quick --shape '{"num_local_experts": 4, "num_experts_per_tok": 2}'
+                                           # a Mixtral-style mixture of experts of the same shape
 
 A Llama-style model (Hugging Face ``LlamaForCausalLM`` from a ``LlamaConfig``) built in the LightningModule's
 ``configure_model()``, trained a few steps with AdamW through ``TensorPipeStrategy`` in CPU processes (gloo), for
@@ -69,9 +71,11 @@ class LlamaLM(L.LightningModule):
             return
         import transformers
 
-        cfg = transformers.LlamaConfig(**{"tie_word_embeddings": False, **self.config}, max_position_embeddings=4096)
+        kind = "Mixtral" if "num_local_experts" in self.config else "Llama"  # --shape with experts: a mixture
+        cfg = getattr(transformers, f"{kind}Config")(**{"tie_word_embeddings": False, **self.config},
+                                                     max_position_embeddings=4096)
         cfg._attn_implementation = "sdpa"
-        self.model = transformers.LlamaForCausalLM(cfg)
+        self.model = getattr(transformers, f"{kind}ForCausalLM")(cfg)
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.model(input_ids=ids).logits

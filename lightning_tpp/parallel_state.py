@@ -179,8 +179,10 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
                     tp_size=groups.tp.size, base_seed=meta.base_seed, loaded=meta.loaded)
         if state.stages is not None:
             _sync_tied(module, state, dims, coords)
-    if print_plan and config.tp > 1:
-        rank_zero_info(_plan_table(module, state, config.tp))
+    if config.tp > 1:  # the table's rows are gathered over pp whether or not this rank prints: every rank joins
+        table = _plan_table(module, state, config.tp)
+        if print_plan:
+            rank_zero_info(table)
     if print_plan and state.stages is not None:
         rank_zero_info(format_partition(state.stages.partition, dims.pp))
     if print_plan and state.recomputed:
@@ -191,7 +193,8 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
 
 def _plan_table(module: nn.Module, state: ParallelState, tp: int) -> str:
     """The plan table of the whole model: under a pipeline each rank knows only its stages' modules, so every pp
-    rank's rows are gathered (an object collective over the pp group, once at setup)."""
+    rank's rows are gathered (an object collective over the pp group, once at setup, on every rank: ``print_plan``
+    may differ between ranks, e.g. ``print_plan=rank == 0``)."""
     part = plan_rows(module, state.plan, state.shards)
     if state.stages is None or state.groups.pp is None:
         return format_plan([part], tp)

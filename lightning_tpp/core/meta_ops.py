@@ -25,13 +25,26 @@ def _nothing(t: Tensor, as_tuple: bool) -> Any:
     return torch.empty(0, t.dim(), dtype=torch.long, device="meta")
 
 
+class _GroupedMM(torch.autograd.Function):
+    """The grouped matmul's meta kernel run in bfloat16 (the one dtype it takes), cast back; it saves its two inputs
+    for backward as the real kernel does (a memory measurement sees the tokens, not a copy of the weights)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, b: Tensor, func: Any, rest: tuple, kwargs: dict) -> Tensor:
+        ctx.save_for_backward(a, b)
+        dtype = kwargs.get("out_dtype") or a.dtype
+        low = {k: v for k, v in kwargs.items() if k != "out_dtype"}
+        return func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **low).to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:  # shapes only
+        a, b = ctx.saved_tensors
+        return torch.empty_like(a), torch.empty_like(b), None, None, None
+
+
 def _grouped_mm(func: Any, args: tuple, kwargs: dict) -> Tensor:
-    """The grouped matmul's meta kernel in bfloat16 (the dtype it checks for), cast back: shapes, offsets and autograd
-    as the real kernel's (what it saves for backward is counted at half its fp32 bytes)."""
     a, b, *rest = args
-    dtype = kwargs.get("out_dtype") or a.dtype
-    low = {k: v for k, v in kwargs.items() if k != "out_dtype"}
-    return func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **low).to(dtype)
+    return _GroupedMM.apply(a, b, func, tuple(rest), kwargs)
 
 
 class DataDependentOnMeta(TorchFunctionMode):
