@@ -116,16 +116,17 @@ def test_adafactor_resumes_across_layouts(tmp_path: Path, adafactor_reference, s
                                           load: tuple[int, int], sharded: bool) -> None:
     """Adafactor's factored state (row/column statistics, not shaped like the weights) travels whole under pp.
 
-    atol 5e-5: Adafactor divides each update by the root mean square of the gradients, so it turns the rounding
+    atol 1e-4: Adafactor divides each update by the root mean square of the gradients, so it turns the rounding
     noise of a gradient that is zero in exact arithmetic (the key bias of attention: ~1e-10, from summing two
-    micro-batches) into updates of ~2e-5; every other parameter agrees within 3e-7. A state loaded wrong moves
-    updates by the learning rate (5e-2)."""
+    micro-batches) into updates of 2e-5 to 5.6e-5 (the latter measured on the pp2-sharded-same case, also on the commit
+    before this change); every other parameter agrees within 3e-7. A state loaded wrong moves updates by the learning
+    rate (5e-2), 500x the tolerance."""
     ref_first, ref_second = adafactor_reference
     ckpt = tmp_path / "run.ckpt"
     first = _phase(tmp_path, "first", *save, ckpt, sharded, "adafactor")
-    assert_parity(first, ref_first, rtol=1e-5, atol=5e-5, where=f"adafactor first phase {save}")
+    assert_parity(first, ref_first, rtol=1e-5, atol=1e-4, where=f"adafactor first phase {save}")
     second = _phase(tmp_path, "second", *load, ckpt, sharded, "adafactor")
-    assert_parity(second, ref_second, rtol=1e-5, atol=5e-5, where=f"adafactor resumed {save} -> {load}")
+    assert_parity(second, ref_second, rtol=1e-5, atol=1e-4, where=f"adafactor resumed {save} -> {load}")
 
 
 def test_adafactor_under_tp_is_refused(tmp_path: Path, adafactor_reference) -> None:
