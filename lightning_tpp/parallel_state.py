@@ -31,7 +31,8 @@ from lightning_tpp.core.materialize import materialize
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.params import ParamNames, ShardIndex
 from lightning_tpp.core.recompute import recompute_blocks
-from lightning_tpp.experts import find_experts, shard_banks
+from lightning_tpp.experts import ExpertParallelConfigError, MoELayer, find_experts, shard_banks
+from lightning_tpp.experts.expert_parallel import ExpertGroup, split_experts
 from lightning_tpp.pipeline.batchnorm import DeferredStatistics, batch_statistics_layers
 from lightning_tpp.pipeline.build import PreparedStages, TiedWeight, finish_stages, format_partition, prepare_stages
 from lightning_tpp.pipeline.engine import PipelineEngine
@@ -63,6 +64,7 @@ class ProcessGroups:
     tp: TPGroup
     pp: Optional[ProcessGroup]
     dp: Optional[ProcessGroup]
+    ep: Optional[ExpertGroup] = None  # expert parallelism (ep > 1): tokens exchanged, experts split
 
 
 @dataclass
@@ -77,6 +79,7 @@ class ParallelState:
     recomputed: tuple[str, ...] = ()  # blocks whose activations are recomputed in backward (activation checkpointing)
     dp: Optional[DPShards] = None  # what FSDP2 sharded over dp (None: replicated)
     sequence: list[ElementState] = field(default_factory=list)  # blocks run on sequence shards (sequence_parallel)
+    experts: list[MoELayer] = field(default_factory=list)  # the mixture-of-experts layers of this rank
     config: dict[str, str] = field(default_factory=dict)
 
     def attach(self, module: nn.Module) -> None:
@@ -119,6 +122,7 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     loss_parallel: bool = True
     sequence_parallel: bool = False
+    ep: int = 1
 
 
 @dataclass(frozen=True)
@@ -154,10 +158,15 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
     Everything before the last step works on meta tensors (shapes only), so no rank ever holds the whole model.
     """
     state = ParallelState(dims, groups, ParamNames.of(module))  # names before stages drop modules
+    if config.ep > 1 and not find_experts(module):
+        raise ExpertParallelConfigError(f"ep={config.ep} splits the experts of mixture-of-experts layers, and "
+                                        f"{type(module).__name__} has none that lightning_tpp recognises (a router "
+                                        f"and a bank of 3-D expert weights); use ep=1")
     coords = dims.coords(rank)
     statistics = batch_statistics_layers(module) if config.pp > 1 else []  # the whole model's, for the warning
     state.stages, state.plan, state.shards = cut(module, config, dims, pp_rank=coords["pp"], device=device,
-                                                 tp_group=groups.tp)
+                                                 tp_group=groups.tp, ep_group=groups.ep)
+    state.experts = find_experts(module)
     if not config.loss_parallel:
         _no_loss_parallel(module)
     if config.sequence_parallel and config.tp > 1:
@@ -204,10 +213,10 @@ def _plan_table(module: nn.Module, state: ParallelState, tp: int) -> str:
 
 
 def cut(module: nn.Module, config: ParallelConfig, dims: MeshDims, *, pp_rank: int, device: torch.device,
-        tp_group: TPGroup) -> tuple[Optional[PreparedStages], TPPlan, ShardIndex]:
+        tp_group: TPGroup, ep_group: Optional[TPGroup] = None) -> tuple[Optional[PreparedStages], TPPlan, ShardIndex]:
     """This pipeline rank's stage (stand-ins for the others), then the tensor-parallel plan (automatic, Hugging Face,
-    the user's globs) applied to it: the part of ``build_state`` that decides what a rank holds, also run by the memory
-    planner on a meta copy."""
+    the user's globs) applied to it, then the experts split over ``ep_group`` (``config.ep > 1``): the part of
+    ``build_state`` that decides what a rank holds, also run by the memory planner on a meta copy."""
     whole_model = [n for n, _ in module.named_modules()]
     stages = None
     if config.pp > 1:
@@ -223,7 +232,12 @@ def cut(module: nn.Module, config: ParallelConfig, dims: MeshDims, *, pp_rank: i
                     remote=remote)
         check_divisible(plan, config.tp)
         shards = apply_plan(module, plan, tp_group, verify=config.verify)
-        _shard_experts(module, plan, config, tp_group, shards)
+        if config.ep == 1:
+            _shard_experts(module, plan, config, tp_group, shards)
+    if config.ep > 1:
+        assert ep_group is not None and ep_group.size == config.ep
+        _split_experts(module, plan, config, tp_group, ep_group, shards)
+    if config.tp > 1:
         try:
             blocks = _local_blocks(module, stages, config.blocks)
         except PipelinePartitionError:  # no repeated blocks: the model's linear and embedding layers are its blocks
@@ -250,6 +264,18 @@ def _shard_experts(module: nn.Module, plan: TPPlan, config: ParallelConfig, tp_g
                           f"(router {layer.router or 'not found'} replicated"
                           + (f"; shared: {', '.join(n.rpartition('.')[2] for n in layer.shared)})" if layer.shared
                              else ")"))
+
+
+def _split_experts(module: nn.Module, plan: TPPlan, config: ParallelConfig, tp_group: TPGroup, ep_group: TPGroup,
+                   shards: ShardIndex) -> None:
+    """Expert parallelism: each rank keeps ``experts / ep`` whole experts of every bank; the tokens travel."""
+    layers = find_experts(module)
+    for name in split_experts(module, layers, ep_group, tp_group, shards, verify=config.verify):
+        plan.styles[name] = "experts"
+    for layer in layers:
+        plan.notes.append(f"{layer.name}: {layer.count} experts, {layer.count // config.ep} per rank over ep="
+                          f"{config.ep} (tokens exchanged by all-to-all; router {layer.router or 'not found'} "
+                          f"replicated)")
 
 
 def _sequence_parallel(module: nn.Module, stages: Optional[PreparedStages], config: ParallelConfig, group: TPGroup,
@@ -341,10 +367,12 @@ def _check_tied(module: nn.Module, state: ParallelState, device: torch.device) -
 
 
 def shard_state_over_dp(module: nn.Module, state: ParallelState, blocks: Optional[Union[str, Sequence[str]]], *,
-                        sharding: str, print_plan: bool, vocab_exchange: bool = True) -> None:
+                        sharding: str, print_plan: bool, vocab_exchange: bool = True,
+                        keep: Sequence[nn.Parameter] = ()) -> None:
     """FSDP2 over the dp mesh axis, last (after tensor parallelism, the stages, materialising and loading weights):
-    each block of this rank one unit, the other parameters grouped by the module holding them. Everything that held
-    the replaced parameter objects follows them."""
+    each block of this rank one unit, the other parameters grouped by the module holding them; ``keep`` (experts
+    split over ep, whose replicas are not all of dp) left out. Everything that held the replaced parameter objects
+    follows them."""
     assert state.groups.mesh is not None
     try:
         names = _local_blocks(module, state.stages, blocks)
@@ -353,7 +381,7 @@ def shard_state_over_dp(module: nn.Module, state: ParallelState, blocks: Optiona
             raise
         names = []  # no block sequence: a unit per module holding parameters
     state.dp = shard_over_dp(module, state.groups.mesh["dp"], blocks=names, sharding=sharding,
-                             vocab_exchange=vocab_exchange)
+                             vocab_exchange=vocab_exchange, keep=keep)
     # FSDP2 gathers a unit for backward when its output's gradient arrives: a loss computed from the head's shards
     # would bypass that output (a head computed over dp has no such hook)
     _no_loss_parallel(module, keep=[r.name for r in state.dp.rows])

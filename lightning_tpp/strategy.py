@@ -57,7 +57,7 @@ from lightning_tpp.parallel_state import (Materialization, ParallelConfig, Paral
                                          shard_state_over_dp)
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.metrics import PipelineMetrics
-from lightning_tpp.experts import find_experts
+from lightning_tpp.experts.expert_parallel import ExpertGroup, check_ep, expert_parameters, reduce_expert_grads
 from lightning_tpp.integration.expert_load import ExpertLoad
 from lightning_tpp.pipeline.auto import AUTO as AUTO_SCHEDULE
 from lightning_tpp.pipeline.auto import settle_auto
@@ -157,6 +157,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         pp: int = 1,
         dp: Union[int, Literal["auto"]] = "auto",
         *,
+        ep: int = 1,
         microbatches: Optional[int] = None,
         schedule: ScheduleLike = "auto",
         virtual_stages: int = 1,
@@ -195,7 +196,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
         if tp_plan != "auto" and not isinstance(tp_plan, Mapping):
             raise TypeError(f"tp_plan must be 'auto' or a mapping of module globs to styles, got {tp_plan!r}")
-        self._tp, self._pp, self._dp_arg = tp, pp, dp
+        check_ep(ep, dp=ep, tp=1)  # its type and range; that it divides dp*tp is checked once the world is known
+        self._tp, self._pp, self._dp_arg, self._ep = tp, pp, dp, ep
         fixed = None if auto else resolve_schedule(schedule).fixed  # action lists: for one micro-batch count
         self.microbatches = microbatches if microbatches is not None else fixed[1] if fixed else 2 * pp
         self.schedule = schedule
@@ -255,6 +257,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         self._tp_group = TPGroup(None, 0, 1)
         self._dp_group: Optional[ProcessGroup] = None
         self._pp_group: Optional[ProcessGroup] = None
+        self._ep_group: Optional[ExpertGroup] = None
 
     @property
     def parallel_state(self) -> ParallelState:
@@ -299,7 +302,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         else:  # a second run, or a second Trainer: the model is already cut; keep the groups its layers use
             state.check_same(self._config(), self.dims)
             self._mesh, self._tp_group = state.groups.mesh, state.groups.tp
-            self._pp_group, self._dp_group = state.groups.pp, state.groups.dp
+            self._pp_group, self._dp_group, self._ep_group = state.groups.pp, state.groups.dp, state.groups.ep
         self._state = state
         self._observe()
         self.model = self.precision_plugin.convert_module(self.model)
@@ -329,8 +332,9 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         config = ParallelConfig(self._tp, self._pp, self.microbatches, self.schedule, self.virtual_stages,
                                 self._balance, self._split_points, self._blocks, self._tp_plan_arg, self._verify,
                                 activation_checkpointing=self._activation_checkpointing,
-                                loss_parallel=self._loss_parallel, sequence_parallel=self._sequence_parallel)
-        groups = ProcessGroups(self._mesh, self._tp_group, self._pp_group, self._dp_group)
+                                loss_parallel=self._loss_parallel, sequence_parallel=self._sequence_parallel,
+                                ep=self._ep)
+        groups = ProcessGroups(self._mesh, self._tp_group, self._pp_group, self._dp_group, self._ep_group)
         self._tp_group.stream.seed = seed = self._agreed_seed()  # the strategy's own draws derive from it
         meta = None
         if on_meta:  # what a weights file fills is only allocated (strict or not, the rest is initialised)
@@ -347,7 +351,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             rank_zero_info(loaded.describe())
         if self.dims.dp > 1 and self._dp_sharding != "no_shard":
             self.precision_plugin.convert_module(module)  # before FSDP2 fixes the dtype it gathers in (bf16-true)
-            shard_state_over_dp(module, state, self._blocks, sharding=self._dp_sharding,
+            shard_state_over_dp(module, state, self._blocks, sharding=self._dp_sharding, keep=expert_parameters(module),
                                 vocab_exchange=self._vocab_exchange, print_plan=self._print_plan)
         return state
 
@@ -356,7 +360,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         coords = self.dims.coords(self.global_rank)
         self._metrics = PipelineMetrics(self._engine, coords=coords, tp=self.dims.tp) \
             if self._pipeline_metrics and self._engine is not None else None
-        layers = find_experts(self.lightning_module) if self.lightning_module is not None else []
+        layers = self.parallel_state.experts
         if self._expert_load is not None:
             self._expert_load.remove()
         self._expert_load = ExpertLoad(self.lightning_module, layers, counts=coords["tp"] == 0) if layers else None
@@ -378,7 +382,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
 
     def _config(self) -> dict[str, str]:
         """The arguments that decide how the model is cut and run, as compared across ranks and runs."""
-        return {k: repr(getattr(self, k)) for k in ("_tp", "_pp", "_dp_arg", "microbatches", "schedule",
+        return {k: repr(getattr(self, k)) for k in ("_tp", "_pp", "_dp_arg", "_ep", "microbatches", "schedule",
                                                      "virtual_stages", "_tp_plan_arg", "_balance", "_split_points",
                                                      "_blocks", "_save_sharded", "_on_nonfinite", "_weights",
                                                      "_weights_prefix", "_activation_checkpointing",
@@ -517,8 +521,11 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         assert self.lightning_module is not None
         if self._state is not None:
             sum_partial_gradients(self._state.sequence)  # sequence parallelism: each tp rank saw part of the tokens
-        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        experts = expert_parameters(self.lightning_module)  # averaged over their replicas only
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad and not any(p is e for e in experts)]
         average_gradients(params, self._dp_group)
+        if self._ep_group is not None:
+            reduce_expert_grads(experts, self._ep_group)
 
     # ------------------------------------------------------------------------------------------------------------
     # failures

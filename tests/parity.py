@@ -72,12 +72,15 @@ def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, s
           accumulate: int = 1, clip: Optional[float] = None, precision: str = "32-true", lr: float = 0.1,
           optimizer: str = "sgd", accelerator: str = "cpu", in_order_receives: bool = False,
           meta: bool = False, prepare: Optional[Callable[[LitLM], None]] = None,
-          after_fit: Optional[Callable[[L.Trainer], None]] = None, seed: int = 0) -> Record:
+          after_fit: Optional[Callable[[L.Trainer], None]] = None, seed: int = 0,
+          replicas_apart: bool = False) -> Record:
     """Train ``name`` for ``steps`` optimizer steps. In one process (with or without a strategy) each batch is the
     union of what ``dp`` replicas draw from Lightning's shuffling DistributedSampler (seed 0, epoch 0) at that step.
     ``prepare`` sees the module before training (e.g. loads weights), ``after_fit`` the Trainer after it. ``seed``
     reseeds torch's generator before the model is built (a rank whose process was seeded by other means: the strategy
-    must give every rank rank 0's weights; ``seed_everything`` itself must agree across ranks)."""
+    must give every rank rank 0's weights; ``seed_everything`` itself must agree across ranks). ``replicas_apart``:
+    each replica's part of a step is a batch of its own, one after the other (with ``accumulate=dp``: what dp replicas
+    compute when the loss is not a mean over samples, e.g. a mixture of experts' load-balancing loss)."""
     L.seed_everything(0, verbose=False)
     torch.manual_seed(seed)
     module = LitLM(name, lr=lr, optimizer=optimizer, build_in_configure_model=meta)  # meta: built in configure_model
@@ -90,6 +93,9 @@ def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, s
         per_replica = [perm[r::dp] for r in range(dp)]
         batches = [[i for r in range(dp) for i in per_replica[r][s * batch_size:(s + 1) * batch_size]]
                    for s in range(len(per_replica[0]) // batch_size)]
+        if replicas_apart:
+            batches = [per_replica[r][s * batch_size:(s + 1) * batch_size]
+                       for s in range(len(per_replica[0]) // batch_size) for r in range(dp)]
         loader = torch.utils.data.DataLoader(data, batch_sampler=batches)
     else:
         loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False)
@@ -176,6 +182,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
     # a name, or "lists:NAME" for NAME's orders as action lists; several names, comma-separated, train each model
     # once per schedule (records NAME.SCHEDULE.rankR.pt; --virtual applies to the interleaved ones only)
     parser.add_argument("--schedule", default="1f1b")
@@ -214,7 +221,8 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
             schedule = [actions(schedule[len("lists:"):], r, args.pp, m, virtual) for r in range(args.pp)]
         counts = [int(m) for m in args.microbatches.split(",")] if args.microbatches else [None]
         for name, microbatches in ((n, m) for n in args.models.split(",") for m in counts):
-            strategy = TensorPipeStrategy(tp=args.tp, pp=args.pp, schedule=schedule, microbatches=microbatches,
+            strategy = TensorPipeStrategy(tp=args.tp, pp=args.pp, ep=args.ep, schedule=schedule,
+                                          microbatches=microbatches,
                                           virtual_stages=virtual, blocks=args.blocks,
                                           activation_checkpointing=args.activation_checkpointing,
                                           dp_sharding=args.dp_sharding, vocab_exchange=args.vocab_exchange,
@@ -228,11 +236,14 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
             if args.dp > 1 and args.dp_sharding != "no_shard":  # FSDP2 must have sharded (nearly) everything
                 from lightning_tpp.core.dp_shard import sharded_numel
 
+                from lightning_tpp.experts.expert_parallel import expert_parameters
+
                 total, sharded = sharded_numel(strategy.lightning_module)
+                total -= sum(p.numel() for p in expert_parameters(strategy.lightning_module))  # split over ep
                 if sharded < 0.9 * total:
                     raise AssertionError(f"{name}: only {sharded} of {total} parameters are sharded over dp: "
                                          f"{strategy.parallel_state.dp}")
-            if args.tp > 1 and args.pp == 1 and args.dp == 1:
+            if (args.tp > 1 or args.ep > 1) and args.pp == 1 and (args.dp == 1 or args.dp_sharding == "no_shard"):
                 shards = strategy.parallel_state.shards
                 params = list(strategy.lightning_module.parameters())
                 record.local_fraction = sum(p.numel() for p in params) / sum(shards.full_numel(p) for p in params)

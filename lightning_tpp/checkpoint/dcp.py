@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import ChunkStorageMetadata, CheckpointException, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tpp.checkpoint.files import atomic_save, publish
@@ -83,6 +83,9 @@ class Layout:
         self.mesh = mesh["tp"] if mesh is not None else None
 
     def wrap(self, t: Tensor, spec: Optional[ShardSpec], full_shape: tuple[int, ...]) -> Any:
+        if spec is not None and spec.over is not None:  # experts: cut over ep, the same on their replicas
+            return DTensor.from_local(t.contiguous(), spec.over.mesh, [Replicate(), Shard(spec.dim)], run_check=False,
+                                      shape=torch.Size(full_shape), stride=_contiguous_stride(full_shape))
         if isinstance(t, DTensor):  # sharded over dp
             if spec is None or self.group.size == 1:
                 return t

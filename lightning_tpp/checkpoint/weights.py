@@ -68,6 +68,8 @@ def boxes(dest: Tensor, spec: Optional[ShardSpec], full_shape: Sequence[int], ra
     """The boxes of the whole tensor that ``rank`` holds (as :func:`~lightning_tpp.core.sharding.shard_tensor` cuts
     it: one per segment of ``spec.parts``), each with the view of ``dest`` it goes to."""
     full = tuple(full_shape)
+    if spec is not None:
+        rank, world = spec.placed(rank, world)
     if spec is None or world == 1:
         return [((0,) * len(full), full, dest)]
     out, local = [], 0

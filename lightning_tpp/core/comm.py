@@ -281,6 +281,7 @@ def all_reduce_flag(ok: bool, group: Optional[ProcessGroup]) -> bool:
 
 
 def gather_with_spec(t: Tensor, spec: ShardSpec, group: TPGroup) -> Tensor:
+    group = spec.over if spec.over is not None else group  # experts: over the ep group
     t = t.contiguous()
     comm = t.float() if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) else t
     shards = [torch.empty_like(comm) for _ in range(group.size)]

@@ -196,16 +196,17 @@ def fsdp_units(module: nn.Module, blocks: Sequence[str], skip: Container[int] = 
 
 
 def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str], sharding: str,
-                  vocab_exchange: bool = True) -> DPShards:
+                  vocab_exchange: bool = True, keep: Sequence[nn.Parameter] = ()) -> DPShards:
     """``fully_shard`` each unit of ``module`` (this rank's stage, tensor-parallel shards as plain parameters) over the
-    1-d ``mesh``; with ``vocab_exchange``, the vocabulary matrices cut by rows instead (``core.dp_rows``). Returns
+    1-d ``mesh``; with ``vocab_exchange``, the vocabulary matrices cut by rows instead (``core.dp_rows``); ``keep``
+    stays as it is (not sharded, gradients not reduced). Returns
     what was done, with old parameter -> new parameter (FSDP2 replaces the objects)."""
     from torch.distributed.fsdp import fully_shard
 
     before = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
     rows, moved = shard_rows_over_dp(module, candidates(module, blocks) if vocab_exchange else [], mesh)
-    units, replicated = fsdp_units(module, blocks, skip={id(p) for p in moved.values()})
-    ignored = {module.get_parameter(n) for n in replicated} | set(moved.values())
+    units, replicated = fsdp_units(module, blocks, skip={id(p) for p in (*moved.values(), *keep)})
+    ignored = {module.get_parameter(n) for n in replicated} | set(moved.values()) | set(keep)
     modules = dict(module.named_modules())
     # gloo (CPU): a reduce-scatter that neither clones its input nor keeps it (nor the gradient FSDP2 leaks through
     # it), no all-gather buffer kept for overlap, no all-gather issued ahead in backward (a CPU collective does not

@@ -101,10 +101,18 @@ def global_grad_norm(params: Iterable[nn.Parameter], *, sharded: Container[Tenso
     part, summed over ``dp_group``."""
     params = [p for p in params if p.grad is not None]
     device = local(params[0].grad).device if params else torch.device("cpu")
+    spec_of = getattr(sharded, "spec", lambda p: None)
+    experts = [p for p in params if (s := spec_of(p)) is not None and s.over is not None]
+    params = [p for p in params if not any(p is q for q in experts)]
     mine = [g for p in params if p in sharded or tp_rank == 0 for g in _counted(p, sharded, tp_rank, groups)]
     inf = norm_type == float("inf")
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     total = _norm_power([g for g in mine if not is_dp_sharded(g)], norm_type, device)
+    if experts:  # cut over the ep group (alike on their replicas): summed over it, then counted on tp rank 0
+        over_ep = _norm_power([p.grad for p in experts], norm_type, device)
+        dist.all_reduce(over_ep, op=op, group=spec_of(experts[0]).over.group)
+        if tp_rank == 0:
+            total = torch.maximum(total, over_ep) if inf else total + over_ep
     parts = [local(g) for g in mine if is_dp_sharded(g)]
     if any(is_dp_sharded(p.grad) for p in params):  # the same parameters on every dp rank: all join
         over_dp = _norm_power(parts, norm_type, device)

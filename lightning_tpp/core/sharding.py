@@ -28,8 +28,8 @@ interleaved ``[q_g..., k_g, v_g]`` layout)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -41,6 +41,13 @@ class ShardSpec:
     parts: Optional[tuple[int, ...]] = None
     shares: Optional[tuple[int, ...]] = None  # per part: consecutive ranks holding the same piece (1: split)
     blocks: int = 1  # the dim first cut into this many contiguous blocks, one per ``world / blocks`` ranks
+    # the group (a ``TPGroup``) the dim is cut over when it is not the tensor-parallel one: experts over ep
+    over: Any = field(default=None, compare=False, repr=False)
+
+    def placed(self, rank: int, world: int) -> tuple[int, int]:
+        """(rank, world) in the group this spec cuts over: ``over``'s when set, else the tensor-parallel ``rank``
+        and ``world`` given."""
+        return (self.over.rank, self.over.size) if self.over is not None else (rank, world)
 
     @property
     def replicated(self) -> bool:
@@ -89,6 +96,7 @@ class ShardSpec:
 
 def shard_tensor(full: Tensor, spec: ShardSpec, rank: int, world: int) -> Tensor:
     """The slice of ``full`` that ``rank`` of ``world`` holds (a fresh contiguous tensor)."""
+    rank, world = spec.placed(rank, world)
     pieces = spec.pieces(full.shape[spec.dim], rank, world)
     return torch.cat([full.narrow(spec.dim, start, n) for start, n in pieces], dim=spec.dim).contiguous()
 

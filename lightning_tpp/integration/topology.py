@@ -19,6 +19,7 @@ from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.heap import return_freed_blocks
 from lightning_tpp.core.mesh import MeshDims, build_mesh, resolve_dims
 from lightning_tpp.core.seeding import agree_with_rank0
+from lightning_tpp.experts.expert_parallel import ExpertGroup, check_ep, expert_group
 from lightning_tpp.reliability.watch import FailureWatch
 
 
@@ -45,6 +46,8 @@ class MeshTopology:
     _tp_group: TPGroup
     _dp_group: Optional[ProcessGroup]
     _pp_group: Optional[ProcessGroup]
+    _ep: int
+    _ep_group: Optional[ExpertGroup]
     parallel_devices: Optional[list[torch.device]]
     cluster_environment: Any
     local_rank: int
@@ -125,6 +128,9 @@ class MeshTopology:
         self._tp_group = TPGroup(self._mesh.get_group("tp"), coords["tp"], self._dims.tp)
         self._dp_group = self._mesh.get_group("dp")
         self._pp_group = self._mesh.get_group("pp")
+        if self._ep > 1:
+            check_ep(self._ep, dp=self._dims.dp, tp=self._dims.tp)
+            self._ep_group = expert_group(self._mesh, self._ep, rank=self.global_rank, dp=self._dims.dp)
         if self._watch is None and self.world_size > 1:
             seconds = self._timeout.total_seconds() if self._timeout is not None else 1800.0
             self._watch = FailureWatch(default_store(), self.global_rank, self.world_size,

@@ -1,0 +1,109 @@
+"""Token dispatch for expert parallelism: every (token, slot) row goes to the rank holding its expert by all-to-all,
+is computed there by the bank's own forward, and comes back the same way. Dropless: no capacity factor, no row
+dropped, so the result is one process's.
+
+One MoE call on a rank of an ep group of P ranks (E experts, L = E / P on each)::
+
+    x (T, H), index (T, k), weight (T, k)        routed by the model's own router, outside the bank
+      tp > 1: this tp rank's slice of the tokens (the tokens are replicated over tp; each expert sees each once)
+    rows = (token, slot) pairs, sorted by expert          counts (E,) -> rows per destination rank
+    counts  --all_to_all-->  rows per (source rank, local expert)
+    x[rows] --all_to_all-->  received rows   --bank.forward(rows, local expert, weight 1)-->  outputs
+    outputs --all_to_all-->  back in the sorted order -> unsorted, times weight, added per token
+      tp > 1: the slices summed over tp (one all-reduce, as the attention's output)
+
+Every rank joins every collective of the layer, in forward and in backward, whatever it received (an expert with
+no row, a rank with none): the received rows and the bank's parameters are tied to the output by a zero-gradient
+function, so that autograd runs the backward exchange on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_tpp.core.comm import TPGroup, copy_to_tp, reduce_from_tp
+
+
+def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group: TPGroup) -> Tensor:
+    """All-to-all of rows with the given split sizes (gloo: half precision carried in fp32)."""
+    if x.is_meta:
+        return x.new_empty((sum(out_splits), *x.shape[1:]))
+    wire = x.float() if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) else x
+    out = wire.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, wire.contiguous(), out_splits, in_splits, group=group.group)
+    return out.to(x.dtype)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to their destination ranks; backward sends the gradients back along the same routes."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: TPGroup) -> Tensor:
+        ctx.routes = (out_splits, in_splits, group)
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None]:
+        out_splits, in_splits, group = ctx.routes
+        return _exchange(grad, in_splits, out_splits, group), None, None, None
+
+
+class _Joined(torch.autograd.Function):
+    """``out`` unchanged; zero gradients for ``tied``: they stay in the graph when ``out`` does not depend on them
+    (no row received), so backward reaches this rank's exchange and parameters as it does on the others."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, *tied: Tensor) -> Tensor:
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in tied]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, ...]:
+        return (grad, *(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes))
+
+
+def _counts_exchange(counts: Tensor, group: TPGroup) -> Tensor:
+    """(E,) rows per expert from this rank -> (P, L) rows each source rank sends for each local expert."""
+    p = group.size
+    if counts.is_meta:
+        return counts.new_zeros((p, counts.numel() // p))
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts, group=group.group)
+    return out.view(p, -1)
+
+
+def dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, index: Tensor, weight: Tensor, *,
+             experts: int, ep: TPGroup, tp: TPGroup, params: list[Tensor]) -> Tensor:
+    """The routed layer's output for ``x`` (T, H): ``compute(rows, local_index (N, 1), ones (N, 1))`` runs the
+    bank's own forward on the rows this rank received (``params``: the bank's, for ``_Joined``)."""
+    tokens, k = index.shape
+    if tp.size > 1:  # each tp rank sends a slice of the (replicated) tokens; f here, g at the end
+        x, weight = copy_to_tp(x, tp), copy_to_tp(weight, tp)
+        mine = torch.tensor_split(torch.arange(tokens, device=x.device), tp.size)[tp.rank]
+        xs, index, weight = x[mine], index[mine], weight[mine]
+    else:
+        mine, xs = None, x
+    local = experts // ep.size
+    flat = index.reshape(-1)
+    token = torch.arange(xs.shape[0], device=x.device).repeat_interleave(k)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts) if not flat.is_meta else flat.new_zeros(experts)
+    received = _counts_exchange(counts, ep)
+    in_splits = counts.view(ep.size, local).sum(1).tolist()
+    out_splits = received.sum(1).tolist()
+    rows = _AllToAll.apply(xs[token[order]], out_splits, in_splits, ep)
+    which = torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(received.reshape(-1))
+    ones = torch.ones((rows.shape[0], 1), dtype=weight.dtype, device=x.device)
+    done = compute(rows, which[:, None], ones)
+    done = _Joined.apply(done, *(t for t in (rows, *params) if t.requires_grad))
+    back = _AllToAll.apply(done, in_splits, out_splits, ep)
+    unsorted = back.index_select(0, torch.argsort(order))
+    weighted = unsorted * weight.reshape(-1, 1)
+    out = xs.new_zeros(xs.shape).index_add(0, token, weighted.to(xs.dtype))
+    if mine is None:
+        return out
+    return reduce_from_tp(x.new_zeros(x.shape).index_add(0, mine, out), tp)

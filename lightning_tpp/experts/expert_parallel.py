@@ -1,0 +1,217 @@
+"""Expert parallelism: each rank of an ep group holds ``experts / ep`` whole experts of every bank, and the tokens
+travel to them (``experts.dispatch``).
+
+The ep group is drawn from the data-parallel and tensor-parallel ranks of one pipeline stage, tp fastest, as in
+Megatron-Core and torchtitan (so ``ep`` must divide ``dp * tp``)::
+
+    dp = 2, tp = 2, ep = 2 (one stage)       flat (dp, tp):  d0t0  d0t1 | d1t0  d1t1
+                                             ep groups:      [  0     1 ] [  0     1 ]   experts 0..E/2-1 | E/2..E-1
+                                             replicas:       d0t0 + d1t0 hold the same experts, d0t1 + d1t1 too
+
+    dp = 4, tp = 1, ep = 2                   ep groups: [d0 d1] [d2 d3]; replicas: [d0 d2], [d1 d3]
+
+An expert's gradient is the sum of what every rank's tokens gave it: summed over the ranks that hold the same
+experts (its replicas) and divided by dp, it is the data-parallel average that every other parameter gets. The
+bank's parameters stay outside FSDP2's units (their replicas are a subgroup of dp, not dp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_tpp.core.comm import TPGroup, all_reduce_flag
+from lightning_tpp.core.params import ShardIndex, ShardInfo
+from lightning_tpp.core.reference import TensorParallelMismatchError, against_reference, first_difference, isolated
+from lightning_tpp.core.sharding import ShardSpec, shard_tensor
+from lightning_tpp.core.swap import original_class, set_local_attr, swap_class
+from lightning_tpp.core.walk import VERIFYING
+from lightning_tpp.experts.detect import MoELayer
+from lightning_tpp.experts.dispatch import dispatch
+from lightning_tpp.experts.tensor_parallel import ExpertParallelConfigError
+
+_COUNT_NAMES = ("num_experts", "num_local_experts", "n_routed_experts", "num_routed_experts")
+
+
+@dataclass(eq=False)
+class ExpertGroup(TPGroup):
+    """The ep group of this rank (tokens exchanged), the group of its replicas (same experts: gradients summed),
+    the ``("edp", "ep")`` mesh of its stage (checkpoints) and the data-parallel degree (gradients averaged by)."""
+
+    replicas: Optional[ProcessGroup] = None
+    mesh: Optional[DeviceMesh] = field(default=None, repr=False)
+    dp: int = 1
+
+
+def check_ep(ep: Any, *, dp: int, tp: int) -> None:
+    """``ep`` against the data-parallel and tensor-parallel ranks it is drawn from."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"ep={ep!r} must be a positive integer")
+    if (dp * tp) % ep:
+        valid = [d for d in range(1, dp * tp + 1) if (dp * tp) % d == 0]
+        raise ValueError(f"ep={ep} must divide dp*tp = {dp}*{tp} = {dp * tp}: the ranks that exchange tokens are "
+                         f"the data-parallel and tensor-parallel ranks of one pipeline stage; choose ep in {valid} "
+                         f"(or more devices)")
+
+
+def expert_group(mesh: DeviceMesh, ep: int, *, rank: int, dp: int) -> ExpertGroup:
+    """This rank's :class:`ExpertGroup` out of the ``("dp", "pp", "tp")`` mesh (collective: every rank calls it)."""
+    grid = mesh.mesh.permute(1, 0, 2).reshape(mesh.mesh.shape[1], -1, ep)  # (pp, dp*tp/ep, ep), tp fastest
+    experts = DeviceMesh(mesh.device_type, grid, mesh_dim_names=("pp", "edp", "ep"))
+    where = (grid == rank).nonzero()[0].tolist()
+    return ExpertGroup(experts.get_group("ep"), where[2], ep, replicas=experts.get_group("edp"),
+                       mesh=experts["edp", "ep"], dp=dp)
+
+
+@dataclass
+class EPBank:
+    name: str
+    experts: int
+    group: TPGroup  # the ep group
+    tp: TPGroup
+    shards: ShardIndex
+    verify_pending: bool
+
+
+class _EPExperts:
+    """Mixin for a bank module called as transformers 5 calls its experts: ``(hidden (T, H), index (T, k),
+    weights (T, k))`` -> (T, H)."""
+
+    _tpp_ep: EPBank
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        st = self._tpp_ep
+        x, index, weight = _routed_call(st, args, kwargs)
+        if st.verify_pending and not VERIFYING.get():
+            st.verify_pending = False
+            _verify(self, x, index, weight)  # type: ignore[arg-type]
+        return self._ep_forward(x, index, weight)
+
+    def _ep_forward(self, x: Tensor, index: Tensor, weight: Tensor) -> Tensor:
+        st = self._tpp_ep
+        params = [p for p in self._parameters.values() if p is not None]  # type: ignore[attr-defined]
+        return dispatch(self._local_forward, x, index, weight, experts=st.experts, ep=st.group, tp=st.tp,
+                        params=params)
+
+    def _local_forward(self, rows: Tensor, index: Tensor, weight: Tensor) -> Tensor:
+        return super().forward(rows, index, weight)  # type: ignore[misc]
+
+
+def _routed_call(st: EPBank, args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, Tensor]:
+    values = [*args, *kwargs.values()]
+    ok = (len(values) == 3 and all(isinstance(v, Tensor) for v in values) and values[0].dim() == 2
+          and values[1].dim() == 2 and not values[1].is_floating_point() and values[2].shape == values[1].shape
+          and values[1].shape[0] == values[0].shape[0])
+    if not ok:
+        shapes = [tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__ for v in values]
+        raise ExpertParallelConfigError(
+            f"ep={st.group.size}: the experts {st.name!r} were called with {shapes}; expert parallelism sends each "
+            f"token to its experts' rank for banks called as transformers calls them, (hidden (T, H), expert index "
+            f"(T, k), routing weights (T, k)). Cut these experts with tp instead (ep=1)")
+    return values[0], values[1], values[2]
+
+
+def split_experts(model: nn.Module, layers: list[MoELayer], group: TPGroup, tp: TPGroup, shards: ShardIndex, *,
+                  verify: bool = True) -> list[str]:
+    """Keep this rank's ``E / ep`` experts of every bank of ``layers`` (parameters recorded in ``shards``, cut over
+    ``group``); returns the banks' names."""
+    modules = dict(model.named_modules())
+    done = []
+    for layer in layers:
+        if layer.kind != "bank":
+            raise ExpertParallelConfigError(
+                f"ep={group.size}: the experts of {layer.name} are a list of {layer.count} modules "
+                f"({layer.experts}); expert parallelism exchanges tokens for experts held as 3-D banks (transformers "
+                f"5's layout). Cut these experts with tp instead (ep=1), each expert an MLP")
+        if layer.count % group.size:
+            raise ExpertParallelConfigError(
+                f"ep={group.size} must divide the {layer.count} experts of {layer.experts}; choose ep in "
+                f"{[d for d in range(1, layer.count + 1) if layer.count % d == 0]}")
+        module = modules[layer.experts]
+        for attr, old in list(module._parameters.items()):
+            if old is None:
+                continue
+            if old.dim() == 0 or old.shape[0] != layer.count:
+                raise ExpertParallelConfigError(
+                    f"ep={group.size}: {layer.experts}.{attr} of shape {tuple(old.shape)} is not indexed by expert "
+                    f"(first dimension {layer.count}), so it cannot go with its experts; use tp instead (ep=1)")
+            spec = ShardSpec(0, over=group)
+            new = nn.Parameter(shard_tensor(old.data, spec, group.rank, group.size), requires_grad=old.requires_grad)
+            shards.add(new, ShardInfo(spec, tuple(old.shape)))
+            module._parameters[attr] = new
+        for name in _COUNT_NAMES:
+            if getattr(module, name, None) == layer.count:
+                set_local_attr(module, name, layer.count // group.size)
+        module._tpp_ep = EPBank(layer.experts, layer.count, group, tp, shards, verify)
+        swap_class(module, _EPExperts)
+        done.append(layer.experts)
+    return done
+
+
+def _verify(module: nn.Module, x: Tensor, index: Tensor, weight: Tensor) -> None:
+    """The exchanged layer's output on this call's tokens against the original class with every expert (gathered
+    over the ep group), once; every rank of the group decides alike."""
+    st: EPBank = module._tpp_ep  # type: ignore[assignment]
+    token = VERIFYING.set(True)
+    try:
+        with torch.no_grad(), against_reference(module, st.group, st.shards) as ref:
+            (a, _) = isolated((x, index, weight), {})
+            want = ref.forward(*a)
+            try:
+                problem = first_difference(module._ep_forward(x, index, weight), want, st.group)  # type: ignore
+            except Exception as err:  # noqa: BLE001 - any error of the exchange is a mismatch
+                problem = f"the expert-parallel forward raised {type(err).__name__}: {err}"
+    finally:
+        VERIFYING.reset(token)
+    # every rank of the stage decides together: over the ep group, then over its replicas (the other ep groups)
+    if not all_reduce_flag(all_reduce_flag(problem is None, st.group.group), _replicas(st.group)):
+        raise TensorParallelMismatchError(
+            f"expert parallelism of {st.name!r} ({original_class(module).__name__}) does not match the original "
+            f"model on this rank: {problem or 'another rank differs'}. Its forward probably does something beyond "
+            f"computing each (token, expert) row on its own; use tp for its experts instead (ep=1), or pass "
+            f"verify=False to skip this check")
+
+
+def _replicas(group: TPGroup) -> Optional[ProcessGroup]:
+    return group.replicas if isinstance(group, ExpertGroup) else None
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of every bank that expert parallelism split (they are reduced by :func:`reduce_expert_grads`,
+    not by data parallelism)."""
+    return [p for m in model.modules() if isinstance(m, _EPExperts) for p in m.parameters(recurse=False)]
+
+
+def reduce_expert_grads(params: list[nn.Parameter], group: ExpertGroup) -> None:
+    """Each expert's gradient summed over its replicas and divided by dp: the average over every replica's batch,
+    as the other parameters get. A bank whose parameter got no gradient on a rank (frozen, or no MoE call) gets
+    zeros there when another rank has one."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        return
+    device = params[0].device
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    if group.replicas is not None and dist.get_world_size(group.replicas) > 1:
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group.replicas)
+    grads = []
+    for p, present in zip(params, has.tolist()):
+        if present:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    if group.replicas is not None and dist.get_world_size(group.replicas) > 1:
+        dist.all_reduce(flat, group=group.replicas)
+    flat.div_(group.dp)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
