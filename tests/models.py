@@ -527,11 +527,17 @@ class HFMoE(nn.Module):
                                               shared_expert_intermediate_size=2 * DIM, num_experts=4,
                                               num_experts_per_tok=2, norm_topk_prob=True)
             self.model = transformers.Qwen2MoeForCausalLM(cfg)
-        elif kind == "gpt_oss":  # transposed banks with biases, interleaved gate/up, clamped activation
+        elif kind in ("gpt_oss", "gpt_oss_one_expert"):  # transposed banks with biases, interleaved gate/up, clamp
+            one = kind == "gpt_oss_one_expert"
             cfg = transformers.GptOssConfig(**{**common, "num_key_value_heads": 2}, intermediate_size=DIM,
-                                            num_local_experts=4, num_experts_per_tok=2, head_dim=DIM // HEADS,
-                                            layer_types=["full_attention"] * LAYERS, sliding_window=SEQ)
+                                            num_local_experts=4, num_experts_per_tok=1 if one else 2,
+                                            head_dim=DIM // HEADS, layer_types=["full_attention"] * LAYERS,
+                                            sliding_window=SEQ)
             self.model = transformers.GptOssForCausalLM(cfg)
+            if one:  # the router's bias sends every token to the last expert: the others get none, anywhere
+                for layer in self.model.model.layers:
+                    with torch.no_grad():
+                        layer.mlp.router.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 100.0]))
         else:
             cfg = transformers.DeepseekV3Config(**{**common, "num_hidden_layers": 3, "num_key_value_heads": HEADS},
                                                 intermediate_size=2 * DIM,
@@ -728,6 +734,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "hf_qwen2_moe_labels": lambda: HFMoE("qwen2_moe"),
     "hf_deepseek_v3_labels": lambda: HFMoE("deepseek_v3"),
     "hf_gpt_oss_labels": lambda: HFMoE("gpt_oss"),
+    "hf_gpt_oss_one_expert": lambda: HFMoE("gpt_oss_one_expert"),
     "list_moe": ListMoELM,
     # batch statistics under micro-batching (issue #30 item 4)
     "resnet": TinyResNet,

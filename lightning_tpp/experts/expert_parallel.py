@@ -60,9 +60,15 @@ def check_ep(ep: Any, *, dp: int, tp: int) -> None:
                          f"(or more devices)")
 
 
+def ep_grid(ranks: Tensor, ep: int) -> Tensor:
+    """The global ranks of a ``(dp, pp, tp)`` grid as ``(pp, replicas, ep)``: along the last axis an ep group (tp
+    fastest), along the middle one the ranks holding the same experts."""
+    return ranks.permute(1, 0, 2).reshape(ranks.shape[1], -1, ep)
+
+
 def expert_group(mesh: DeviceMesh, ep: int, *, rank: int, dp: int) -> ExpertGroup:
     """This rank's :class:`ExpertGroup` out of the ``("dp", "pp", "tp")`` mesh (collective: every rank calls it)."""
-    grid = mesh.mesh.permute(1, 0, 2).reshape(mesh.mesh.shape[1], -1, ep)  # (pp, dp*tp/ep, ep), tp fastest
+    grid = ep_grid(mesh.mesh, ep)
     experts = DeviceMesh(mesh.device_type, grid, mesh_dim_names=("pp", "edp", "ep"))
     where = (grid == rank).nonzero()[0].tolist()
     return ExpertGroup(experts.get_group("ep"), where[2], ep, replicas=experts.get_group("edp"),

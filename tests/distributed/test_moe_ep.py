@@ -1,0 +1,138 @@
+"""Expert parallelism against one process: each rank holds experts / ep whole experts of every bank, the tokens
+travel to them by all-to-all and back (dropless), with the load-balancing loss on. 3-D banks (Mixtral; gpt-oss's
+transposed banks with biases; Qwen2-MoE's gated shared expert; DeepSeek-V3's shared experts, dense first layer and
+group-limited routing), ep drawn from dp (FSDP2-sharded dense parameters) and from tp, inside pipeline stages, all
+tokens routed to one expert (a rank that receives no token), and checkpoints across ep layouts.
+
+Replicas differ in their batches, and a load-balancing loss is not a mean over samples: the one-process reference
+computes each replica's batch as a batch of its own and accumulates (what the replicas average)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import ROOT, run_ranks
+from lightning_tpp.experts import find_experts
+from models import MODELS, token_dataset
+from parity import Record, assert_parity, load_record, merge_stages, train
+
+
+def _launch(tmp: Path, models: list[str], *, ep: int, dp: int = 1, tp: int = 1, pp: int = 1,
+            extra: tuple = ()) -> None:
+    args = ["--models", ",".join(models), "--ep", str(ep), "--dp", str(dp), "--tp", str(tp), "--pp", str(pp),
+            "--out", str(tmp), *extra]
+    run_ranks(ROOT / "tests" / "parity.py", dp * tp * pp, args, timeout=500).check()
+
+
+def _reference(name: str, dp: int) -> Record:
+    if dp == 1:
+        return train(name)
+    ref = train(name, dp=dp, replicas_apart=True, accumulate=dp)
+    ref.losses = torch.tensor(ref.losses).view(-1, dp).sum(dim=1).tolist()  # each replica's loss, recorded / dp
+    ref.buffers = ref.buffers[dp - 1::dp]  # as they stand after each optimizer step
+    return ref
+
+
+def test_ep2_over_dp2_with_fsdp2(tmp_path: Path) -> None:
+    """ep drawn from dp, the dense parameters FSDP2-sharded over dp and the experts out of it. With every token routed
+    to the last expert, the first rank receives no token at all and still joins every exchange."""
+    models = ["hf_mixtral_labels", "hf_deepseek_v3_labels", "hf_gpt_oss_one_expert"]
+    _launch(tmp_path, models, ep=2, dp=2)
+    for name in models:
+        ref = _reference(name, dp=2)
+        for rank in range(2):
+            assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), ref, where=f"{name} ep=2 dp=2 rank {rank}")
+    # the premise: every token goes to expert 3 (held by the second rank), none to the first rank's experts 0 and 1
+    model, chosen = MODELS["hf_gpt_oss_one_expert"](), []
+    for layer in find_experts(model):
+        model.get_submodule(layer.experts).register_forward_pre_hook(lambda m, args: chosen.append(args[1]))
+    model(token_dataset()[0:8][0])
+    assert len(chosen) == 2 and all(bool((c == 3).all()) for c in chosen), chosen
+
+
+def test_ep2_over_tp2(tmp_path: Path) -> None:
+    """ep drawn from tp: each tp rank sends its slice of the (replicated) tokens; at most 0.65 of the parameters on a
+    rank."""
+    models = ["hf_mixtral_labels", "hf_qwen2_moe_labels"]
+    _launch(tmp_path, models, ep=2, tp=2)
+    for name in models:
+        ref = _reference(name, dp=1)
+        for rank in range(2):
+            record = load_record(tmp_path / f"{name}.rank{rank}.pt")
+            assert_parity(record, ref, where=f"{name} ep=2 tp=2 rank {rank}")
+            assert record.local_fraction <= 0.65, (name, record.local_fraction)
+
+
+def test_ep2_pp2(tmp_path: Path) -> None:
+    """MoE blocks in pipeline stages, each stage's ep group its dp ranks (one micro-batch: the loss is a function of
+    the batch it sees)."""
+    models = ["hf_mixtral_labels", "hf_gpt_oss_labels"]
+    _launch(tmp_path, models, ep=2, dp=2, pp=2, extra=("--schedule", "gpipe", "--microbatches", "1"))
+    for name in models:
+        ref = _reference(name, dp=2)
+        for d in range(2):
+            ranks = [d * 2 + s for s in range(2)]
+            got = merge_stages([load_record(tmp_path / f"{name}.rank{r}.pt") for r in ranks])
+            assert_parity(got, ref, where=f"{name} ep=2 dp=2 pp=2 ranks {ranks}")
+
+
+def test_ep4_over_tp2_dp2(tmp_path: Path) -> None:
+    """One ep group of all four ranks (two replicas' tp pairs), the dense parameters cut over tp and FSDP2-sharded
+    over dp."""
+    _launch(tmp_path, ["hf_qwen2_moe_labels"], ep=4, dp=2, tp=2)
+    ref = _reference("hf_qwen2_moe_labels", dp=2)
+    for rank in range(4):
+        assert_parity(load_record(tmp_path / f"hf_qwen2_moe_labels.rank{rank}.pt"), ref, where=f"ep=4 rank {rank}")
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["dcp", "whole"])
+def test_ep_checkpoints_resume_in_other_layouts(tmp_path: Path, sharded: bool) -> None:
+    """Saved at ep=2 over dp=2 (DCP shards, or one whole file), resumed in one process (DCP consolidated) and at
+    tp=2: the steps after the resume equal an uninterrupted run's, momentum included; the file holds the model's own
+    3-D banks."""
+    from worker_resume import run
+
+    name, ckpt = "hf_mixtral_labels", tmp_path / "run.ckpt"
+    reference = []
+    for phase in ("first", "second"):
+        run(tmp_path, phase, 0, 0, tmp_path / "plain.ckpt", model=name)
+        reference.append(load_record(tmp_path / f"{phase}.rank0.pt"))
+    run_ranks(ROOT / "tests" / "distributed" / "worker_resume.py", 2,
+              [str(tmp_path), "first", "1", "1", str(ckpt), "sharded" if sharded else "whole", "sgdm", "2", name, "2"],
+              timeout=300).check()
+    assert_parity(load_record(tmp_path / "first.rank0.pt"), reference[0], where="ep=2 first phase")
+    single = ckpt
+    if sharded:  # DCP shards: one file by ``lightning-tpp consolidate`` for plain Lightning
+        from lightning_tpp import consolidate
+
+        single = tmp_path / "single.ckpt"
+        consolidate(ckpt, single)
+    state = torch.load(single, map_location="cpu", weights_only=True)["state_dict"]
+    assert tuple(state["model.model.model.layers.0.mlp.experts.gate_up_proj"].shape) == (4, 128, 32)
+    run(tmp_path, "second", 0, 0, single, model=name)
+    assert_parity(load_record(tmp_path / "second.rank0.pt"), reference[1], rtol=1e-5, atol=1e-5,
+                  where="ep=2 -> one process")
+    run_ranks(ROOT / "tests" / "distributed" / "worker_resume.py", 2,
+              [str(tmp_path), "second", "2", "1", str(ckpt), "sharded" if sharded else "whole", "sgdm", "1", name],
+              timeout=300).check()
+    assert_parity(load_record(tmp_path / "second.rank0.pt"), reference[1], rtol=1e-5, atol=1e-5,
+                  where="ep=2 -> tp=2")
+
+
+def test_one_process_checkpoint_resumes_at_ep2(tmp_path: Path) -> None:
+    """And back: a one-process checkpoint resumed with the experts split over ep=2 (dp=2)."""
+    from worker_resume import run
+
+    name, ckpt = "hf_mixtral_labels", tmp_path / "plain.ckpt"
+    reference = []
+    for phase in ("first", "second"):
+        run(tmp_path, phase, 0, 0, ckpt, model=name)
+        reference.append(load_record(tmp_path / f"{phase}.rank0.pt"))
+    run_ranks(ROOT / "tests" / "distributed" / "worker_resume.py", 2,
+              [str(tmp_path), "second", "1", "1", str(ckpt), "whole", "sgdm", "2", name, "2"], timeout=300).check()
+    for rank in range(2):
+        assert_parity(load_record(tmp_path / f"second.rank{rank}.pt"), reference[1], rtol=1e-5, atol=1e-5,
+                      where=f"one process -> ep=2 rank {rank}")

@@ -1,0 +1,74 @@
+"""Expert parallelism's pure parts, in one process: which ranks form an ep group and which hold the same experts,
+and the clear errors for what it cannot split (the token exchange itself runs in tests/distributed/test_moe_ep.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.core.params import ShardIndex
+from lightning_tpp.experts import ExpertParallelConfigError, find_experts
+from lightning_tpp.experts.expert_parallel import check_ep, ep_grid, split_experts
+from models import MODELS
+from test_experts import Routed, TitanExperts
+
+
+def _grid(dp: int, pp: int, tp: int, ep: int) -> list:
+    return ep_grid(torch.arange(dp * pp * tp).view(dp, pp, tp), ep).tolist()
+
+
+def test_ep_groups_are_drawn_from_dp_and_tp_of_one_stage() -> None:
+    assert _grid(dp=2, pp=1, tp=2, ep=2) == [[[0, 1], [2, 3]]]  # the tp pairs; replicas 0+2, 1+3
+    assert _grid(dp=2, pp=1, tp=2, ep=4) == [[[0, 1, 2, 3]]]
+    assert _grid(dp=2, pp=2, tp=1, ep=2) == [[[0, 2]], [[1, 3]]]  # per stage: the dp ranks
+    assert _grid(dp=4, pp=1, tp=1, ep=2) == [[[0, 1], [2, 3]]]
+
+
+def test_ep_must_divide_dp_times_tp() -> None:
+    check_ep(4, dp=2, tp=2)
+    with pytest.raises(ValueError, match=r"ep=3 must divide dp\*tp = 2\*2 = 4.*choose ep in \[1, 2, 4\]"):
+        check_ep(3, dp=2, tp=2)
+    with pytest.raises(ValueError, match="ep=0 must be a positive integer"):
+        check_ep(0, dp=2, tp=2)
+
+
+def test_experts_split_by_ep_keep_their_whole_shapes_on_record() -> None:
+    model = Routed(TitanExperts())
+    shards = ShardIndex()
+    assert split_experts(model, find_experts(model), TPGroup(None, 1, 2), TPGroup(None, 0, 1), shards,
+                         verify=False) == ["experts"]
+    assert tuple(model.experts.w1.shape) == (2, 12, 8)
+    assert shards.full_shape(model.experts.w1) == (4, 12, 8) and shards.spec(model.experts.w1).over.rank == 1
+
+
+def test_ep_not_dividing_the_experts() -> None:
+    model = Routed(TitanExperts())
+    with pytest.raises(ExpertParallelConfigError, match=r"ep=3 must divide the 4 experts of experts; choose ep in "
+                                                        r"\[1, 2, 4\]"):
+        split_experts(model, find_experts(model), TPGroup(None, 0, 3), TPGroup(None, 0, 1), ShardIndex())
+
+
+def test_list_experts_are_refused_with_the_fix() -> None:
+    model = MODELS["list_moe"]()
+    with pytest.raises(ExpertParallelConfigError, match=r"ep=2: the experts of .* are a list of 4 modules .* Cut "
+                                                        r"these experts with tp instead \(ep=1\)"):
+        split_experts(model, find_experts(model), TPGroup(None, 0, 2), TPGroup(None, 0, 1), ShardIndex())
+
+
+def test_a_bank_parameter_not_indexed_by_expert_is_refused() -> None:
+    experts = TitanExperts()
+    experts.scale = nn.Parameter(torch.ones(8))
+    model = Routed(experts)
+    with pytest.raises(ExpertParallelConfigError, match=r"experts.scale of shape \(8,\) is not indexed by expert"):
+        split_experts(model, find_experts(model), TPGroup(None, 0, 2), TPGroup(None, 0, 1), ShardIndex())
+
+
+def test_a_bank_called_otherwise_is_refused_before_any_exchange() -> None:
+    model = Routed(TitanExperts())
+    split_experts(model, find_experts(model), TPGroup(None, 0, 2), TPGroup(None, 0, 1), ShardIndex(), verify=False)
+    counts = torch.tensor([3, 1])
+    with pytest.raises(ExpertParallelConfigError, match=r"called with \[\(4, 8\), \(2,\)\].*\(hidden \(T, H\), "
+                                                        r"expert index \(T, k\), routing weights \(T, k\)\)"):
+        model.experts(torch.randn(4, 8), counts)
