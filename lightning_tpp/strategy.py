@@ -363,7 +363,9 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         layers = self.parallel_state.experts
         if self._expert_load is not None:
             self._expert_load.remove()
-        self._expert_load = ExpertLoad(self.lightning_module, layers, counts=coords["tp"] == 0) if layers else None
+        self._expert_load = ExpertLoad(self.lightning_module, layers, counts=coords["tp"] == 0,
+                                       traffic=self._ep_group.traffic if self._ep_group is not None else None,
+                                       ) if layers else None
         if self._watch is not None:
             engine = self._engine
             label = f"rank {self.global_rank} {coords}"

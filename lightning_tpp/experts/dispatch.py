@@ -19,6 +19,8 @@ function, so that autograd runs the backward exchange on every rank.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -28,13 +30,33 @@ from torch import Tensor
 from lightning_tpp.core.comm import TPGroup, copy_to_tp, reduce_from_tp
 
 
-def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group: TPGroup) -> Tensor:
+@dataclass
+class Traffic:
+    """What this rank's exchanges sent to other ranks (rows to experts and back, forward and backward) and the time
+    spent in them since the last reset: the ``moe/all_to_all_*`` metrics."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    calls: int = 0
+
+    def reset(self) -> None:
+        self.bytes, self.seconds, self.calls = 0, 0.0, 0
+
+
+def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group: TPGroup,
+              traffic: Optional[Traffic] = None) -> Tensor:
     """All-to-all of rows with the given split sizes (gloo: half precision carried in fp32)."""
     if x.is_meta:
         return x.new_empty((sum(out_splits), *x.shape[1:]))
     wire = x.float() if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) else x
     out = wire.new_empty((sum(out_splits), *x.shape[1:]))
+    start = time.perf_counter()
     dist.all_to_all_single(out, wire.contiguous(), out_splits, in_splits, group=group.group)
+    if traffic is not None:  # rows that leave this rank
+        row = wire[0].numel() * wire.element_size() if wire.dim() else wire.element_size()
+        traffic.bytes += (sum(in_splits) - in_splits[group.rank]) * row
+        traffic.seconds += time.perf_counter() - start
+        traffic.calls += 1
     return out.to(x.dtype)
 
 
@@ -42,14 +64,15 @@ class _AllToAll(torch.autograd.Function):
     """Rows to their destination ranks; backward sends the gradients back along the same routes."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: TPGroup) -> Tensor:
-        ctx.routes = (out_splits, in_splits, group)
-        return _exchange(x, out_splits, in_splits, group)
+    def forward(ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: TPGroup,
+                traffic: Optional[Traffic]) -> Tensor:
+        ctx.routes = (out_splits, in_splits, group, traffic)
+        return _exchange(x, out_splits, in_splits, group, traffic)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None]:
-        out_splits, in_splits, group = ctx.routes
-        return _exchange(grad, in_splits, out_splits, group), None, None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None, None]:
+        out_splits, in_splits, group, traffic = ctx.routes
+        return _exchange(grad, in_splits, out_splits, group, traffic), None, None, None, None
 
 
 class _Joined(torch.autograd.Function):
@@ -77,9 +100,11 @@ def _counts_exchange(counts: Tensor, group: TPGroup) -> Tensor:
 
 
 def dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, index: Tensor, weight: Tensor, *,
-             experts: int, ep: TPGroup, tp: TPGroup, params: list[Tensor]) -> Tensor:
+             experts: int, ep: TPGroup, tp: TPGroup, params: list[Tensor], traffic: Optional[Traffic] = None,
+             ) -> Tensor:
     """The routed layer's output for ``x`` (T, H): ``compute(rows, local_index (N, 1), ones (N, 1))`` runs the
-    bank's own forward on the rows this rank received (``params``: the bank's, for ``_Joined``)."""
+    bank's own forward on the rows this rank received (``params``: the bank's, for ``_Joined``); what is sent is
+    counted in ``traffic``."""
     tokens, k = index.shape
     if tp.size > 1:  # each tp rank sends a slice of the (replicated) tokens; f here, g at the end
         x, weight = copy_to_tp(x, tp), copy_to_tp(weight, tp)
@@ -95,12 +120,12 @@ def dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, ind
     received = _counts_exchange(counts, ep)
     in_splits = counts.view(ep.size, local).sum(1).tolist()
     out_splits = received.sum(1).tolist()
-    rows = _AllToAll.apply(xs[token[order]], out_splits, in_splits, ep)
+    rows = _AllToAll.apply(xs[token[order]], out_splits, in_splits, ep, traffic)
     which = torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(received.reshape(-1))
     ones = torch.ones((rows.shape[0], 1), dtype=weight.dtype, device=x.device)
     done = compute(rows, which[:, None], ones)
     done = _Joined.apply(done, *(t for t in (rows, *params) if t.requires_grad))
-    back = _AllToAll.apply(done, in_splits, out_splits, ep)
+    back = _AllToAll.apply(done, in_splits, out_splits, ep, traffic)
     unsorted = back.index_select(0, torch.argsort(order))
     weighted = unsorted * weight.reshape(-1, 1)
     out = xs.new_zeros(xs.shape).index_add(0, token, weighted.to(xs.dtype))

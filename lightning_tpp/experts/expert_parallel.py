@@ -33,7 +33,7 @@ from lightning_tpp.core.sharding import ShardSpec, shard_tensor
 from lightning_tpp.core.swap import original_class, set_local_attr, swap_class
 from lightning_tpp.core.walk import VERIFYING
 from lightning_tpp.experts.detect import MoELayer
-from lightning_tpp.experts.dispatch import dispatch
+from lightning_tpp.experts.dispatch import Traffic, dispatch
 from lightning_tpp.experts.tensor_parallel import ExpertParallelConfigError
 
 _COUNT_NAMES = ("num_experts", "num_local_experts", "n_routed_experts", "num_routed_experts")
@@ -47,6 +47,7 @@ class ExpertGroup(TPGroup):
     replicas: Optional[ProcessGroup] = None
     mesh: Optional[DeviceMesh] = field(default=None, repr=False)
     dp: int = 1
+    traffic: Traffic = field(default_factory=Traffic, compare=False, repr=False)  # this rank's exchanges
 
 
 def check_ep(ep: Any, *, dp: int, tp: int) -> None:
@@ -103,7 +104,7 @@ class _EPExperts:
         st = self._tpp_ep
         params = [p for p in self._parameters.values() if p is not None]  # type: ignore[attr-defined]
         return dispatch(self._local_forward, x, index, weight, experts=st.experts, ep=st.group, tp=st.tp,
-                        params=params)
+                        params=params, traffic=getattr(st.group, "traffic", None))
 
     def _local_forward(self, rows: Tensor, index: Tensor, weight: Tensor) -> Tensor:
         return super().forward(rows, index, weight)  # type: ignore[misc]

@@ -10,6 +10,8 @@ ranks see the same tokens: one of them counts), which each rank logs with the mo
     moe/<layer>/imbalance         max / mean of the tokens its experts got since the last logging step
     moe/<layer>/idle_experts      experts that got no token
     moe/<layer>/expert<e>         tokens of expert e (layers of at most 16 experts)
+    moe/all_to_all_MB, _ms        expert parallelism: what this rank's token exchanges sent to other ranks and the
+                                  time spent in them, per training step (forward, backward and recomputation)
 
 Other steps cost no communication.
 """
@@ -25,6 +27,7 @@ from torch import Tensor, nn
 from lightning_tpp.core.recompute import recomputing
 from lightning_tpp.core.walk import VERIFYING
 from lightning_tpp.experts import MoELayer
+from lightning_tpp.experts.dispatch import Traffic
 from lightning_tpp.pipeline.metrics import is_logging_step
 
 PREFIX = "moe/"
@@ -32,9 +35,13 @@ _LISTED = 16  # experts per layer logged one by one
 
 
 class ExpertLoad:
-    def __init__(self, module: nn.Module, layers: list[MoELayer], *, counts: bool) -> None:
-        """``counts``: whether this rank contributes (tp rank 0; the other tp ranks see the same tokens)."""
+    def __init__(self, module: nn.Module, layers: list[MoELayer], *, counts: bool,
+                 traffic: Optional[Traffic] = None) -> None:
+        """``counts``: whether this rank contributes (tp rank 0; the other tp ranks see the same tokens);
+        ``traffic``: this rank's token exchanges under expert parallelism."""
         self.counts = counts
+        self.traffic = traffic
+        self.steps = 0
         self.tokens: dict[str, Tensor] = {layer.name: torch.zeros(layer.count, dtype=torch.long) for layer in layers}
         self.handles = []
         for layer in layers:
@@ -69,6 +76,7 @@ class ExpertLoad:
 
     def after_step(self, module: Any, batch_idx: Optional[int], group: Optional[dist.ProcessGroup] = None) -> None:
         """Called at the end of the strategy's ``training_step`` on every rank."""
+        self.steps += 1
         if not is_logging_step(module.trainer, batch_idx):
             return
         mine = {n: t.tolist() for n, t in self.tokens.items()} if self.counts else {}
@@ -77,7 +85,14 @@ class ExpertLoad:
             dist.all_gather_object(every, mine, group=group)
         for t in self.tokens.values():
             t.zero_()
-        module.log_dict(summarize(every), on_step=True, on_epoch=False, prog_bar=False, logger=True)
+        values = summarize(every)
+        if self.traffic is not None:  # this rank's, per training step since the last logging step
+            steps = max(self.steps, 1)
+            values[f"{PREFIX}all_to_all_MB"] = self.traffic.bytes / 1e6 / steps
+            values[f"{PREFIX}all_to_all_ms"] = self.traffic.seconds * 1e3 / steps
+            self.traffic.reset()
+        self.steps = 0
+        module.log_dict(values, on_step=True, on_epoch=False, prog_bar=False, logger=True)
 
     def remove(self) -> None:
         for h in self.handles:

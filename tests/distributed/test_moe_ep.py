@@ -79,6 +79,22 @@ def test_ep2_pp2(tmp_path: Path) -> None:
             assert_parity(got, ref, where=f"{name} ep=2 dp=2 pp=2 ranks {ranks}")
 
 
+def test_ep2_tp2_pp2_zero_bubble_recomputed(tmp_path: Path) -> None:
+    """The exchange inside a zero-bubble schedule (backward split into input and weight gradients) with activation
+    checkpointing (the exchange runs again in the recomputation): 2 micro-batches equal one process accumulating over
+    the same halves of each batch."""
+    name = "hf_mixtral_labels"
+    _launch(tmp_path, [name], ep=2, tp=2, pp=2,
+            extra=("--schedule", "zero-bubble", "--microbatches", "2", "--activation-checkpointing"))
+    ref = train(name, batch_size=2, accumulate=2)
+    ref.losses = torch.tensor(ref.losses).view(-1, 2).sum(dim=1).tolist()  # each half's loss, recorded / 2
+    ref.buffers = ref.buffers[1::2]
+    for t in range(2):
+        ranks = [s * 2 + t for s in range(2)]
+        got = merge_stages([load_record(tmp_path / f"{name}.rank{r}.pt") for r in ranks])
+        assert_parity(got, ref, where=f"ep=2 tp=2 pp=2 zero-bubble ranks {ranks}")
+
+
 def test_ep4_over_tp2_dp2(tmp_path: Path) -> None:
     """One ep group of all four ranks (two replicas' tp pairs), the dense parameters cut over tp and FSDP2-sharded
     over dp."""
