@@ -271,7 +271,7 @@ def _split_experts(module: nn.Module, plan: TPPlan, config: ParallelConfig, tp_g
     """Expert parallelism: each rank keeps ``experts / ep`` whole experts of every bank; the tokens travel."""
     layers = find_experts(module)
     for name in split_experts(module, layers, ep_group, tp_group, shards, verify=config.verify):
-        plan.styles[name] = "experts"
+        plan.styles[name] = "ep"
     for layer in layers:
         plan.notes.append(f"{layer.name}: {layer.count} experts, {layer.count // config.ep} per rank over ep="
                           f"{config.ep} (tokens exchanged by all-to-all; router {layer.router or 'not found'} "

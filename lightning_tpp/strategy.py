@@ -351,8 +351,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             rank_zero_info(loaded.describe())
         if self.dims.dp > 1 and self._dp_sharding != "no_shard":
             self.precision_plugin.convert_module(module)  # before FSDP2 fixes the dtype it gathers in (bf16-true)
-            shard_state_over_dp(module, state, self._blocks, sharding=self._dp_sharding, keep=expert_parameters(module),
-                                vocab_exchange=self._vocab_exchange, print_plan=self._print_plan)
+            shard_state_over_dp(module, state, self._blocks, sharding=self._dp_sharding,
+                                keep=expert_parameters(module), vocab_exchange=self._vocab_exchange, print_plan=self._print_plan)
         return state
 
     def _observe(self) -> None:

@@ -92,8 +92,6 @@ class _Joined(torch.autograd.Function):
 def _counts_exchange(counts: Tensor, group: TPGroup) -> Tensor:
     """(E,) rows per expert from this rank -> (P, L) rows each source rank sends for each local expert."""
     p = group.size
-    if counts.is_meta:
-        return counts.new_zeros((p, counts.numel() // p))
     out = torch.empty_like(counts)
     dist.all_to_all_single(out, counts, group=group.group)
     return out.view(p, -1)
@@ -116,12 +114,17 @@ def dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, ind
     flat = index.reshape(-1)
     token = torch.arange(xs.shape[0], device=x.device).repeat_interleave(k)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts) if not flat.is_meta else flat.new_zeros(experts)
-    received = _counts_exchange(counts, ep)
+    if x.is_meta:  # shapes only (the memory planner): the rows spread evenly over the experts and ranks
+        counts = torch.full((experts,), flat.numel() // experts) + (torch.arange(experts) < flat.numel() % experts)
+        received = counts.view(ep.size, local)[ep.rank].repeat(ep.size, 1)
+    else:
+        counts = torch.bincount(flat, minlength=experts)
+        received = _counts_exchange(counts, ep)
     in_splits = counts.view(ep.size, local).sum(1).tolist()
     out_splits = received.sum(1).tolist()
     rows = _AllToAll.apply(xs[token[order]], out_splits, in_splits, ep, traffic)
-    which = torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(received.reshape(-1))
+    which = torch.arange(local, device=received.device).repeat(ep.size).repeat_interleave(received.reshape(-1))
+    which = which.to(x.device)
     ones = torch.ones((rows.shape[0], 1), dtype=weight.dtype, device=x.device)
     done = compute(rows, which[:, None], ones)
     done = _Joined.apply(done, *(t for t in (rows, *params) if t.requires_grad))

@@ -146,8 +146,8 @@ def verify_bank(module: nn.Module, args: tuple, kwargs: dict) -> None:
             want = ref.forward(*a, **k)
             a, k = isolated(args, kwargs)
             try:
-                problem = first_difference(_reduced(module._local_forward(a, k), st.group), want,  # type: ignore[attr-defined]
-                                 st.group)
+                got = _reduced(module._local_forward(a, k), st.group)  # type: ignore[attr-defined]
+                problem = first_difference(got, want, st.group)
             except Exception as err:  # noqa: BLE001 - any error of the parallel forward is a mismatch
                 problem = f"the parallel forward raised {type(err).__name__}: {err}"
     finally:

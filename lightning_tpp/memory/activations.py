@@ -20,6 +20,7 @@ from lightning_tpp.core.meta_ops import DataDependentOnMeta
 from lightning_tpp.core.params import ShardIndex
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.experts import find_experts, shard_banks
+from lightning_tpp.experts.expert_parallel import split_experts
 from lightning_tpp.pipeline.partition import Partition, plan_partition
 from lightning_tpp.pipeline.stage import meta_twin
 from lightning_tpp.pipeline.wgrad import deferred_product
@@ -38,21 +39,21 @@ def meta_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def activations_per_stage(module: nn.Module, plan: TPPlan, partition: Optional[Partition], dims: MeshDims,
-                          mb: int, seq_len: int, dtype: torch.dtype, checkpointing: bool, forward: Optional[ForwardFn]
-                          ) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[int, int]]:
+                          mb: int, seq_len: int, dtype: torch.dtype, checkpointing: bool, forward: Optional[ForwardFn],
+                          ep: int = 1) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[int, int]]:
     """Bytes held per micro-batch by each stage (saved tensors plus the outputs sent to the next stage; saved
     tensors alone), what comes on top at a stage's peak (under checkpointing, its largest block's activations
     while it recomputes), and what a split backward keeps from ``I`` until ``W``."""
     owners = partition.owners() if partition is not None else {}
     blocks = block_names(module, partition)
-    full = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, False, forward)
+    full = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, False, forward, ep)
     last = partition.stages - 1 if partition is not None else 0
     # after a split backward's I: the weight products' operands and the sent outputs; the first stage runs its
     # backward whole in W (it sends no input gradient), so it keeps everything until then
     waiting = {g: full.weight_operands.get(g, 0) + (full.sent.get(g, 0) if g < last else 0) for g in range(last + 1)}
     held, recompute = full, dict[int, int]()
     if checkpointing:
-        held = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, True, forward)
+        held = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, True, forward, ep)
         for name, b in full.blocks.items():
             g = owners.get(name, 0)
             recompute[g] = max(recompute.get(g, 0), b)
@@ -82,16 +83,19 @@ class _Measured:
 
 
 def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks: Sequence[str], dims: MeshDims,
-             mb: int, seq_len: int, dtype: torch.dtype, checkpointing: bool, forward: Optional[ForwardFn]
-             ) -> _Measured:
+             mb: int, seq_len: int, dtype: torch.dtype, checkpointing: bool, forward: Optional[ForwardFn],
+             ep: int = 1) -> _Measured:
     """Run one micro-batch forward on a meta copy cut by ``plan``; attribute every saved tensor to the stage (and
     block) whose module is running, or else to the stage that ran last (the loss goes to the last stage)."""
     copy = meta_copy(module, dtype)
+    group = TPGroup(None, 0, dims.tp)
     if dims.tp > 1:
-        group = TPGroup(None, 0, dims.tp)
         apply_plan(copy, plan, group, verify=False)
         shard_banks(copy, [layer for layer in find_experts(copy) if plan.styles.get(layer.experts) == "experts"],
                     group, ShardIndex(), verify=False)  # each expert's intermediate features cut, as planned
+    split = [layer for layer in find_experts(copy) if plan.styles.get(layer.experts) == "ep"]
+    if split:  # whole experts per rank, the tokens exchanged (spread evenly on meta)
+        split_experts(copy, split, TPGroup(None, 0, ep), group, ShardIndex(), verify=False)
     modules = dict(copy.named_modules())
     out = _Measured()
     running: list[str] = []

@@ -16,6 +16,7 @@ from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.dp_rows import candidates
 from lightning_tpp.core.dp_shard import fsdp_units
 from lightning_tpp.core.mesh import MeshDims
+from lightning_tpp.experts.expert_parallel import check_ep, expert_parameters
 from lightning_tpp.pipeline.partition import Partition
 from lightning_tpp.pipeline.auto import AUTO, AUTO_CANDIDATES, AUTO_MEASURE, settle_auto
 from lightning_tpp.pipeline.schedule import ScheduleLike, actions, resolve
@@ -73,6 +74,7 @@ class MemoryReport:
     dp_shard: bool
     whole_params: int  # parameter elements of the whole model (shared weights once)
     notes: list[str] = field(default_factory=list)
+    ep: int = 1  # experts split over ep ranks (tokens exchanged)
 
     @property
     def largest(self) -> RankMemory:
@@ -88,8 +90,9 @@ class MemoryReport:
 
     def __str__(self) -> str:
         d = self.dims
-        layout = (f"tp={d.tp} x pp={d.pp} x dp={d.dp}, {self.microbatches} micro-batch(es) of {self.micro_batch_size}"
-                  f" x {self.seq_len} tokens, schedule {self.schedule!r}, {self.optimizer}, {self.param_dtype}, "
+        experts = f" (experts over ep={self.ep})" if self.ep > 1 else ""
+        layout = (f"tp={d.tp} x pp={d.pp} x dp={d.dp}{experts}, {self.microbatches} micro-batch(es) of "
+                  f"{self.micro_batch_size} x {self.seq_len} tokens, schedule {self.schedule!r}, {self.optimizer}, {self.param_dtype}, "
                   f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}, "
                   f"states {'sharded over dp (FSDP2)' if self.dp_shard and d.dp > 1 else 'replicated over dp'}")
         unit, scale = ("GiB", GiB) if self.largest.total >= GiB else ("MiB", 1024 ** 2)
@@ -121,7 +124,7 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
                     balance: Union[str, Sequence[int]] = "params", split_points: Optional[Sequence[str]] = None,
                     blocks: Optional[Union[str, Sequence[str]]] = None,
                     tp_plan: Union[str, Mapping[str, str]] = "auto",
-                    forward: Optional[ForwardFn] = None) -> MemoryReport:
+                    forward: Optional[ForwardFn] = None, ep: int = 1) -> MemoryReport:
     """Bytes per rank of training ``module`` with ``TensorPipeStrategy(tp, pp, dp, ...)``, without allocating.
 
     ``module`` is usually built on the meta device (``with torch.device("meta"): ...``); a module with real weights
@@ -140,6 +143,7 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     if balance == "time":
         raise ValueError("estimate_memory cannot measure block times on the meta device: balance='time' is not "
                          "supported here; pass balance='params' or blocks per stage, e.g. balance=[10, 10]")
+    check_ep(ep, dp=dp, tp=tp)
     dims = MeshDims(dp, pp, tp)
     m = (microbatches or 2 * pp) if pp > 1 else 1
     specs = [resolve(n) for n in _runs(schedule, pp, m, virtual_stages, dp > 1 and dp_shard)]
@@ -153,16 +157,16 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     whole = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
     name = specs[0].name if len(specs) == 1 else f"auto (the most of {', '.join(s.name for s in specs)})"
     report = MemoryReport([], dims, None, m, mb, seq_len, name, optimizer, param_dtype,
-                          activation_checkpointing, dp_shard, whole)
+                          activation_checkpointing, dp_shard, whole, ep=ep)
     cuts = [_cut(module, dims, r, virtual_stages, param_dtype, balance=balance, split_points=split_points,
-                 blocks=blocks, tp_plan=tp_plan) for r in range(pp)]
+                 blocks=blocks, tp_plan=tp_plan, ep=ep) for r in range(pp)]
     report.partition = cuts[0][2]
     plan = TPPlan()  # the pipeline ranks' plans name disjoint modules: one meta forward measures every stage
     for _, p, _ in cuts:
         plan.styles.update(p.styles)
         plan.blocks.update(p.blocks)
     per_stage, saved, recompute, waiting = activations_per_stage(module, plan, report.partition, dims, mb, seq_len,
-                                                                 param_dtype, activation_checkpointing, forward)
+                                                                 param_dtype, activation_checkpointing, forward, ep)
     waiting_saved = {g: max(w - (per_stage.get(g, 0) - saved.get(g, 0)), 0) for g, w in waiting.items()}  # not sent
     splitting = [pp > 1 and any(kind in ("I", "W") for kind, _, _ in spec.orders(0, pp, m, virtual_stages))
                  for spec in specs]
@@ -245,22 +249,25 @@ def _exchange_bytes(layer: nn.Module, tokens: int, dp: int) -> int:
 
 def _cut(module: nn.Module, dims: MeshDims, pp_rank: int, virtual: int, dtype: torch.dtype, *,
          balance: Union[str, Sequence[int]], split_points: Optional[Sequence[str]],
-         blocks: Optional[Union[str, Sequence[str]]], tp_plan: Union[str, Mapping[str, str]]
+         blocks: Optional[Union[str, Sequence[str]]], tp_plan: Union[str, Mapping[str, str]], ep: int = 1
          ) -> tuple[nn.Module, TPPlan, Optional[Partition]]:
     """A meta copy of ``module`` cut for ``pp_rank`` as ``parallel_state.build_state`` cuts it (tp rank 0)."""
     copy = meta_copy(module, dtype)
-    config = ParallelConfig(dims.tp, dims.pp, 1, "1f1b", virtual, balance, split_points, blocks, tp_plan, False)
+    config = ParallelConfig(dims.tp, dims.pp, 1, "1f1b", virtual, balance, split_points, blocks, tp_plan, False,
+                            ep=ep)
     stages, plan, _ = cut(copy, config, dims, pp_rank=pp_rank, device=torch.device("meta"),
-                          tp_group=TPGroup(None, 0, dims.tp))
+                          tp_group=TPGroup(None, 0, dims.tp), ep_group=TPGroup(None, 0, ep) if ep > 1 else None)
     return copy, plan, stages.partition if stages is not None else None
 
 
 def _state_bytes(cut: nn.Module, optimizer: str, dp: int) -> tuple[int, int, int, int]:
     """(params, grads, optimizer state) bytes and the parameter elements of a cut copy, each parameter's dim 0
-    divided into ``dp`` padded pieces (FSDP2) when ``dp > 1``."""
+    divided into ``dp`` padded pieces (FSDP2) when ``dp > 1``, but experts split over ep (FSDP2 leaves them)."""
     params = grads = optim = count = 0
+    experts = {id(p) for p in expert_parameters(cut)}
     for p in {id(p): p for p in cut.parameters()}.values():
-        n = p.numel() if dp == 1 or p.dim() == 0 else math.ceil(p.shape[0] / dp) * math.prod(p.shape[1:])
+        whole = dp == 1 or p.dim() == 0 or id(p) in experts
+        n = p.numel() if whole else math.ceil(p.shape[0] / dp) * math.prod(p.shape[1:])
         size = n * p.element_size()
         count, params = count + n, params + size
         if p.requires_grad:
