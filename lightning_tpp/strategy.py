@@ -338,7 +338,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         self._tp_group.stream.seed = seed = self._agreed_seed()  # the strategy's own draws derive from it
         meta = None
         if on_meta:  # what a weights file fills is only allocated (strict or not, the rest is initialised)
-            loaded = covered_names(self._weights, names=ParamNames.of(module), prefix=self._weights_prefix) \
+            loaded = covered_names(self._weights, names=ParamNames.of(module), prefix=self._weights_prefix,
+                                   module=module) \
                 if self._weights is not None else frozenset()
             meta = Materialization(self.root_device, seed, loaded)
         state = build_state(module, config, self.dims, groups, rank=self.global_rank, device=self.root_device,

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_tpp.checkpoint.dcp import Box, is_sharded_checkpoint, model_entry_shapes, read_model_boxes
+from lightning_tpp.checkpoint.hf_experts import stack_experts
 from lightning_tpp.checkpoint.safe_load import CheckpointMismatchError, load_or_explain
 from lightning_tpp.core.optional import require
 from lightning_tpp.core.params import ParamNames, ShardIndex
@@ -286,10 +287,12 @@ def _resolve_prefix(source: Source, path: PathLike, names: ParamNames, prefix: s
     return chosen, f"chosen automatically: {count} of the file's {len(source.shapes)} keys are model names under it"
 
 
-def covered_names(source: PathLike, *, names: ParamNames, prefix: str = "auto") -> frozenset[str]:
+def covered_names(source: PathLike, *, names: ParamNames, prefix: str = "auto",
+                  module: Optional[nn.Module] = None) -> frozenset[str]:
     """The single-device names (every alias) that ``source`` holds a tensor for: a model built on the meta device
-    only initialises what the file will not fill. Reads the files' headers only."""
-    opened = open_source(source)
+    only initialises what the file will not fill. Reads the files' headers only (Hugging Face per-expert tensors
+    seen as ``module``'s banks)."""
+    opened = open_source(source) if module is None else stack_experts(open_source(source), module)
     return frozenset(match_keys(opened.shapes, names, _resolve_prefix(opened, source, names, prefix)[0]).key_of)
 
 
@@ -304,7 +307,7 @@ def load_weights(module: nn.Module, source: PathLike, *, names: ParamNames, shar
     (``"auto"``: the prefix under which most keys match). With ``strict=False`` missing and unexpected keys are
     skipped; mis-shaped keys always raise :class:`WeightsMismatchError` — on every rank alike.
     """
-    opened = open_source(source)
+    opened = stack_experts(open_source(source), module)  # Hugging Face's per-expert tensors as the model's banks
     names = names if names.shapes else _names_of_local(module, names, shards)
     chosen, how = _resolve_prefix(opened, source, names, prefix)
     match = match_keys(opened.shapes, names, chosen)

@@ -152,3 +152,25 @@ def test_one_process_checkpoint_resumes_at_ep2(tmp_path: Path) -> None:
     for rank in range(2):
         assert_parity(load_record(tmp_path / f"second.rank{rank}.pt"), reference[1], rtol=1e-5, atol=1e-5,
                       where=f"one process -> ep=2 rank {rank}")
+
+
+def test_hf_safetensors_into_ep2(tmp_path: Path) -> None:
+    """``weights=`` an HF MoE safetensors file, the model built on meta at ep=2 over dp=2: each rank's experts come
+    from the file (weights unlike the module's own initialisation) and train as one process loaded by
+    ``from_pretrained``."""
+    import transformers
+
+    torch.manual_seed(123)  # not the seed the runs build their modules with
+    MODELS["hf_mixtral_labels"]().model.save_pretrained(tmp_path / "hf")
+    run_ranks(ROOT / "tests" / "distributed" / "worker_moe_weights.py", 2,
+              [str(tmp_path), str(tmp_path / "hf" / "model.safetensors")], timeout=300).check()
+
+    def from_pretrained(module) -> None:
+        module.model.model = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf",
+                                                                             attn_implementation="eager")
+
+    ref = train("hf_mixtral_labels", dp=2, replicas_apart=True, accumulate=2, steps=2, prepare=from_pretrained)
+    ref.losses = torch.tensor(ref.losses).view(-1, 2).sum(dim=1).tolist()
+    ref.buffers = ref.buffers[1::2]
+    for rank in range(2):
+        assert_parity(load_record(tmp_path / f"weights.rank{rank}.pt"), ref, where=f"weights= at ep=2 rank {rank}")
