@@ -31,7 +31,7 @@ from lightning_tpp.core.materialize import materialize
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.params import ParamNames, ShardIndex
 from lightning_tpp.core.recompute import recompute_blocks
-from lightning_tpp.experts import ExpertParallelConfigError, MoELayer, find_experts, shard_banks
+from lightning_tpp.experts import ExpertParallelConfigError, MoELayer, active_parameters, find_experts, shard_banks
 from lightning_tpp.experts.expert_parallel import ExpertGroup, split_experts
 from lightning_tpp.pipeline.batchnorm import DeferredStatistics, batch_statistics_layers
 from lightning_tpp.pipeline.build import PreparedStages, TiedWeight, finish_stages, format_partition, prepare_stages
@@ -221,7 +221,8 @@ def cut(module: nn.Module, config: ParallelConfig, dims: MeshDims, *, pp_rank: i
     stages = None
     if config.pp > 1:
         stages = prepare_stages(module, dims=dims, pp_rank=pp_rank, virtual=config.virtual_stages, device=device,
-                                blocks=config.blocks, balance=config.balance, split_points=config.split_points)
+                                blocks=config.blocks, balance=config.balance, split_points=config.split_points,
+                                weight=active_parameters)  # experts counted as they run: top-k of E
     remote = stages.remote_names() if stages is not None else frozenset()
     plan = detect(module, config.tp, check=False, remote=stages.remote_twins() if stages is not None else remote)
     shards = ShardIndex()

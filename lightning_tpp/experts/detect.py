@@ -139,3 +139,31 @@ def find_experts(model: nn.Module) -> list[MoELayer]:
         layers.append(MoELayer(parent_name, name, "bank" if bank is not None else "list", count, router, shared,
                                bank))
     return layers
+
+
+_TOP_K_NAMES = ("top_k", "num_experts_per_tok", "topk", "n_activated_experts")
+
+
+def top_k(model: nn.Module, layer: MoELayer) -> Optional[int]:
+    """How many experts each token runs through: the router's or the routing layer's own attribute (or its
+    configuration's), else None."""
+    holders = [model.get_submodule(n) for n in (layer.router, layer.name) if n is not None]
+    holders += [c for c in (getattr(h, "config", None) for h in holders) if c is not None]
+    for holder in holders:
+        for name in _TOP_K_NAMES:
+            value = getattr(holder, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= layer.count:
+                return value
+    return None
+
+
+def active_parameters(module: nn.Module) -> float:
+    """``module``'s parameters as a token runs through them: the experts of each routed layer count top-k / E of
+    theirs (a block's cost when pipeline stages are balanced; a layer whose top-k is unknown counts whole)."""
+    total = float(sum(p.numel() for p in module.parameters()))
+    for layer in find_experts(module):
+        k = top_k(module, layer)
+        if k is not None and layer.experts:
+            bank = sum(p.numel() for p in module.get_submodule(layer.experts).parameters())
+            total -= bank * (1 - k / layer.count)
+    return total

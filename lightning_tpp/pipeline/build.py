@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -135,7 +135,10 @@ def measure_block_costs(module: nn.Module, members: Sequence[Sequence[str]], exa
 
 def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: int, device: torch.device,
                    blocks: Optional[Union[str, Sequence[str]]], balance: Union[str, Sequence[int]],
-                   split_points: Optional[Sequence[str]]) -> PreparedStages:
+                   split_points: Optional[Sequence[str]],
+                   weight: Optional[Callable[[nn.Module], float]] = None) -> PreparedStages:
+    """This rank's stages of ``module``, the other stages' units stood in for; ``weight`` a module's cost when
+    stages are balanced by it (default: its parameters)."""
     stages = dims.pp * virtual
     containers = find_block_sequences(module, stages=stages) if blocks is None else (
         (blocks,) if isinstance(blocks, str) else tuple(blocks))
@@ -156,7 +159,8 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
         costs = costs.tolist()
     partition = plan_partition(module, stages, blocks=blocks,
                                balance_by=balance if not isinstance(balance, str) else "params",
-                               split_points=split_points, block_costs=costs)
+                               split_points=split_points, block_costs=costs,
+                               **({"weight": weight} if weight is not None else {}))
     local = [c * dims.pp + pp_rank for c in range(virtual)]
     owners = partition.owners()
     modules = dict(module.named_modules())

@@ -21,7 +21,7 @@ cross from stage to stage is not decided here: the stages trace it (see ``_pp_st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -364,8 +364,10 @@ def bounds_from_split_points(points: Sequence[str], members: Sequence[Sequence[s
 
 def plan_partition(model: nn.Module, stages: int, *, blocks: "str | Sequence[str] | None" = None,
                    balance_by: "Sequence[int] | str" = "params", split_points: Optional[Sequence[str]] = None,
-                   block_costs: Optional[Sequence[float]] = None) -> Partition:
-    """Choose the stage bounds: ``split_points`` > explicit ``balance`` counts > costs (parameters or measured)."""
+                   block_costs: Optional[Sequence[float]] = None,
+                   weight: Callable[[nn.Module], float] = _params) -> Partition:
+    """Choose the stage bounds: ``split_points`` > explicit ``balance`` counts > costs (measured, or each module's
+    ``weight``: its parameters, or what a token runs through of them)."""
     containers = find_block_sequences(model, stages=stages) if blocks is None else (
         (blocks,) if isinstance(blocks, str) else tuple(blocks))
     members, pre, post, middle = describe(model, containers, zip_siblings=blocks is None,
@@ -387,10 +389,10 @@ def plan_partition(model: nn.Module, stages: int, *, blocks: "str | Sequence[str
         if block_costs is not None:
             costs = list(block_costs)
         else:
-            costs = [float(sum(_params(modules[n]) for n in m)) for m in members]
+            costs = [float(sum(weight(modules[n]) for n in m)) for m in members]
             for n, i in middle:  # a final encoder norm weighs on the encoder's last block
-                costs[i - 1] += _params(modules[n])
-        first = float(sum(_params(modules[n]) for n in pre)) if block_costs is None else 0.0
-        last = float(sum(_params(modules[n]) for n in post)) if block_costs is None else 0.0
+                costs[i - 1] += weight(modules[n])
+        first = float(sum(weight(modules[n]) for n in pre)) if block_costs is None else 0.0
+        last = float(sum(weight(modules[n]) for n in post)) if block_costs is None else 0.0
         bounds = balance(costs, stages, first_extra=first, last_extra=last)
     return Partition(containers, members, pre, post, middle, tuple(bounds))

@@ -179,3 +179,30 @@ def test_planner_counts_the_experts_cut_over_tp() -> None:
                 for tp in (1, 2))
     assert two.params <= 0.51 * one.params  # experts and attention cut, embedding and head by vocabulary
     assert two.activations < 0.7 * one.activations
+
+
+def test_pipeline_balance_counts_experts_as_they_run() -> None:
+    """A block's cost for balancing stages: its experts count top-k / E of their parameters (each token runs
+    through k of them), so a dense layer is not outweighed by a routed layer's idle experts."""
+    from lightning_tpp.experts import active_parameters, top_k
+    from lightning_tpp.pipeline.partition import plan_partition
+
+    model = MODELS["hf_deepseek_v3_labels"]()  # layer 0 dense, layers 1-2 routed (4 experts, top-2)
+    layers = model.model.model.layers
+    layer = find_experts(model)[0]
+    assert top_k(model, layer) == 2 and layer.count == 4
+    experts = sum(p.numel() for p in layers[1].mlp.experts.parameters())
+    whole = sum(p.numel() for p in layers[1].parameters())
+    assert active_parameters(layers[1]) == whole - experts / 2
+    assert active_parameters(layers[0]) == sum(p.numel() for p in layers[0].parameters())
+    import transformers  # three dense layers, then three routed ones of 16 experts (top-2)
+
+    cfg = transformers.DeepseekV3Config(vocab_size=64, hidden_size=32, num_hidden_layers=6, num_attention_heads=4,
+                                        num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=16,
+                                        n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+                                        topk_group=1, first_k_dense_replace=3, q_lora_rank=16, kv_lora_rank=16,
+                                        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                                        max_position_embeddings=16, tie_word_embeddings=False)
+    deep = transformers.DeepseekV3ForCausalLM(cfg)
+    assert plan_partition(deep, 2).bounds == ((0, 4), (4, 6))  # by parameters: the idle experts weigh
+    assert plan_partition(deep, 2, weight=active_parameters).bounds == ((0, 3), (3, 6))
