@@ -525,7 +525,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         if self._state is not None:
             sum_partial_gradients(self._state.sequence)  # sequence parallelism: each tp rank saw part of the tokens
         experts = expert_parameters(self.lightning_module)  # averaged over their replicas only
-        params = [p for p in self.lightning_module.parameters() if p.requires_grad and not any(p is e for e in experts)]
+        split = {id(p) for p in experts}
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad and id(p) not in split]
         average_gradients(params, self._dp_group)
         if self._ep_group is not None:
             reduce_expert_grads(experts, self._ep_group)

@@ -103,7 +103,7 @@ def global_grad_norm(params: Iterable[nn.Parameter], *, sharded: Container[Tenso
     device = local(params[0].grad).device if params else torch.device("cpu")
     spec_of = getattr(sharded, "spec", lambda p: None)
     experts = [p for p in params if (s := spec_of(p)) is not None and s.over is not None]
-    params = [p for p in params if not any(p is q for q in experts)]
+    params = [p for p in params if (s := spec_of(p)) is None or s.over is None]
     mine = [g for p in params if p in sharded or tp_rank == 0 for g in _counted(p, sharded, tp_rank, groups)]
     inf = norm_type == float("inf")
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM

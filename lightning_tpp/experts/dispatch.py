@@ -19,6 +19,7 @@ function, so that autograd runs the backward exchange on every rank.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -53,7 +54,7 @@ def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group: TPG
     start = time.perf_counter()
     dist.all_to_all_single(out, wire.contiguous(), out_splits, in_splits, group=group.group)
     if traffic is not None:  # rows that leave this rank
-        row = wire[0].numel() * wire.element_size() if wire.dim() else wire.element_size()
+        row = math.prod(wire.shape[1:]) * wire.element_size()  # a rank may send no row at all
         traffic.bytes += (sum(in_splits) - in_splits[group.rank]) * row
         traffic.seconds += time.perf_counter() - start
         traffic.calls += 1

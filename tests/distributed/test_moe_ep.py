@@ -10,6 +10,7 @@ computes each replica's batch as a batch of its own and accumulates (what the re
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -27,22 +28,23 @@ def _launch(tmp: Path, models: list[str], *, ep: int, dp: int = 1, tp: int = 1, 
     run_ranks(ROOT / "tests" / "parity.py", dp * tp * pp, args, timeout=500).check()
 
 
-def _reference(name: str, dp: int) -> Record:
+def _reference(name: str, dp: int, clip: Optional[float] = None) -> Record:
     if dp == 1:
-        return train(name)
-    ref = train(name, dp=dp, replicas_apart=True, accumulate=dp)
+        return train(name, clip=clip)
+    ref = train(name, dp=dp, replicas_apart=True, accumulate=dp, clip=clip)
     ref.losses = torch.tensor(ref.losses).view(-1, dp).sum(dim=1).tolist()  # each replica's loss, recorded / dp
     ref.buffers = ref.buffers[dp - 1::dp]  # as they stand after each optimizer step
     return ref
 
 
 def test_ep2_over_dp2_with_fsdp2(tmp_path: Path) -> None:
-    """ep drawn from dp, the dense parameters FSDP2-sharded over dp and the experts out of it. With every token routed
-    to the last expert, the first rank receives no token at all and still joins every exchange."""
+    """ep drawn from dp, the dense parameters FSDP2-sharded over dp and the experts out of it, gradients clipped by
+    the global norm (each expert counted once). With every token routed to the last expert, the first rank receives
+    no token at all and still joins every exchange."""
     models = ["hf_mixtral_labels", "hf_deepseek_v3_labels", "hf_gpt_oss_one_expert"]
-    _launch(tmp_path, models, ep=2, dp=2)
+    _launch(tmp_path, models, ep=2, dp=2, extra=("--clip", "0.05"))
     for name in models:
-        ref = _reference(name, dp=2)
+        ref = _reference(name, dp=2, clip=0.05)
         for rank in range(2):
             assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), ref, where=f"{name} ep=2 dp=2 rank {rank}")
     # the premise: every token goes to expert 3 (held by the second rank), none to the first rank's experts 0 and 1
