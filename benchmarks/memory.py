@@ -54,7 +54,8 @@ FULL = dict(vocab_size=32000, hidden_size=768, intermediate_size=2560, num_hidde
             num_key_value_heads=4)
 QUICK = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4)
-LAYOUTS = [("tp2xpp2", dict(tp=2, pp=2, dp=1)), ("tp2xpp2xdp2", dict(tp=2, pp=2, dp=2))]
+LAYOUTS = [("tp2xpp2", dict(tp=2, pp=2, dp=1)), ("tp2xpp2xdp2", dict(tp=2, pp=2, dp=2)),
+           ("pp2xdp2xep2", dict(tp=1, pp=2, dp=2, ep=2))]  # the last: a mixture of experts only (--shape)
 MICROBATCHES, LOCAL_BATCH = 2, 2  # per dp replica: 2 micro-batches of 1 sequence
 
 
@@ -312,7 +313,8 @@ def main() -> None:
     config = _config(args)
     has_ckpt = "activation_checkpointing" in inspect.signature(TensorPipeStrategy.__init__).parameters
     whole = _estimate(config, dict(tp=1, pp=1, dp=1), False, args.seq).whole_params
-    print(f"Llama-style model of {whole / 1e6:.1f} M parameters built in configure_model, AdamW, fp32, "
+    kind = "Mixtral" if "num_local_experts" in config else "Llama"
+    print(f"{kind}-style model of {whole / 1e6:.1f} M parameters built in configure_model, AdamW, fp32, "
           f"{args.steps} step(s), {MICROBATCHES} micro-batches of 1 x {args.seq} tokens per dp replica, the default "
           f"schedule ('auto': zb-drain while it measures, 1F1B under FSDP2); est. for the schedule that ran")
     print("states = params + grads + optimizer state of the rank; peak = ru_maxrss increase over the RSS at the start "
@@ -321,6 +323,8 @@ def main() -> None:
           "for backward alive at once. est. = estimate_memory (states sharded over dp, FSDP2); est. "
           "activ. leaves out sent outputs and recompute, which the hooks do not see; est. total includes them")
     for name, layout in LAYOUTS:
+        if layout.get("ep", 1) > 1 and "num_local_experts" not in config:
+            continue  # expert parallelism needs experts
         if args.layouts and name not in args.layouts.split(","):
             continue
         for checkpointing in (False, True):

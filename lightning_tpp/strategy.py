@@ -79,6 +79,10 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         tp: tensor-parallel size (ranks that split each layer; keep it within a node).
         pp: pipeline-parallel size (stages).
         dp: data-parallel size, or ``"auto"`` for ``world_size // (tp * pp)``.
+        ep: expert parallelism for mixture-of-experts models: each rank holds ``experts / ep`` whole experts of
+            every bank and the tokens travel to them by all-to-all (dropless). The ep group is drawn from the
+            data-parallel and tensor-parallel ranks of a stage (``ep`` must divide ``dp * tp``); expert gradients
+            are averaged over the ranks holding the same experts. See ``docs/experts.md``.
         microbatches: micro-batches per step for the pipeline (default ``2 * pp``).
         schedule: pipeline schedule, one of ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble"``,
             ``"zb-drain"``, ``"zb-lead"`` (see ``docs/pipeline.md``: zero-bubble splits every backward, zb-drain a
@@ -93,7 +97,8 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
             than ``pp``, ``"1f1b"`` when FSDP2 shards the parameters over dp (a split backward would keep the
             stage's parameters and gradients gathered until the step ends).
         virtual_stages: model chunks per pipeline rank (``"interleaved-1f1b"`` needs 2 or more).
-        balance: ``"params"`` (balance stages by parameter count), ``"time"`` (by measured block time on the
+        balance: ``"params"`` (balance stages by parameter count, a routed layer's experts counted as a token runs
+            through them: top-k of E), ``"time"`` (by measured block time on the
             module's ``example_input_array``), or blocks per stage, e.g. ``[3, 5]``.
         split_points: names of the blocks that start stages 1.., e.g. ``["model.layers.12"]`` (overrides balance).
         blocks: name of the module holding the blocks to pipeline, or names of several run one after the other
