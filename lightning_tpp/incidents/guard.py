@@ -62,7 +62,8 @@ class SpikeGuard(Callback):
 
     Every incident (and every ``on_nonfinite`` decision of ``TensorPipeStrategy``) is appended to
     ``incidents.jsonl`` in the Trainer's log directory and logged under ``incidents/`` (global rank 0 writes).
-    Needs automatic optimization.
+    A step that ``on_nonfinite="skip"`` dropped is recorded and, as a skipped spike, leaves the LR schedule where
+    it was. Needs automatic optimization.
     """
 
     def __init__(self, *, action: Action = "skip", window: int = 100, warmup: int = 20, z_threshold: float = 6.0,
@@ -162,8 +163,10 @@ class SpikeGuard(Callback):
         loss, self._loss = self._loss, None
         if self._nonfinite_skip:  # decided by the strategy on every rank alike: recorded, not judged again
             self._nonfinite_skip = False
-            self._pending = Incident(trainer.global_step, "nonfinite", "skip", {"loss": math.nan}, [],
+            self._pending = Incident(trainer.global_step, "nonfinite", "skip", {"loss": math.nan},
+                                     _replica_ranks(trainer.strategy),
                                      "on_nonfinite='skip': the step was dropped on every rank")
+            self._keep_schedule(trainer)  # a dropped step leaves the schedule as a spike's does
             return
         if loss is None:
             return
@@ -182,19 +185,22 @@ class SpikeGuard(Callback):
                     p.grad = None
         for p in pl_module.parameters():
             p.grad = None
-        if self.action == "skip":  # the LR schedulers step after this optimizer step: put them back afterwards
-            self._kept_schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
-            self._kept_lrs = [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers]
+        if self.action == "skip":
+            self._keep_schedule(trainer)
+
+    def _keep_schedule(self, trainer: "pl.Trainer") -> None:
+        """The LR schedulers step after this (dropped) optimizer step: keep what to put back afterwards."""
+        self._kept_schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
+        self._kept_lrs = [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers]
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         incident, self._pending = self._pending, None
-        if incident is not None and incident.kind == "spike":
-            if self.action == "skip":
-                self._put_schedule_back(trainer)
-            else:
-                incident = self._roll_back(trainer, pl_module, incident, batch_idx)
+        if incident is not None and incident.action == "skip":
+            self._put_schedule_back(trainer)
+        elif incident is not None and incident.action == "rollback":
+            incident = self._roll_back(trainer, pl_module, incident, batch_idx)
         if incident is not None:
             rank_zero_warn(f"SpikeGuard: step {incident.step}: {incident.describe()}")
             self.incident_log.add(incident, trainer.loggers)
@@ -308,3 +314,12 @@ def _rewind_global_step(trainer: "pl.Trainer", step: int) -> None:
     for tracker in (progress.total, progress.current):
         tracker.ready = max(tracker.ready - back, 0)
         tracker.completed = max(tracker.completed - back, 0)
+
+
+def _replica_ranks(strategy: Any) -> list[int]:
+    """Every global rank of the dp replicas whose loss was not finite (``TensorPipeStrategy`` names the replicas;
+    the same list on every rank)."""
+    dims, replicas = getattr(strategy, "dims", None), getattr(strategy, "nonfinite_replicas", [])
+    if dims is None:
+        return list(replicas)
+    return sorted(dims.rank_of(dp=d, pp=p, tp=t) for d in replicas for p in range(dims.pp) for t in range(dims.tp))
