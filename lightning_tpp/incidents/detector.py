@@ -61,7 +61,7 @@ class SpikeDetector:
     window: int = 100
     warmup: int = 20
     z_threshold: float = 6.0
-    ratios: dict[str, float] = field(default_factory=lambda: {"loss": 1.5, "grad_norm": 4.0})
+    ratios: dict[str, Optional[float]] = field(default_factory=lambda: {"loss": 2.0, "grad_norm": 10.0})
     windows: dict[str, RunningWindow] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from lightning_tpp.core.dp_shard import local
 from lightning_tpp.core.grads import global_grad_norm
-from lightning_tpp.incidents.detector import IncidentBudget, SpikeDetector, Trigger
+from lightning_tpp.incidents.detector import IncidentBudget, SpikeDetector, TooManyIncidentsError, Trigger
 from lightning_tpp.incidents.record import Incident, IncidentLog
 from lightning_tpp.incidents.snapshot import HostSnapshot, restore_snapshot, take_snapshot
 
@@ -50,7 +50,7 @@ class SpikeGuard(Callback):
         z_threshold: a spike is more than this many standard deviations above the window's mean...
         loss_ratio: ... and more than this many times its mean (the loss; ``None``: the loss is not watched).
         grad_norm_ratio: the same for the global gradient norm (over every tp, pp and dp shard; ``None``: not
-            watched). The defaults (6 sigma, 1.5x loss, 4x norm) do not fire on a healthy run's noise (see
+            watched). The defaults (6 sigma, 2x loss, 10x norm) do not fire on a healthy run's noise (see
             ``docs/incidents.md``); a non-finite value always fires.
         snapshot_every_n_steps: with ``"rollback"``, a host-memory snapshot of this rank's shards every so many
             optimizer steps (and at the start): a rollback goes back at most this far.
@@ -67,7 +67,7 @@ class SpikeGuard(Callback):
     """
 
     def __init__(self, *, action: Action = "skip", window: int = 100, warmup: int = 20, z_threshold: float = 6.0,
-                 loss_ratio: Optional[float] = 1.5, grad_norm_ratio: Optional[float] = 4.0,
+                 loss_ratio: Optional[float] = 2.0, grad_norm_ratio: Optional[float] = 10.0,
                  snapshot_every_n_steps: int = 50, rollback_lr_factor: float = 1.0, rollback_lr_steps: int = 0,
                  max_incidents: int = 3, incident_window: int = 1000) -> None:
         if action not in ("skip", "rollback"):
@@ -178,7 +178,13 @@ class SpikeGuard(Callback):
             return
         self._pending = Incident(trainer.global_step, "spike", self.action, _describe(values, triggers),
                                  _culprits(table, triggers))
-        self.budget.add(trainer.global_step, self._pending.describe())  # raises on every rank alike
+        try:
+            self.budget.add(trainer.global_step, self._pending.describe())  # raises on every rank alike
+        except TooManyIncidentsError:
+            stop, self._pending = self._pending, None
+            self.incident_log.add(Incident(stop.step, stop.kind, "stop", stop.values, stop.ranks,
+                                           "too many incidents: the run stops", stop.time), trainer.loggers)
+            raise
         for opt in trainer.optimizers:
             for group in opt.param_groups:
                 for p in group["params"]:
