@@ -232,3 +232,27 @@ def test_manual_optimization_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match=re.escape("SpikeGuard needs automatic optimization")):
         _fit(tmp_path, SpikeGuard(), Manual())
+
+
+def test_memory_planner_counts_the_snapshot() -> None:
+    """``estimate_memory(snapshot=True)``: each rank's host copy is its parameters + optimizer state, what a real
+    snapshot of the same model and optimizer holds (buffers aside, which the planner does not count)."""
+    from lightning_tpp import estimate_memory
+    from models import MODELS
+
+    torch.manual_seed(0)
+    model = MODELS["nanogpt4"]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randint(0, 16, (2, 8))).sum().backward()
+    opt.step()
+    real = take_snapshot(model, [opt], [], step=1, counters={})
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    plain = estimate_memory(model, tp=1, pp=1, batch_size=2, seq_len=8, optimizer="sgd-momentum")
+    kept = estimate_memory(model, tp=1, pp=1, batch_size=2, seq_len=8, optimizer="sgd-momentum", snapshot=True)
+    assert plain.ranks[0].snapshot == 0 and "SpikeGuard" not in str(plain)
+    assert kept.ranks[0].snapshot == real.nbytes - buffers
+    assert kept.ranks[0].total == plain.ranks[0].total  # host memory: not the device's
+    assert "host memory for SpikeGuard's snapshot" in str(kept)
+    cut = estimate_memory(model, tp=2, pp=2, batch_size=4, seq_len=8, optimizer="adamw", snapshot=True)
+    for r in cut.ranks:  # each rank copies only its own shards
+        assert r.snapshot == r.params + r.optimizer and r.snapshot < kept.ranks[0].snapshot
