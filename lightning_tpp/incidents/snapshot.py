@@ -78,10 +78,8 @@ def take_snapshot(module: nn.Module, optimizers: Sequence[Optimizer], schedulers
                                                  for k, v in s.items()})
         groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
         opts.append({"state": state, "groups": groups})
-    scheds = [copy.deepcopy(s.state_dict()) for s in schedulers]
-    if any(p.is_cuda for p in params):
-        torch.cuda.synchronize()
-    return HostSnapshot(step, params, buffers, opts, scheds, rng_state(), dict(counters))
+    scheds = [copy.deepcopy(s.state_dict()) for s in schedulers]  # the device copies may still be in flight: the
+    return HostSnapshot(step, params, buffers, opts, scheds, rng_state(), dict(counters))  # stream orders them
 
 
 def restore_snapshot(snapshot: HostSnapshot, module: nn.Module, optimizers: Sequence[Optimizer],

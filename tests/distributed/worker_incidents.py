@@ -1,6 +1,6 @@
 """Spikes planted at chosen batches, guarded by ``SpikeGuard``; or the clean reference that never saw them.
 
-    python worker_incidents.py OUT TP PP DP     # a rank of the guarded runs (TP=PP=DP=1 without launch: one process)
+    python worker_incidents.py OUT TP PP DP [SCENARIOS]   # a rank of the guarded runs (default: skip,rollback)
 
 Every replica reads every batch in order (no DistributedSampler), so a one-process run over the same list of
 batches is the reference. Two guarded runs per call:
@@ -10,7 +10,9 @@ batches is the reference. Two guarded runs per call:
     rollback  snapshots every 3 steps; batch 5's loss x1000 -> back to step 3, batches 3..5 skipped, lr x0.5 for 2
               steps; batch 10's gradients x1e6 on rank 1 -> back to step 6 (taken after batch 8), batches 9..10 skipped
 
-Both with SGD momentum and a LambdaLR schedule, so optimizer state, schedule and global_step must come back too.
+    accumulate  two batches per step; batch 6's loss x1000 drops the step of batches 6 and 7
+
+All with SGD momentum and a LambdaLR schedule, so optimizer state, schedule and global_step must come back too.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ SCENARIOS = {
                      guard=dict(action="rollback", snapshot_every_n_steps=3, rollback_lr_factor=0.5,
                                 rollback_lr_steps=2),
                      reference=[0, 1, 2, 6, 7, 8, 11], low_lr={3, 4, 6}),  # the reference's batches 3, 4, 6 are 6, 7, 11
+    # two batches per optimizer step: batch 6's loss x1000 drops the step of batches 6 and 7
+    "accumulate": dict(loss_at={6}, grad_at=set(), nan_at=set(), guard=dict(action="skip"), accumulate=2,
+                       reference=[b for b in range(BATCHES) if b not in (6, 7)], low_lr=set()),
 }
 FAULTY_RANK = 1
 
@@ -121,7 +126,8 @@ def run(out: Path, scenario: str, tp: int, pp: int, dp: int, *, reference: bool 
     trainer = L.Trainer(accelerator="cpu", devices=tp * pp * dp, strategy=strategy, max_epochs=1,
                         logger=CSVLogger(out, name=f"{scenario}{'-reference' if reference else ''}", version=0),
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, callbacks=callbacks, num_sanity_val_steps=0)
+                        use_distributed_sampler=False, callbacks=callbacks, num_sanity_val_steps=0,
+                        accumulate_grad_batches=spec.get("accumulate", 1))
     trainer.fit(module, loader)
     record = {"params": final.params, "global_step": trainer.global_step,
               "incidents": [(i.step, i.kind, i.action, i.ranks, i.detail) for i in guard.incidents] if guard else [],
@@ -132,5 +138,5 @@ def run(out: Path, scenario: str, tp: int, pp: int, dp: int, *, reference: bool 
 
 if __name__ == "__main__":
     out, tp, pp, dp = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    for name in SCENARIOS:
+    for name in (sys.argv[5] if len(sys.argv) > 5 else "skip,rollback").split(","):
         run(out, name, tp, pp, dp)
