@@ -89,11 +89,13 @@ class SpikeGuard(Callback):
         IncidentBudget(*self._budget_args)
         self.incident_log = IncidentLog()
         self.snapshot: Optional[HostSnapshot] = None
+        self._loaded: dict[str, Any] = {}  # a checkpoint's state, applied to every new run's detector
         self._reset_run()
 
     def _reset_run(self) -> None:
         self.detector = SpikeDetector(**self._detector_args)
         self.budget = IncidentBudget(*self._budget_args)
+        self._apply_loaded()
         self._loss: Optional[Tensor] = None
         self._nonfinite_skip = False
         self._pending: Optional[Incident] = None
@@ -103,6 +105,26 @@ class SpikeGuard(Callback):
         self._lowered: list[list[float]] = []
         self._hooks: list[Any] = []
         self._snapshot_batch = 0  # the first batch index read after the snapshot
+
+    # ------------------------------------------------------------------------------------------------------------
+    # checkpoints: the windows and the incident budget go on after a resume (plain values: ``weights_only`` loads)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"windows": {s: list(w.values) for s, w in self.detector.windows.items()},
+                "incidents": [[step, text] for step, text in self.budget.steps]}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = state_dict
+        self._apply_loaded()
+
+    def _apply_loaded(self) -> None:
+        for signal, values in self._loaded.get("windows", {}).items():
+            if signal in self.detector.windows:
+                self.detector.windows[signal].values.clear()
+                self.detector.windows[signal].values.extend(float(v) for v in values)
+        self.budget.steps = [(int(step), str(text)) for step, text in self._loaded.get("incidents", [])]
 
     @property
     def incidents(self) -> list[Incident]:

@@ -256,3 +256,19 @@ def test_memory_planner_counts_the_snapshot() -> None:
     cut = estimate_memory(model, tp=2, pp=2, batch_size=4, seq_len=8, optimizer="adamw", snapshot=True)
     for r in cut.ranks:  # each rank copies only its own shards
         assert r.snapshot == r.params + r.optimizer and r.snapshot < kept.ranks[0].snapshot
+
+
+def test_guard_state_survives_a_checkpoint(tmp_path: Path) -> None:
+    """The windows and the incident budget are plain values: saved in the checkpoint, loaded with weights_only."""
+    guard = SpikeGuard(warmup=2)
+    for v in (1.0, 1.1, 0.9):
+        guard.detector.check({"loss": v, "grad_norm": 2 * v})
+    guard.budget.add(2, "spike x")
+    torch.save(guard.state_dict(), tmp_path / "state.pt")
+    resumed = SpikeGuard(warmup=2)
+    resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    resumed._reset_run()  # a new fit: the checkpoint's windows are kept
+    assert list(resumed.detector.windows["loss"].values) == [1.0, 1.1, 0.9]
+    assert list(resumed.detector.windows["grad_norm"].values) == [2.0, 2.2, 1.8]
+    assert resumed.budget.steps == [(2, "spike x")]
+    assert resumed.detector.check({"loss": 10.0, "grad_norm": 2.0})[0].signal == "loss"
