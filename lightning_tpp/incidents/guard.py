@@ -90,6 +90,7 @@ class SpikeGuard(Callback):
         self.incident_log = IncidentLog()
         self.snapshot: Optional[HostSnapshot] = None
         self._loaded: dict[str, Any] = {}  # a checkpoint's state, applied to every new run's detector
+        self._hooks: list[Any] = []  # torch optimizer step hooks that lower the learning rate after a rollback
         self._reset_run()
 
     def _reset_run(self) -> None:
@@ -103,7 +104,6 @@ class SpikeGuard(Callback):
         self._kept_lrs: list[list[float]] = []  # ... and the optimizers' learning rates
         self._low_lr_left = 0
         self._lowered: list[list[float]] = []
-        self._hooks: list[Any] = []
         self._snapshot_batch = 0  # the first batch index read after the snapshot
 
     # ------------------------------------------------------------------------------------------------------------
@@ -138,8 +138,10 @@ class SpikeGuard(Callback):
         if not pl_module.automatic_optimization:
             raise ValueError("SpikeGuard needs automatic optimization (it drops or rolls back the step Lightning "
                              "runs); with manual optimization check the loss yourself before opt.step()")
+        self._remove_hooks()
         self._reset_run()
-        self.incident_log.open(trainer.log_dir, writer=trainer.global_rank == 0)  # log_dir: a broadcast, every rank calls it
+        log_dir = trainer.log_dir  # a broadcast: every rank asks
+        self.incident_log.open(log_dir, writer=trainer.global_rank == 0)
         for opt in trainer.optimizers:
             self._hooks += [opt.register_step_pre_hook(self._lower_lr), opt.register_step_post_hook(self._raise_lr)]
 
@@ -161,7 +163,7 @@ class SpikeGuard(Callback):
             found = re.search(r"on ranks \[([\d, ]*)\]", str(exception))
             ranks = [int(r) for r in found.group(1).split(",") if r.strip()] if found else []
             self.incident_log.add(Incident(trainer.global_step, "nonfinite", "raise", {"loss": math.nan}, ranks),
-                         trainer.loggers)
+                                  trainer.loggers)
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:

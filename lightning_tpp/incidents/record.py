@@ -34,7 +34,8 @@ class Incident:
 
     def describe(self) -> str:
         shown = ", ".join(f"{k}={v:.4g}" for k, v in self.values.items())
-        return f"{self.kind} ({shown}) on ranks {self.ranks} -> {self.action}{': ' + self.detail if self.detail else ''}"
+        detail = f": {self.detail}" if self.detail else ""
+        return f"{self.kind} ({shown}) on ranks {self.ranks} -> {self.action}{detail}"
 
 
 def _json_number(v: float) -> Any:

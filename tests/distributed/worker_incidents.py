@@ -36,7 +36,7 @@ SCENARIOS = {
     "rollback": dict(loss_at={5}, grad_at={10}, nan_at=set(),
                      guard=dict(action="rollback", snapshot_every_n_steps=3, rollback_lr_factor=0.5,
                                 rollback_lr_steps=2),
-                     reference=[0, 1, 2, 6, 7, 8, 11], low_lr={3, 4, 6}),  # the reference's batches 3, 4, 6 are 6, 7, 11
+                     reference=[0, 1, 2, 6, 7, 8, 11], low_lr={3, 4, 6}),  # its batches 3, 4, 6 are 6, 7, 11
     # two batches per optimizer step: batch 6's loss x1000 drops the step of batches 6 and 7
     "accumulate": dict(loss_at={6}, grad_at=set(), nan_at=set(), guard=dict(action="skip"), accumulate=2,
                        reference=[b for b in range(BATCHES) if b not in (6, 7)], low_lr=set()),
