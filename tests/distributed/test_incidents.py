@@ -57,6 +57,8 @@ def test_spikes_dropped_or_rolled_back_equal_the_clean_reference(tmp_path: Path,
         assert incidents[0][3] == list(range(world))  # the loss x1000: every rank's replica
         if len(incidents) > 1:
             assert incidents[1][3] == [FAULTY_RANK if world > 1 else 0]  # the gradient x1e6 on one rank: named
+        if scenario == "skip":  # the NaN loss: every replica had it, so every rank is named
+            assert incidents[2][3] == list(range(world))
         if scenario == "rollback":
             assert incidents[0][4].startswith("rolled back to step 3; batches 3..5 of this epoch skipped")
             assert incidents[1][4].startswith("rolled back to step 6; batches 9..10 of this epoch skipped")

@@ -272,3 +272,31 @@ def test_guard_state_survives_a_checkpoint(tmp_path: Path) -> None:
     assert list(resumed.detector.windows["grad_norm"].values) == [2.0, 2.2, 1.8]
     assert resumed.budget.steps == [(2, "spike x")]
     assert resumed.detector.check({"loss": 10.0, "grad_norm": 2.0})[0].signal == "loss"
+
+
+def test_snapshot_before_the_first_step_forgets_later_optimizer_state() -> None:
+    """The snapshot taken when training starts has no optimizer state yet: restoring it removes what came since."""
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = [p.detach().clone() for p in model.parameters()]
+    snap = take_snapshot(model, [opt], [], step=0, counters={})
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    assert len(opt.state) == 2
+    restore_snapshot(snap, model, [opt], [])
+    assert len(opt.state) == 0
+    for p, b in zip(model.parameters(), before):
+        torch.testing.assert_close(p.detach(), b, rtol=0, atol=0)
+
+
+def test_nonfinite_raise_is_recorded(tmp_path: Path) -> None:
+    """``on_nonfinite="raise"`` stops every rank with ``NonFiniteLossError``; the guard writes it down first."""
+    from lightning_tpp.reliability.nonfinite import NonFiniteLossError
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name="r", version=0))
+    guard = SpikeGuard()
+    guard.incident_log.open(str(tmp_path / "r"), writer=True)
+    error = NonFiniteLossError("non-finite loss at step 2 on ranks [1, 3] (on_nonfinite='raise'); pass ...")
+    guard.on_exception(trainer, LitLM("nanogpt4"), error)
+    line, = read_incidents(tmp_path / "r" / "incidents.jsonl")
+    assert (line["kind"], line["action"], line["ranks"]) == ("nonfinite", "raise", [1, 3])
