@@ -29,7 +29,6 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_tpp.core.dp_shard import local
-from lightning_tpp.core.grads import global_grad_norm
 from lightning_tpp.incidents.detector import IncidentBudget, SpikeDetector, TooManyIncidentsError, Trigger
 from lightning_tpp.incidents.record import Incident, IncidentLog
 from lightning_tpp.incidents.snapshot import HostSnapshot, restore_snapshot, take_snapshot
@@ -194,9 +193,11 @@ class SpikeGuard(Callback):
             return
         if loss is None:
             return
-        norm = _grad_norm(trainer, pl_module, optimizer)
-        table = _gather_world(torch.stack([loss.to(norm.device), _local_square(pl_module).to(norm.device)]))
-        values = {"loss": float(table[:, 0].mean()), "grad_norm": float(norm)}
+        norm = _grad_norm(trainer, optimizer)
+        device = norm.device if norm is not None else loss.device
+        table = _gather_world(torch.stack([loss.to(device), _local_square(pl_module).to(device)]))
+        values = {"loss": float(table[:, 0].mean()),  # every rank's: a rank holds its whole replica's loss
+                  "grad_norm": float(norm) if norm is not None else math.sqrt(float(table[:, 1].max()))}
         triggers = self.detector.check(values)
         if not triggers:
             return
@@ -285,15 +286,15 @@ class SpikeGuard(Callback):
             self._low_lr_left -= 1
 
 
-def _grad_norm(trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> Tensor:
-    """The strategy's global norm over every shard (``TensorPipeStrategy.global_grad_norm``); elsewhere the norm
-    of the gradients this process holds (one process, or replicas that hold whole, averaged gradients)."""
+def _grad_norm(trainer: "pl.Trainer", optimizer: Any) -> Optional[Tensor]:
+    """The strategy's global norm over every shard (``TensorPipeStrategy.global_grad_norm``), or None under another
+    strategy: then the largest of the ranks' own norms stands for it (the same number on every rank; the norm itself
+    in one process or with replicated, averaged gradients as DDP's; a lower bound of it where gradients are
+    sharded)."""
     measure = getattr(trainer.strategy, "global_grad_norm", None)
-    inner = getattr(optimizer, "optimizer", optimizer)
-    if measure is not None:
-        return measure(inner).float().reshape(())
-    params = [p for g in inner.param_groups for p in g["params"]]
-    return global_grad_norm(params, sharded=frozenset(), tp_rank=0, groups=[]).float().reshape(())
+    if measure is None:
+        return None
+    return measure(getattr(optimizer, "optimizer", optimizer)).float().reshape(())
 
 
 def _local_square(pl_module: "pl.LightningModule") -> Tensor:
