@@ -106,13 +106,15 @@ def restore_snapshot(snapshot: HostSnapshot, module: nn.Module, optimizers: Sequ
 
 def _restore_optimizer(opt: Optimizer, saved: dict[str, Any]) -> None:
     flat = [p for g in opt.param_groups for p in g["params"]]
-    for p, s in zip(flat, saved["state"]):
+    for i, (p, s) in enumerate(zip(flat, saved["state"])):
         if s is None:  # no state yet at the snapshot (e.g. before the first step)
             opt.state.pop(p, None)
             continue
         current = opt.state.get(p)
         if not current:
-            raise ValueError("an optimizer state present at the snapshot is gone; the optimizer was replaced")
+            raise ValueError(f"{type(opt).__name__}'s state of parameter {i} (shape {tuple(p.shape)}, keys "
+                             f"{sorted(s)} at the snapshot) is gone: the optimizer was replaced or its state "
+                             f"cleared since; keep one optimizer for the whole fit")
         for k, v in s.items():
             if isinstance(v, Tensor) and isinstance(current.get(k), Tensor):
                 _copy_back(current[k], v)

@@ -300,3 +300,16 @@ def test_nonfinite_raise_is_recorded(tmp_path: Path) -> None:
     guard.on_exception(trainer, LitLM("nanogpt4"), error)
     line, = read_incidents(tmp_path / "r" / "incidents.jsonl")
     assert (line["kind"], line["action"], line["ranks"]) == ("nonfinite", "raise", [1, 3])
+
+
+def test_snapshot_refuses_a_cleared_optimizer() -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(1, 2)).sum().backward()
+    opt.step()
+    snap = take_snapshot(model, [opt], [], step=1, counters={})
+    opt.state.clear()
+    with pytest.raises(ValueError, match=re.escape("SGD's state of parameter 0 (shape (2, 2), keys "
+                                                   "['momentum_buffer'] at the snapshot) is gone: the optimizer was "
+                                                   "replaced or its state cleared since")):
+        restore_snapshot(snap, model, [opt], [])
