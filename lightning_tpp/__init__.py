@@ -13,6 +13,7 @@ from lightning_tpp.checkpoint import (
     consolidate,
 )
 from lightning_tpp.core.mesh import MeshDims
+from lightning_tpp.incidents import SpikeGuard, TooManyIncidentsError
 from lightning_tpp.memory import MemoryReport, RankMemory, estimate_memory
 from lightning_tpp.parallel_state import ParallelState
 from lightning_tpp.pipeline import Schedule, register_schedule
@@ -38,10 +39,12 @@ __all__ = [
     "RankMemory",
     "Schedule",
     "SequenceParallelError",
+    "SpikeGuard",
     "TPPlan",
     "TensorParallelConfigError",
     "TensorParallelMismatchError",
     "TensorPipeStrategy",
+    "TooManyIncidentsError",
     "UnsafeCheckpointError",
     "WeightsMismatchError",
     "consolidate",

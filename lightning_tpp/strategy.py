@@ -248,6 +248,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         self._watch: Optional[FailureWatch] = None
         self._skip_backward = False
         self._skip_manual_steps = False  # a non-finite loss met manual_backward in this training_step
+        self.nonfinite_replicas: list[int] = []  # dp replicas of the last non-finite loss (SpikeGuard records them)
         self._restored_sharded = False
         self._checked_optimizers: set[int] = set()
         self._print_plan = print_plan
@@ -486,7 +487,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
     def _finite_everywhere(self, loss: Tensor) -> bool:
         step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
         return finite_everywhere(loss, dims=self.dims, rank=self.global_rank, dp_group=self._dp_group,
-                                 policy=self._on_nonfinite, step=step)
+                                 policy=self._on_nonfinite, step=step, found=self.nonfinite_replicas)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:

@@ -15,12 +15,13 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, TypeVar, Union
 
 from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.distributed import ProcessGroup
 from typing_extensions import override
 
 from lightning_tpp.core.comm import TPGroup
-from lightning_tpp.core.grads import clip_by_global_norm
+from lightning_tpp.core.grads import clip_by_global_norm, global_grad_norm
 from lightning_tpp.integration.subclass import Swappable, swap_in
 
 Clip = Callable[[Optimizer, Union[int, float]], None]
@@ -74,10 +75,22 @@ class GlobalNormClippingStrategy:
         self._precision_plugin = with_global_norm(precision_plugin, self._clip_grad_by_norm)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        assert self.lightning_module is not None
-        params = [p for p in self.precision_plugin.main_params(optimizer)]
-        elsewhere = {id(p) for p in self.parallel_state.counted_elsewhere(self.lightning_module)}
-        clip_by_global_norm([p for p in params if id(p) not in elsewhere], float(clip_val),
+        params, counted = self._norm_params(optimizer)
+        clip_by_global_norm(counted, float(clip_val),
                             sharded=self.parallel_state.shards, tp_rank=self._tp_group.rank,
                             groups=[self._tp_group.group, self._pp_group], apply_to=params,
                             dp_group=self._dp_group)
+
+    def _norm_params(self, optimizer: Optimizer) -> tuple[list[Tensor], list[Tensor]]:
+        """(every local parameter of ``optimizer``, those whose gradient this rank counts in the global norm)."""
+        assert self.lightning_module is not None
+        params = [p for p in self.precision_plugin.main_params(optimizer)]
+        elsewhere = {id(p) for p in self.parallel_state.counted_elsewhere(self.lightning_module)}
+        return params, [p for p in params if id(p) not in elsewhere]
+
+    def global_grad_norm(self, optimizer: Optimizer) -> Tensor:
+        """The 2-norm of the whole model's gradients, over every tp, pp and dp shard, as clipping measures it (the
+        same value on every rank; a collective: every rank calls it). ``SpikeGuard`` watches it."""
+        return global_grad_norm(self._norm_params(optimizer)[1], sharded=self.parallel_state.shards,
+                                tp_rank=self._tp_group.rank, groups=[self._tp_group.group, self._pp_group],
+                                dp_group=self._dp_group)

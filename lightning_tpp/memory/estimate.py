@@ -45,6 +45,7 @@ class RankMemory:
     recompute: int = 0  # of which: one block's activations while it recomputes (activation checkpointing)
     gathered: int = 0  # FSDP2's gathered parameters and unsharded gradients in flight (dp-sharded states)
     step: int = 0  # the optimizer step's temporary (torch's foreach Adam/AdamW: one tensor per parameter)
+    snapshot: int = 0  # host memory, not the device's: SpikeGuard(action="rollback")'s copy of params + optimizer
 
     @property
     def states(self) -> int:
@@ -85,6 +86,11 @@ class MemoryReport:
         per_param = torch.empty((), dtype=self.param_dtype).element_size() * (2 + OPTIMIZER_STATES[self.optimizer])
         return self.whole_params * per_param / self.dims.world_size
 
+    @property
+    def largest_snapshot(self) -> int:
+        """Host bytes of the largest rank's rollback snapshot (0 without ``snapshot=True``)."""
+        return max((r.snapshot for r in self.ranks), default=0)
+
     def fits(self, device_bytes: float) -> bool:
         return self.largest.total <= device_bytes
 
@@ -112,6 +118,9 @@ class MemoryReport:
                          "than its activations + gathered")
         lines.append(f"largest rank: {self.largest.total / scale:.2f} {unit} (pp rank {self.largest.pp_rank}); "
                      f"ideal share of params+grads+optimizer: {self.ideal_share() / scale:.2f} {unit}")
+        if self.largest_snapshot:
+            lines.append(f"host memory for SpikeGuard's snapshot (parameters + optimizer state, not on the device): "
+                         f"{self.largest_snapshot / scale:.2f} {unit} on the largest rank")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -124,7 +133,7 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
                     balance: Union[str, Sequence[int]] = "params", split_points: Optional[Sequence[str]] = None,
                     blocks: Optional[Union[str, Sequence[str]]] = None,
                     tp_plan: Union[str, Mapping[str, str]] = "auto",
-                    forward: Optional[ForwardFn] = None, ep: int = 1) -> MemoryReport:
+                    forward: Optional[ForwardFn] = None, ep: int = 1, snapshot: bool = False) -> MemoryReport:
     """Bytes per rank of training ``module`` with ``TensorPipeStrategy(tp, pp, dp, ...)``, without allocating.
 
     ``module`` is usually built on the meta device (``with torch.device("meta"): ...``); a module with real weights
@@ -135,7 +144,8 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     ``split_points``, ``blocks`` and ``tp_plan`` are the strategy's. ``backend`` is the process groups' ("nccl" on
     GPUs; "gloo" for CPU processes, where FSDP2 runs with ``core.dp_shard``'s CPU collectives). ``vocab_exchange``
     is the strategy's (vocabulary matrices computed over dp, ``core.dp_rows``, instead of gathered). See the module
-    docstring for the method."""
+    docstring for the method. ``snapshot``: a ``SpikeGuard(action="rollback")`` keeps a copy of each rank's
+    parameters and optimizer state in host memory (``RankMemory.snapshot``, not part of the device ``total``)."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not one of {tuple(OPTIMIZER_STATES)}")
     if backend not in ("nccl", "gloo"):
@@ -184,7 +194,7 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
                                  mb * seq_len if vocab_exchange else 0, dp) if dp_shard and dp > 1 else 0
             step = params if optimizer in ("adam", "adamw") else 0
             options.append(RankMemory(r, 0, stages, count, params, grads, optim, held + extra, in_flight,
-                                      held - held_saved, extra, gathered, step))
+                                      held - held_saved, extra, gathered, step, params + optim if snapshot else 0))
         most = max(options, key=lambda o: o.total)
         report.ranks += [dataclasses.replace(most, tp_rank=t) for t in range(tp)]
     return report

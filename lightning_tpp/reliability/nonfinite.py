@@ -20,10 +20,11 @@ class NonFiniteLossError(FloatingPointError):
 
 
 def finite_everywhere(loss: Tensor, *, dims: MeshDims, rank: int, dp_group: Optional[dist.ProcessGroup],
-                      policy: Policy, step: int) -> bool:
+                      policy: Policy, step: int, found: Optional[list[int]] = None) -> bool:
     """True to go on with the step. The ranks of one replica hold the same loss (tp computes it replicated, pp
     broadcasts it): only the other replicas are asked, and nobody when there are none (no synchronisation point
-    added to the step)."""
+    added to the step). ``found`` (cleared, then filled) gets the dp replicas whose loss was not finite, for the
+    incident record."""
     bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0], device=loss.device)
     coords = dims.coords(rank)
     replicas = [dims.rank_of(dp=d, pp=coords["pp"], tp=coords["tp"]) for d in range(dims.dp)]
@@ -32,6 +33,8 @@ def finite_everywhere(loss: Tensor, *, dims: MeshDims, rank: int, dp_group: Opti
         flags = [torch.zeros_like(bad) for _ in replicas]
         dist.all_gather(flags, bad, group=dp_group)
     ranks = [r for r, f in zip(replicas, flags) if f.item()]
+    if found is not None:
+        found[:] = [d for d, f in enumerate(flags) if f.item()]
     if not ranks:
         return True
     message = f"non-finite loss at step {step} on ranks {ranks} (on_nonfinite={policy!r})"

@@ -3,8 +3,8 @@ the peer subpackages never import each other. Documented in docs/architecture.md
 
     6  lightning_tpp/__init__.py, __main__.py        the public names, the command line
     5  strategy.py                                   Lightning glue: orders the steps
-    4  integration/, memory/                         Lightning extension points (checkpoint hooks, precision, summary,
-                                                     launcher); the memory planner
+    4  integration/, memory/, incidents/             Lightning extension points (checkpoint hooks, precision, summary,
+                                                     launcher); the memory planner; the spike guard (a callback)
     3  parallel_state.py                             ParallelState: what was decided for one model
     2  tensor_parallel/  pipeline/  experts/  checkpoint/  reliability/     peers: none imports another
     1  core/                                         mesh, shards, collectives, parameter names, class swaps,
@@ -21,7 +21,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_tpp"
 LAYERS = {"_compat": 0, "core": 1, "tensor_parallel": 2, "pipeline": 2, "experts": 2, "checkpoint": 2, "reliability": 2,
-          "parallel_state": 3, "memory": 4, "integration": 4, "strategy": 5, "__init__": 6, "__main__": 6}
+          "parallel_state": 3, "memory": 4, "integration": 4, "incidents": 4, "strategy": 5, "__init__": 6, "__main__": 6}
 
 
 def _unit(module: str) -> str:
