@@ -1,6 +1,7 @@
 """Mixture-of-experts benchmark (not a test): a Mixtral-style LM (transformers 5, 8 experts, top-2) trained a few
 steps in 4 CPU processes, side by side: experts kept whole on every rank, expert tensor parallelism (tp=4), expert
-parallelism (ep=4 over dp=4, and ep=2 over the tp pairs of dp=2 x tp=2).
+parallelism (ep=4 over dp=4, its dense parameters FSDP2-sharded over dp or replicated, and ep=2 over the tp pairs of
+dp=2 x tp=2).
 
     python benchmarks/moe.py              # about 4 minutes on 2 cores
     python benchmarks/moe.py --steps 12
@@ -32,6 +33,7 @@ from pipeline import _launch as launch  # the benchmarks' one way to start ranks
 LAYOUTS = {"experts replicated (tp=4)": {"tp": 4, "tp_plan": {"model.model.layers.*.mlp.experts": "replicate"}},
            "expert-TP (tp=4)": {"tp": 4},
            "EP (ep=4, dp=4)": {"ep": 4},
+           "EP (ep=4, dp=4, dense no_shard)": {"ep": 4, "dp_sharding": "no_shard"},
            "EP (ep=2 x tp=2, dp=2)": {"tp": 2, "ep": 2}}
 VOCAB, SEQ, BATCH, HIDDEN, LAYERS, TOP_K = 1024, 128, 8, 256, 4, 2
 
@@ -107,11 +109,11 @@ def main() -> None:
         step = statistics.median(max(r["times"][s] for r in ranks) for s in range(2, args.steps))
         rows[name] = (ranks[0]["experts"], ranks[0]["params"], step, ranks[0]["sent"], ranks[0]["analytic"])
     base, tp = rows["experts replicated (tp=4)"][2], rows["expert-TP (tp=4)"][2]
-    print(f"{'layout':26} {'experts/rank':>12} {'params/rank':>11} {'step (s)':>8} {'/ repl.':>7} {'/ ETP':>6} "
+    print(f"{'layout':32} {'experts/rank':>12} {'params/rank':>11} {'step (s)':>8} {'/ repl.':>7} {'/ ETP':>6} "
           f"{'a2a MB/step':>11} {'/ analytic':>10}")
     for name, (experts, params, step, sent, analytic) in rows.items():
         traffic = f"{sent / 1e6:11.2f} {sent / analytic:10.2f}" if analytic else f"{'-':>11} {'-':>10}"
-        print(f"{name:26} {experts:12.3f} {params:11.3f} {step:8.3f} {step / base:7.2f} {step / tp:6.2f} {traffic}")
+        print(f"{name:32} {experts:12.3f} {params:11.3f} {step:8.3f} {step / base:7.2f} {step / tp:6.2f} {traffic}")
 
 
 if __name__ == "__main__":
