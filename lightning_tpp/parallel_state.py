@@ -78,6 +78,7 @@ class ParallelState:
     dp: Optional[DPShards] = None  # what FSDP2 sharded over dp (None: replicated)
     sequence: list[ElementState] = field(default_factory=list)  # blocks run on sequence shards (sequence_parallel)
     config: dict[str, str] = field(default_factory=dict)
+    layout: Optional[Any] = None  # layout="auto": the chosen lightning_tpp.layout.Layout
 
     def attach(self, module: nn.Module) -> None:
         module.__dict__[_SLOT] = self

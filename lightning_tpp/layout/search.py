@@ -72,7 +72,7 @@ class Ranking:
         """Why the winner won: against the runner-up and the naive layout, by part."""
         best = self.best
         lines = [f"chosen {best.layout.describe()}: {best.time.per_sample * 1e3:.3f} ms/sample predicted, "
-                 f"{best.memory.total / GiB:.2f} GiB on its largest rank"]
+                 f"{size(best.memory.total)} on its largest rank"]
         if len(self.ranked) > 1:
             other = self.ranked[1]
             lines.append(f"runner-up {other.layout.describe()}: {other.time.per_sample / best.time.per_sample:.3f}x "
@@ -80,17 +80,17 @@ class Ranking:
         return "; ".join(lines)
 
     def table(self, top: int = 10) -> str:
-        budget = f"{self.device_memory / GiB:.1f} GiB" if self.device_memory else "no memory limit"
+        budget = size(self.device_memory) if self.device_memory else "no memory limit"
         batch = f"{self.batch} sequences per process" + (f", {self.global_batch} per optimizer step"
                                                           if self.global_batch else "")
         head = (f"Layouts of {self.world} devices ({batch}; {budget}): {len(self.ranked)} fit, "
                 f"{len(self.dropped)} dropped")
-        rows = [head, f"{'#':>3} {'layout':<52} {'ms/sample':>10} {'step s':>9} {'bubble':>7} {'GiB':>7} "
+        rows = [head, f"{'#':>3} {'layout':<52} {'ms/sample':>10} {'step s':>9} {'bubble':>7} {'memory':>10} "
                       f"{'samples':>8}"]
         for i, c in enumerate(self.ranked[:top]):
             t = c.time
             rows.append(f"{i + 1:>3} {c.layout.describe():<52} {t.per_sample * 1e3:10.3f} {t.total:9.3f} "
-                        f"{t.bubble / t.total if t.total else 0:7.1%} {c.memory.total / GiB:7.2f} {t.samples:>8}")
+                        f"{t.bubble / t.total if t.total else 0:7.1%} {size(c.memory.total):>10} {t.samples:>8}")
         reasons: dict[str, int] = {}
         for d in self.dropped:
             key = d.reason.split(":")[0]
@@ -98,6 +98,14 @@ class Ranking:
         rows += [f"dropped: {n} x {r}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
         rows += [f"note: {n}" for n in self.notes]
         return "\n".join(rows)
+
+
+def size(nbytes: float) -> str:
+    """``1.50 GiB``, ``12.0 MiB`` or ``300 KiB``: bytes in the unit that shows them."""
+    for unit, scale in (("GiB", GiB), ("MiB", 1024 ** 2)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{nbytes / 1024:.0f} KiB"
 
 
 def _parts(t: StepTime) -> str:
@@ -168,9 +176,9 @@ def search_layouts(profile: ModelProfile, *, world: int, device: DeviceSpec, tim
             layout = Layout(**{**layout.__dict__, "accumulate": global_batch // (layout.dp * batch)})
         memory = layout_memory(profile, layout, batch=batch, optimizer=optimizer, backend=backend)
         if device_memory is not None and memory.total * (1 + margin) > device_memory:
-            ranking.dropped.append(Dropped(layout, f"memory: needs {memory.total / GiB:.2f} GiB (+{margin:.0%}) on "
+            ranking.dropped.append(Dropped(layout, f"memory: needs {size(memory.total)} (+{margin:.0%}) on "
                                                    f"pp rank {memory.pp_rank}, the device has "
-                                                   f"{device_memory / GiB:.2f} GiB"))
+                                                   f"{size(device_memory)}"))
             continue
         time = step_time(profile, layout, device, times, batch=batch, optimizer_states=states)
         ranking.ranked.append(Candidate(layout, time, memory))
