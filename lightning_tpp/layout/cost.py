@@ -15,7 +15,8 @@ What it adds up (per pipeline rank; a step is ``accumulate`` pipeline runs of ``
     optimizer             the rank's parameters and states read and written once, at memory bandwidth
 
 Assumptions: tp all-reduces and pipeline sends are not overlapped with compute (Megatron's defaults, and gloo's);
-FSDP2's and dp's collectives overlap by ``DeviceSpec.overlap`` (0 for gloo, which runs on the compute cores);
+FSDP2's and dp's collectives overlap by ``DeviceSpec.overlap`` (0 for gloo, which runs on the compute cores) of
+what they share with compute (``overlap x min(communication, compute)`` is hidden);
 compute of a micro-batch is linear in its sequences above the measured sizes; a tp rank computes 1/tp of what the
 plan cuts at the measured rate (no loss of efficiency from smaller matmuls: an optimistic bias for large tp).
 """
@@ -126,19 +127,24 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
         per_rank.append((f + send, bwd + send))
         stage_params.append(params * profile.dtype_bytes)
     run, busy = _pipeline(layout.schedule, pp, m, tuple(per_rank))
-    exposed = 1.0 - device.overlap
+    compute = max(m * (f + b) for f, b in per_rank) * layout.accumulate  # what FSDP2/dp traffic can hide behind
     largest = max(stage_params)
     fsdp = dp = 0.0
     if layout.sharded:
         gathers = 2 if layout.dp_sharding == "full_shard" else 1
         per_mb = (gathers + 1) * dp_link.gather(largest, layout.dp)  # all-gathers + the reduce-scatter
-        fsdp = exposed * per_mb * m * layout.accumulate
+        fsdp = _exposed(per_mb * m * layout.accumulate, compute, device.overlap)
     elif layout.dp > 1:
-        dp = exposed * dp_link.all_reduce(largest, layout.dp)
+        dp = _exposed(dp_link.all_reduce(largest, layout.dp), compute, device.overlap)
     shard = layout.dp if layout.sharded else 1
     optimizer = largest / shard * (3 + 2 * optimizer_states) / device.memory_bandwidth
     samples = batch * layout.dp * layout.accumulate
     return StepTime(run * layout.accumulate, (run - busy) * layout.accumulate, fsdp, dp, optimizer, samples)
+
+
+def _exposed(comm: float, compute: float, overlap: float) -> float:
+    """What of ``comm`` seconds is not hidden: ``overlap`` of it at most, and no more than the compute beside it."""
+    return comm - overlap * min(comm, compute)
 
 
 def _pipeline(schedule: str, pp: int, m: int, per_rank: tuple[tuple[float, float], ...]) -> tuple[float, float]:
