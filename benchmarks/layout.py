@@ -46,7 +46,7 @@ def build(name: str):
             num_key_value_heads=2, max_position_embeddings=SEQ))
     return transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=1024, d_model=128, d_ff=512, d_kv=32, num_heads=4, num_layers=2, num_decoder_layers=2,
-        dropout_rate=0.0))
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
 
 
 def lit(name: str):

@@ -76,7 +76,7 @@ class Ranking:
         if len(self.ranked) > 1:
             other = self.ranked[1]
             lines.append(f"runner-up {other.layout.describe()}: {other.time.per_sample / best.time.per_sample:.3f}x "
-                         f"slower ({_parts(other.time)} vs {_parts(best.time)})")
+                         f"slower per sample (its step: {_parts(other.time)}; the chosen's: {_parts(best.time)})")
         return "; ".join(lines)
 
     def table(self, top: int = 10) -> str:

@@ -174,3 +174,16 @@ def test_70b_on_1024_devices_on_paper_in_seconds_allocating_nothing() -> None:
     best = ranking.best
     assert best.memory.total * 1.1 <= 80e9 and len(ranking.ranked) > 10
     assert any(d.reason.startswith("memory") for d in ranking.dropped)  # tp=1 pp=1 cannot hold 70B
+
+
+def test_plan_auto_prints_the_ranked_table(tmp_path, capsys) -> None:
+    from lightning_tpp.__main__ import main
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                                   num_key_value_heads=4, vocab_size=1024)
+    (tmp_path / "config.json").write_text(cfg.to_json_string())
+    assert main(["plan", str(tmp_path / "config.json"), "--auto", "--devices", "16", "--devices-per-node", "8",
+                 "--device-memory", "80GB", "--device", "h100", "--batch-size", "4", "--seq-len", "128",
+                 "--dtype", "bfloat16", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "Layouts of 16 devices (4 sequences per process; 74.51 GiB)" in out and "chosen tp=" in out
+    assert " 1 tp=" in out and " 4 tp=" not in out  # --top 3
