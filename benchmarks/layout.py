@@ -30,6 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, BATCH = 64, 8
 MODELS = ("gpt_head", "llama_gqa", "t5")
+# T5 at tp=4 (one head per rank) fails the strategy's own check of its attention (the relative position bias of
+# all heads added to one head's scores): a strategy limitation, reported; its layouts stop at tp=2 here
+MAX_TP = {"t5": 2}
 
 
 def build(name: str):
@@ -95,7 +98,8 @@ def role_measure(args: argparse.Namespace) -> None:
         shardings = ("full_shard",) if args.quick else ("full_shard", "no_shard")
         ranking = search_layouts(profile, world=world, device=spec, times=times, batch=BATCH, backend="gloo",
                                  activation_checkpointing=False, shardings=shardings)
-        runs = [c for c in ranking.ranked if c.layout.schedule == "1f1b" and c.layout.microbatches in (1, BATCH)]
+        runs = [c for c in ranking.ranked if c.layout.schedule == "1f1b" and c.layout.microbatches in (1, BATCH)
+                and c.layout.tp <= MAX_TP.get(args.model, 8)]
         rows = [[(c.layout.__dict__, c.time.per_sample, i == 0) for i, c in enumerate(runs)]]
     dist.broadcast_object_list(rows, src=0)  # the process group stays: every Trainer below joins it
     g = torch.Generator().manual_seed(0)

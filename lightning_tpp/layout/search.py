@@ -16,7 +16,7 @@ every layout runs the same samples per optimizer step, gradient accumulation mak
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from lightning_tpp.layout.cost import BlockTimes, StepTime, step_time
@@ -173,7 +173,7 @@ def search_layouts(profile: ModelProfile, *, world: int, device: DeviceSpec, tim
                 ranking.dropped.append(Dropped(layout, f"global batch: {global_batch} is not a multiple of dp x "
                                                        f"batch = {layout.dp} x {batch}"))
                 continue
-            layout = Layout(**{**layout.__dict__, "accumulate": global_batch // (layout.dp * batch)})
+            layout = replace(layout, accumulate=global_batch // (layout.dp * batch))
         memory = layout_memory(profile, layout, batch=batch, optimizer=optimizer, backend=backend)
         if device_memory is not None and memory.total * (1 + margin) > device_memory:
             ranking.dropped.append(Dropped(layout, f"memory: needs {size(memory.total)} (+{margin:.0%}) on "
