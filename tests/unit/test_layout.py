@@ -187,3 +187,21 @@ def test_plan_auto_prints_the_ranked_table(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "Layouts of 16 devices (4 sequences per process; 74.51 GiB)" in out and "chosen tp=" in out
     assert " 1 tp=" in out and " 4 tp=" not in out  # --top 3
+
+
+def test_one_process_layout_auto_records_the_choice_and_sets_accumulation() -> None:
+    """``global_batch`` fixes the samples per optimizer step: with one process reading 4, accumulation is 2."""
+    import lightning as L
+
+    from lightning_tpp import TensorPipeStrategy
+    from models import LitLM, token_dataset
+
+    module = LitLM("llama")
+    module.example_input_array = torch.zeros(4, SEQ, dtype=torch.long)
+    strategy = TensorPipeStrategy(layout="auto", global_batch=8, print_plan=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(token_dataset(16), batch_size=4))
+    chosen = trainer.strategy.parallel_state.layout
+    assert (chosen.tp, chosen.pp, chosen.dp, chosen.accumulate) == (1, 1, 1, 2)
+    assert trainer.accumulate_grad_batches == 2 and trainer.global_step == 1 and strategy.layout_ranking is not None
