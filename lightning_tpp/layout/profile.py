@@ -97,8 +97,22 @@ def profile_model(module: nn.Module, *, seq_len: int, dtype: torch.dtype = torch
     ``forward(model, ids)`` as in ``estimate_memory``; ``max_tp`` bounds the tensor-parallel sizes checked."""
     containers = (blocks,) if isinstance(blocks, str) else tuple(blocks) if blocks is not None else \
         find_block_sequences(module)
-    with _truncated(module, containers, KEEP) as lengths:
-        copy = meta_copy(module, dtype)
+    shortened: dict[str, int] = {}
+    try:
+        with _truncated(module, containers, KEEP) as lengths:
+            shortened = dict(lengths)
+            copy = meta_copy(module, dtype)
+        return _profile(module, copy, shortened, seq_len, dtype, forward, blocks, tp_plan, max_tp)
+    except (IndexError, KeyError, RuntimeError, ValueError):
+        if not shortened:
+            raise
+    # a forward that counts its blocks (``for i in range(n_layers)``) fails on the shortened copy: the whole one
+    return _profile(module, meta_copy(module, dtype), {}, seq_len, dtype, forward, blocks, tp_plan, max_tp)
+
+
+def _profile(module: nn.Module, copy: nn.Module, lengths: Mapping[str, int], seq_len: int, dtype: torch.dtype,
+             forward: Optional[ForwardFn], blocks: Any, tp_plan: Any, max_tp: int) -> ModelProfile:
+    """The figures of ``copy`` (``module`` on meta, its stacks shortened to the first blocks: ``lengths``)."""
     n = len(plan_partition(copy, 1, blocks=blocks).members)
     partition = plan_partition(copy, n, blocks=blocks)  # a stage per block: the planner's per-stage bytes per block
     flops, flops_total = _flops(copy, partition.names, seq_len, forward)
@@ -116,9 +130,9 @@ def profile_model(module: nn.Module, *, seq_len: int, dtype: torch.dtype = torch
     for i, names in enumerate(partition.members):
         red = sum(1 for m, s in styles.items() if s in REDUCING and any(_inside(m, b) for b in names))
         container = next((c for c in partition.blocks if _inside(names[0], c)), names[0])
-        block_list.append(BlockProfile(names[0], container, Scaled.fit(params1[i], params2[i]), Scaled.fit(full1[i], full2[i]),
-                                       Scaled.fit(kept1[i], kept2[i]), Scaled(flops[i], flops[i] if red else 0.0),
-                                       red))
+        block_list.append(BlockProfile(names[0], container, Scaled.fit(params1[i], params2[i]),
+                                       Scaled.fit(full1[i], full2[i]), Scaled.fit(kept1[i], kept2[i]),
+                                       Scaled(flops[i], flops[i] if red else 0.0), red))
     block_list = _expand(block_list, partition.blocks, lengths)
     ends = set(partition.pre) | set(partition.post)
     vocab = sum(1 for m, s in styles.items() if s in ("vocab", "colwise_gather") and m in ends)
@@ -146,8 +160,11 @@ def _truncated(module: nn.Module, containers: Sequence[str], keep: int) -> Itera
         stack = getattr(parent, attr, None) if parent is not None else None
         if not isinstance(stack, (nn.ModuleList, nn.Sequential)) or len(stack) <= keep or not _alike(stack):
             continue
-        short = type(stack)(*list(stack)[:keep]) if isinstance(stack, nn.Sequential) else \
-            nn.ModuleList(list(stack)[:keep])
+        try:
+            short = type(stack)(*list(stack)[:keep]) if isinstance(stack, nn.Sequential) else \
+                nn.ModuleList(list(stack)[:keep])
+        except TypeError:  # a Sequential subclass built another way: measured whole
+            continue
         undo.append((parent, attr, stack))
         parent._modules[attr] = short
         lengths[name] = len(stack)

@@ -205,3 +205,30 @@ def test_one_process_layout_auto_records_the_choice_and_sets_accumulation() -> N
     chosen = trainer.strategy.parallel_state.layout
     assert (chosen.tp, chosen.pp, chosen.dp, chosen.accumulate) == (1, 1, 1, 2)
     assert trainer.accumulate_grad_batches == 2 and trainer.global_step == 1 and strategy.layout_ranking is not None
+
+
+class _CountingLM(torch.nn.Module):
+    """Indexes its blocks by a count it keeps (``range(self.n)``): a shortened copy cannot run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TinyLlama(n_layers=5)
+        self.n = 5
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        m = self.inner
+        t = torch.arange(ids.shape[1], dtype=torch.float32, device=ids.device)
+        inv = 1.0 / (10000 ** (torch.arange(0, m.head_dim, 2, device=ids.device).float() / m.head_dim))
+        freqs = torch.outer(t, inv)
+        cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+        h = m.tok_embeddings(ids)
+        for i in range(self.n):
+            h = m.layers[i](h, cos, sin)
+        return m.output(m.norm(h))
+
+
+def test_a_forward_that_counts_its_blocks_is_profiled_whole() -> None:
+    model = _CountingLM()
+    profile = profile_model(model, seq_len=SEQ)
+    assert profile.n_blocks == 5 and profile.whole_params == sum(p.numel() for p in model.parameters())
+    assert len(model.inner.layers) == 5  # the user's model is put back as it was
