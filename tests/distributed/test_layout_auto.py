@@ -1,6 +1,7 @@
 """``TensorPipeStrategy(layout="auto")`` at 4 processes: it trains at parity with one process whatever it chose,
 and with ``device_memory`` below what the naive layout (pp only, nothing sharded) needs, the choice fits the budget
-(the memory planner's full estimate of the chosen layout, not only the search's arithmetic)."""
+(the memory planner's full estimate of the chosen layout, not only the search's arithmetic, and the tensor bytes
+each rank measured at its peak: parameters, gradients, optimizer state and the activations saved for backward)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ def test_layout_auto_trains_at_parity_and_fits_a_budget_the_naive_layout_does_no
     infos = [json.loads((tmp_path / f"layout.rank{r}.json").read_text()) for r in range(4)]
     assert all(i["layout"] == infos[0]["layout"] for i in infos), f"ranks chose differently: {infos}"
     chosen = Layout(**infos[0]["layout"])
-    print(f"chose {chosen.describe()} under a budget of {budget:.0f} bytes (naive: {naive:.0f})")
     assert infos[0]["dims"] == [chosen.dp, chosen.pp, chosen.tp]
     assert any("memory" in r for r in infos[0]["dropped"]), "the budget dropped nothing: it tests nothing"
     assert infos[0]["memory"] * 1.1 <= budget
@@ -43,6 +43,11 @@ def test_layout_auto_trains_at_parity_and_fits_a_budget_the_naive_layout_does_no
                            activation_checkpointing=chosen.activation_checkpointing, dp_shard=chosen.sharded)
     assert full.largest.total <= budget / 1.1 * 1.15, (  # the search's arithmetic within 15% of the planner's
         f"{chosen.describe()}: the planner finds {full.largest.total} bytes, the budget is {budget}")
+    peaks = [i["measured_peak"] for i in infos]
+    print(f"chose {chosen.describe()} under a budget of {budget:.0f} bytes (naive layout: {naive:.0f}); "
+          f"planned {infos[0]['memory']:.0f}, measured per rank {peaks}")
+    assert all(0 < p <= budget for p in peaks), (  # measured: parameters, gradients, states, saved activations
+        f"{chosen.describe()}: ranks hold {peaks} tensor bytes at their peak, the budget is {budget:.0f}")
     ref = train("llama4", dp=chosen.dp, steps=3, batch_size=BATCH)
     for d in range(chosen.dp):
         for t in range(chosen.tp):
