@@ -17,7 +17,7 @@ from lightning_tpp.layout.links import DeviceSpec, Link
 from lightning_tpp.layout.memory import in_flight
 from lightning_tpp.layout.search import enumerate_layouts
 from lightning_tpp.layout.strategy import AutoLayoutError, auto_request, batch_shape
-from models import MODELS, SEQ, TinyLlama
+from models import SEQ, TinyLlama
 
 CPU = DeviceSpec("test", flops=1e12, efficiency=0.5, memory=1e12, memory_bandwidth=1e10, intra=Link(1e9, 1e-5),
                  inter=Link(1e8, 1e-4), devices_per_node=4)
