@@ -72,7 +72,8 @@ class Ranking:
         """Why the winner won: against the runner-up and the naive layout, by part."""
         best = self.best
         lines = [f"chosen {best.layout.describe()}: {best.time.per_sample * 1e3:.3f} ms/sample predicted, "
-                 f"{size(best.memory.total)} on its largest rank"]
+                 f"{size(best.memory.total)} on its largest rank, a global batch of {best.time.samples} samples per "
+                 f"optimizer step"]
         if len(self.ranked) > 1:
             other = self.ranked[1]
             lines.append(f"runner-up {other.layout.describe()}: {other.time.per_sample / best.time.per_sample:.3f}x "

@@ -102,7 +102,10 @@ def test_search_drops_what_does_not_fit_and_ranks_the_rest(llama4) -> None:
     assert all(c.memory.total * 1.1 <= 0.8 * naive for c in ranking.ranked)
     assert all("memory: needs" in d.reason for d in ranking.dropped)
     assert [c.time.per_sample for c in ranking.ranked[1:]] == sorted(c.time.per_sample for c in ranking.ranked[1:])
-    assert "Layouts of 4 devices" in ranking.table() and "chosen" in ranking.why()
+    best = ranking.best
+    assert best.time.samples == 4 * best.layout.dp  # each dp replica reads its own per-process batch
+    assert "Layouts of 4 devices" in ranking.table()
+    assert f"a global batch of {best.time.samples} samples per optimizer step" in ranking.why()
 
 
 def test_partial_choices_and_global_batch(llama4) -> None:
