@@ -92,9 +92,19 @@ def _init_args(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def plan(args: argparse.Namespace) -> MemoryReport:
-    """Print the partition, the memory per rank and what fits a device of ``--device-memory``."""
+def plan(args: argparse.Namespace) -> Optional[MemoryReport]:
+    """Print the partition, the memory per rank and what fits a device of ``--device-memory``; with ``--auto``,
+    every layout of ``--devices`` ranked (``lightning_tpp.layout``)."""
     model = build_on_meta(args.model, _init_args(args))
+    if args.auto:
+        from lightning_tpp.layout.paper import rank_on_paper
+        ranking = rank_on_paper(model, devices=args.devices, devices_per_node=args.devices_per_node,
+                                device=args.device, batch=args.batch_size, seq_len=args.seq_len,
+                                device_memory=parse_bytes(args.device_memory), global_batch=args.global_batch,
+                                dtype=getattr(torch, args.dtype), optimizer=args.optimizer)
+        print(ranking.table(top=args.top))
+        print(ranking.why())
+        return None
     kwargs = dict(tp=args.tp, pp=args.pp, dp=args.dp, microbatches=args.microbatches, batch_size=args.batch_size,
                   seq_len=args.seq_len, schedule=args.schedule, virtual_stages=args.virtual_stages,
                   optimizer=args.optimizer, param_dtype=getattr(torch, args.dtype), dp_shard=args.dp_shard,
@@ -177,6 +187,14 @@ def _plan_parser(sub: Any) -> None:
     p.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
                    help="the process groups' backend: nccl (GPUs, the default) or gloo (CPU processes)")
     p.add_argument("--device-memory", default="80GB", help="e.g. 80GB (10^9 bytes) or 80GiB (2^30 bytes)")
+    a = p.add_argument_group("--auto: every layout ranked by predicted time per sample (docs/layout.md); "
+                             "--batch-size is then per process, as a loader's")
+    a.add_argument("--auto", action="store_true")
+    a.add_argument("--devices", type=int, default=8, help="devices in all")
+    a.add_argument("--devices-per-node", type=int, default=8)
+    a.add_argument("--device", default="h100", help="h100, h200 or a100 (lightning_tpp.layout.DEVICES)")
+    a.add_argument("--global-batch", type=int, default=None, help="samples per optimizer step, kept fixed")
+    a.add_argument("--top", type=int, default=10, help="rows of the ranked table")
 
 
 if __name__ == "__main__":

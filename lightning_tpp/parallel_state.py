@@ -81,6 +81,7 @@ class ParallelState:
     sequence: list[ElementState] = field(default_factory=list)  # blocks run on sequence shards (sequence_parallel)
     experts: list[MoELayer] = field(default_factory=list)  # the mixture-of-experts layers of this rank
     config: dict[str, str] = field(default_factory=dict)
+    layout: Optional[Any] = None  # layout="auto": the chosen lightning_tpp.layout.Layout
 
     def attach(self, module: nn.Module) -> None:
         module.__dict__[_SLOT] = self

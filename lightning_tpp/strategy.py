@@ -53,6 +53,7 @@ from lightning_tpp.integration.precision import GlobalNormClippingStrategy
 from lightning_tpp.integration.summary import count_whole_model
 from lightning_tpp.integration.sync_batchnorm import sync_batchnorm_over_dp
 from lightning_tpp.integration.topology import MeshTopology
+from lightning_tpp.layout.strategy import AutoLayout, auto_request
 from lightning_tpp.parallel_state import (Materialization, ParallelConfig, ParallelState, ProcessGroups, build_state,
                                          shard_state_over_dp)
 from lightning_tpp.pipeline.engine import PipelineEngine
@@ -71,13 +72,24 @@ from lightning_tpp.reliability.watch import FailureWatch, SignalReport, rank_rep
 from lightning_tpp.tensor_parallel.plan import TPPlan
 
 
-class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrategy, ReplicaCollectives,
+class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormClippingStrategy, ReplicaCollectives,
                          MeshTopology, ParallelStrategy):
     """Tensor (``tp``), pipeline (``pp``) and data (``dp``) parallelism for an unmodified LightningModule.
 
     Args:
-        tp: tensor-parallel size (ranks that split each layer; keep it within a node).
-        pp: pipeline-parallel size (stages).
+        tp: tensor-parallel size (ranks that split each layer; keep it within a node), or ``"auto"`` (searched
+            with dp, micro-batches and schedule; pp, activation checkpointing and dp sharding as given).
+        pp: pipeline-parallel size (stages), or ``"auto"`` (as ``tp="auto"``).
+        layout: ``"auto"``: choose tp, pp, dp, micro-batches, schedule, activation checkpointing and dp sharding at
+            setup from a cost model of one step and the memory planner (``docs/layout.md``): one block of each kind
+            timed on this device on the batch shape of the module's ``example_input_array`` (one per-process batch
+            of token ids), the links measured; the top candidates and why the winner won are logged on rank 0, the
+            choice is ``trainer.strategy.parallel_state.layout``.
+        device_memory: with a searched layout, the memory budget per device in bytes (or ``"80GB"``); default what
+            the device has (on CPU, this process's share of the machine's memory). Layouts the planner finds above
+            it (less a 10% margin) are dropped.
+        global_batch: with a searched layout, samples per optimizer step kept fixed: gradient accumulation is set
+            to ``global_batch / (dp x per-process batch)`` and layouts are ranked at that batch.
         dp: data-parallel size, or ``"auto"`` for ``world_size // (tp * pp)``.
         ep: expert parallelism for mixture-of-experts models: each rank holds ``experts / ep`` whole experts of
             every bank and the tokens travel to them by all-to-all (dropless). The ep group is drawn from the
@@ -158,11 +170,14 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
 
     def __init__(
         self,
-        tp: int = 1,
-        pp: int = 1,
+        tp: Union[int, Literal["auto"]] = 1,
+        pp: Union[int, Literal["auto"]] = 1,
         dp: Union[int, Literal["auto"]] = "auto",
         *,
         ep: int = 1,
+        layout: Optional[Literal["auto"]] = None,
+        device_memory: Optional[Union[float, str]] = None,
+        global_batch: Optional[int] = None,
         microbatches: Optional[int] = None,
         schedule: ScheduleLike = "auto",
         virtual_stages: int = 1,
@@ -194,6 +209,11 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
+        self._auto_layout = auto_request(tp=tp, pp=pp, dp=dp, layout=layout, device_memory=device_memory,
+                                         global_batch=global_batch, activation_checkpointing=activation_checkpointing,
+                                         dp_sharding=normalize_sharding(dp_sharding))
+        if self._auto_layout is not None:  # decided at setup (AutoLayout._before_mesh); placeholders until then
+            tp, pp, dp = (1 if tp == "auto" or layout else tp), (1 if pp == "auto" or layout else pp), "auto"
         resolve_dims(tp * pp * (dp if isinstance(dp, int) else 1), tp, pp, dp)  # argument types and ranges
         auto = isinstance(schedule, str) and schedule == AUTO_SCHEDULE
         schedule = AUTO_SCHEDULE if auto else normalize_schedule(schedule)  # a registered name, else a Schedule
@@ -351,6 +371,7 @@ class TensorPipeStrategy(CheckpointMixin, PipelineSteps, GlobalNormClippingStrat
         state = build_state(module, config, self.dims, groups, rank=self.global_rank, device=self.root_device,
                             print_plan=self._print_plan, meta=meta)
         state.config = self._config()
+        state.layout = self.layout_choice  # layout="auto": what was chosen (None when the degrees were given)
         if self._weights is not None:
             loaded = load_weights(module, self._weights, names=state.names, shards=state.shards,
                                   tp_rank=self._tp_group.rank, tp_size=self._tp_group.size,

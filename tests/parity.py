@@ -73,7 +73,7 @@ def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, s
           optimizer: str = "sgd", accelerator: str = "cpu", in_order_receives: bool = False,
           meta: bool = False, prepare: Optional[Callable[[LitLM], None]] = None,
           after_fit: Optional[Callable[[L.Trainer], None]] = None, seed: int = 0,
-          replicas_apart: bool = False) -> Record:
+          replicas_apart: bool = False, callbacks: tuple[Callback, ...] | list[Callback] = ()) -> Record:
     """Train ``name`` for ``steps`` optimizer steps. In one process (with or without a strategy) each batch is the
     union of what ``dp`` replicas draw from Lightning's shuffling DistributedSampler (seed 0, epoch 0) at that step.
     ``prepare`` sees the module before training (e.g. loads weights), ``after_fit`` the Trainer after it. ``seed``
@@ -100,7 +100,7 @@ def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, s
     else:
         loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False)
     recorder = Recorder()
-    callbacks: list[L.Callback] = [recorder]
+    callbacks = [recorder, *callbacks]  # the caller's (e.g. a measurement) after the recorder
     if in_order_receives:  # NCCL's way (messages of a pair matched in posting order), exercised on gloo
         class InOrder(L.Callback):
             def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

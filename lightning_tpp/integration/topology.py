@@ -122,6 +122,7 @@ class MeshTopology:
         init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         _destroy_process_group_at_exit()
         agree_with_rank0(self.root_device)  # the user's streams as rank 0 holds them (DDP reseeds them instead)
+        self._before_mesh()  # layout="auto" sets tp, pp and dp here (lightning_tpp.layout.strategy)
         self._dims = resolve_dims(self.world_size, self._tp, self._pp, self._dp_arg)
         self._mesh = build_mesh(self._dims, self.root_device.type)
         coords = self._dims.coords(self.global_rank)
@@ -136,6 +137,9 @@ class MeshTopology:
             self._watch = FailureWatch(default_store(), self.global_rank, self.world_size,
                                        timeout=min(seconds, 60.0))
             self._watch.start()
+
+    def _before_mesh(self) -> None:
+        """Processes exist, the mesh does not yet: where a searched layout decides its degrees."""
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

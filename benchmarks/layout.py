@@ -1,0 +1,225 @@
+"""Layout benchmark (not a test): every layout of 4 processes measured side by side against the cost model's
+prediction, for three models of different shapes, on this machine.
+
+    python benchmarks/layout.py            # about 10-20 minutes on 2 shared cores
+    python benchmarks/layout.py --quick    # fewer layouts (no dp sharding variants) and steps
+
+Models: a GPT-2 whose vocabulary head dominates (vocab 8192, width 128), a Llama with grouped-query attention
+(8 heads, 2 kv heads), and a T5 encoder-decoder. Per model, one launch of 4 ranks (one thread each): rank 0 profiles
+the model, times one block of each kind, measures the gloo link and ranks the layouts (``lightning_tpp.layout``, as
+``layout="auto"`` does at setup, without a memory limit); then every layout in the ranking (activation checkpointing
+off, 1F1B, micro-batches = the per-process batch, full_shard or no_shard over dp) trains a few steps, each reading the
+same per-process batch, and its time per sample is the median step after warm-up over batch x dp.
+Printed per model: predicted and measured ms/sample per layout, Spearman's rank correlation, the chosen layout's
+measured time over the best measured (goal <= 1.10) and its predicted over measured (goal within 20%).
+The machine's cores are shared with other work: the figures carry that noise (say so where they are quoted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ, BATCH = 64, 8
+MODELS = ("gpt_head", "llama_gqa", "t5")
+# T5 at tp=4 (one head per rank) fails the strategy's own check of its attention (the relative position bias of
+# all heads added to one head's scores): a strategy limitation, reported; its layouts stop at tp=2 here
+MAX_TP = {"t5": 2}
+
+
+def build(name: str):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if name == "gpt_head":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=8192, n_embd=128, n_layer=4,
+                                                                    n_head=4, n_positions=SEQ))
+    if name == "llama_gqa":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=2, max_position_embeddings=SEQ))
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=1024, d_model=128, d_ff=512, d_kv=32, num_heads=4, num_layers=2, num_decoder_layers=2,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
+
+
+def lit(name: str):
+    import lightning as L
+    import torch
+
+    class LM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build(name)
+            self.example_input_array = torch.zeros(BATCH, SEQ, dtype=torch.long)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def training_step(self, batch, batch_idx):
+            return self(batch[0])
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    return LM()
+
+
+def role_measure(args: argparse.Namespace) -> None:
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+
+    from lightning_tpp import TensorPipeStrategy
+    from lightning_tpp.layout import BlockTimes, measure_link, profile_model, search_layouts
+    from lightning_tpp.layout.strategy import _device, _slowdown
+    from lightning_tpp.layout.timing import time_blocks
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    module = lit(args.model)
+    profile = profile_model(module, seq_len=SEQ)
+    link = measure_link()
+    rows: list = [None]
+    if rank == 0:
+        spec = _device(torch.device("cpu"), link, world, None)
+        sizes = sorted({BATCH // m for m in range(1, BATCH + 1) if BATCH % m == 0})
+        times = BlockTimes(time_blocks(module, profile, sizes, device=torch.device("cpu")),
+                           slowdown=_slowdown(torch.device("cpu"), world))
+        shardings = ("full_shard",) if args.quick else ("full_shard", "no_shard")
+        ranking = search_layouts(profile, world=world, device=spec, times=times, batch=BATCH, backend="gloo",
+                                 activation_checkpointing=False, shardings=shardings)
+        runs = [c for c in ranking.ranked if c.layout.schedule == "1f1b" and c.layout.microbatches in (1, BATCH)
+                and c.layout.tp <= MAX_TP.get(args.model, 8)]
+        rows = [[(c.layout.__dict__, c.time.per_sample, i == 0) for i, c in enumerate(runs)]]
+    dist.broadcast_object_list(rows, src=0)  # the process group stays: every Trainer below joins it
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1024, (BATCH * world * (args.steps + 1), SEQ), generator=g)
+    data = torch.utils.data.TensorDataset(ids)
+    results = []
+    for layout, predicted, chosen in rows[0]:
+        kwargs = {k: layout[k] for k in ("tp", "pp", "dp", "microbatches", "activation_checkpointing",
+                                         "dp_sharding")}
+        kwargs["schedule"] = layout["schedule"] if layout["pp"] > 1 else "auto"
+        if layout["pp"] == 1:
+            kwargs.pop("microbatches")
+        step_times: list[float] = []
+
+        class Timer(L.Callback):
+            def on_train_batch_start(self, *a) -> None:
+                self.start = time.perf_counter()
+
+            def on_train_batch_end(self, *a) -> None:
+                step_times.append(time.perf_counter() - self.start)
+
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=TensorPipeStrategy(**kwargs, print_plan=False,
+                                                                                          pipeline_metrics=False),
+                            max_steps=args.steps, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
+                            limit_val_batches=0, num_sanity_val_steps=0)
+        trainer.fit(lit(args.model), torch.utils.data.DataLoader(data, batch_size=BATCH))
+        kept = sorted(step_times[args.warmup:]) or sorted(step_times)
+        measured = kept[len(kept) // 2] / (BATCH * layout["dp"])
+        results.append({"layout": layout, "predicted": predicted, "measured": measured, "chosen": chosen})
+    if rank == 0:
+        (Path(args.out) / f"{args.model}.json").write_text(json.dumps(results))
+
+
+def _launch(model: str, out: Path, args: argparse.Namespace, nprocs: int = 4) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(nprocs):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs), "NODE_RANK": "0", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(ROOT)}
+        extra = ["--quick"] if args.quick else []
+        procs.append(subprocess.Popen([sys.executable, __file__, "--role", "measure", "--model", model, "--out",
+                                       str(out), "--steps", str(args.steps), "--warmup", str(args.warmup), *extra],
+                                      env=env, start_new_session=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    deadline = time.monotonic() + args.timeout
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                os.killpg(q.pid, signal.SIGKILL)
+            raise SystemExit(f"{model} timed out")
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"{model} failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    return json.loads((out / f"{model}.json").read_text())
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        for k, i in enumerate(order):
+            r[i] = float(k)
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    if n < 2:
+        return float("nan")
+    mean = (n - 1) / 2
+    cov = sum((x - mean) * (y - mean) for x, y in zip(ra, rb))
+    var = sum((x - mean) ** 2 for x in ra)
+    return cov / var
+
+
+def describe(layout: dict) -> str:
+    from lightning_tpp.layout import Layout
+
+    return Layout(**layout).describe()
+
+
+def report(model: str, results: list[dict]) -> None:
+    best = min(r["measured"] for r in results)
+    chosen = next(r for r in results if r["chosen"])
+    print(f"\n{model}: {len(results)} layouts, per-process batch {BATCH} x {SEQ} tokens, 4 processes")
+    print(f"  {'layout':<44} {'predicted':>10} {'measured':>10}  (ms/sample)")
+    for r in sorted(results, key=lambda r: r["measured"]):
+        mark = "  <- chosen" if r["chosen"] else ""
+        print(f"  {describe(r['layout']):<44} {r['predicted'] * 1e3:10.2f} {r['measured'] * 1e3:10.2f}{mark}")
+    rho = spearman([r["predicted"] for r in results], [r["measured"] for r in results])
+    print(f"  rank correlation {rho:.2f}; chosen / best measured {chosen['measured'] / best:.2f} (goal <= 1.10); "
+          f"chosen predicted / measured {chosen['predicted'] / chosen['measured']:.2f} (goal 0.8-1.2)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--role", default=None)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--models", default=",".join(MODELS))
+    args = parser.parse_args()
+    if args.role == "measure":
+        role_measure(args)
+        return
+    import tempfile
+
+    sys.path.insert(0, str(ROOT))
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models.split(","):
+            report(model, _launch(model, Path(tmp), args))
+
+
+if __name__ == "__main__":
+    main()

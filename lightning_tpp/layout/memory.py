@@ -1,0 +1,111 @@
+"""Bytes per device of a layout, from a :class:`ModelProfile` by arithmetic (no meta run per candidate).
+
+The same terms as the memory planner (``memory.estimate``), which this follows and is checked against
+(``tests/unit/test_layout.py``)::
+
+    per pipeline rank   states      (its blocks' and ends' parameters at tp) x (param + grad + optimizer states),
+                                    / dp when FSDP2 shards them
+                        activations (micro-batches the schedule holds at once, from its action lists)
+                                    x (bytes each holds: its blocks' saved tensors, or only their inputs with
+                                       activation checkpointing plus one block recomputing; the ends'; the output
+                                       sent to the next stage)
+                        gathered    FSDP2's whole units beside the shards (largest block: gathered parameters,
+                                    unsharded gradient, reduce-scatter input; the next block prefetched on NCCL;
+                                    kept gathered from forward to backward under shard_grad_op)
+                        step        AdamW's foreach temporary, the size of the parameters
+    total = states + max(activations + gathered, step)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from lightning_tpp.layout.plan import Layout
+from lightning_tpp.layout.profile import ModelProfile
+from lightning_tpp.memory import OPTIMIZER_STATES
+from lightning_tpp.pipeline.partition import balance
+from lightning_tpp.pipeline.schedule import actions
+
+
+@dataclass(frozen=True)
+class LayoutMemory:
+    """The largest pipeline rank's bytes, by kind."""
+
+    pp_rank: int
+    states: float
+    activations: float
+    gathered: float
+    step: float
+
+    @property
+    def total(self) -> float:
+        return self.states + max(self.activations + self.gathered, self.step)
+
+
+@functools.lru_cache(maxsize=4096)
+def in_flight(schedule: str, pp: int, microbatches: int, rank: int) -> int:
+    """The most micro-batches ``rank`` holds at once under ``schedule``: from a forward until its backward (its
+    weight-gradient half when the backward is split), counted on the schedule's own action lists."""
+    if pp == 1:
+        return 1
+    held: set[int] = set()
+    most = 0
+    for kind, mb, _ in actions(schedule, rank, pp, microbatches):
+        if kind == "F":
+            held.add(mb)
+        elif kind in ("B", "W"):  # I keeps what W still needs (an upper bound, as the planner counts)
+            held.discard(mb)
+        most = max(most, len(held))
+    return most
+
+
+@functools.lru_cache(maxsize=1024)
+def stage_blocks(costs: tuple[float, ...], pp: int, first: float, last: float) -> tuple[tuple[int, int], ...]:
+    """The pipeline partition the strategy makes (``balance="params"``): contiguous block ranges per stage."""
+    return tuple(balance(list(costs), pp, first_extra=first, last_extra=last))
+
+
+def layout_memory(profile: ModelProfile, layout: Layout, *, batch: int, optimizer: str = "adamw",
+                  backend: str = "nccl") -> LayoutMemory:
+    """The largest pipeline rank of ``layout`` training on per-process batches of ``batch`` sequences."""
+    tp, pp = layout.tp, layout.pp
+    mb = batch / layout.microbatches
+    elem = profile.dtype_bytes
+    per_param = elem * (2 + OPTIMIZER_STATES[optimizer])
+    costs = tuple(b.params.whole for b in profile.blocks)
+    bounds = stage_blocks(costs, pp, profile.first_params.whole, profile.last_params.whole) if pp > 1 else \
+        ((0, profile.n_blocks),)
+    shard = layout.dp if layout.sharded else 1
+    best = None
+    for r, (a, b) in enumerate(bounds):
+        blocks = profile.blocks[a:b]
+        params = sum(x.params.at(tp) for x in blocks)
+        saved = 0.0
+        if r == 0:
+            params += profile.first_params.at(tp)
+            saved += profile.first_saved.at(tp) * mb
+        if r == pp - 1:
+            params += profile.last_params.at(tp)
+            saved += profile.last_saved.at(tp) * mb
+        if layout.activation_checkpointing:
+            saved += sum(x.kept.at(tp) for x in blocks) * mb
+            extra = max((x.saved.at(tp) for x in blocks), default=0.0) * mb
+        else:
+            saved += sum(x.saved.at(tp) for x in blocks) * mb
+            extra = 0.0
+        if r < pp - 1:
+            saved += profile.sent * mb
+        held = in_flight(layout.schedule, pp, layout.microbatches, r) * saved + extra
+        largest = max((x.params.at(tp) for x in blocks), default=0.0) * elem
+        gathered = 0.0
+        if layout.sharded:
+            gathered = 2 * largest if backend == "gloo" else 4 * largest
+            if layout.dp_sharding == "shard_grad_op":
+                gathered += params * elem
+        step = params * elem / shard if optimizer in ("adam", "adamw") else 0.0
+        memory = LayoutMemory(r, params * per_param / shard, held, gathered, step)
+        if best is None or memory.total > best.total:
+            best = memory
+    assert best is not None
+    return best

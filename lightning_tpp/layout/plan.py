@@ -1,0 +1,76 @@
+"""A layout as data: the degrees of each parallel axis and how a step runs, the thing ``layout="auto"`` chooses.
+
+Degrees are kept together (:attr:`Layout.degrees`) so that a new axis (expert parallelism, ``ep``, drawn from the
+dp ranks as Megatron-Core and torchtitan do) is one more field, 1 until the search learns it::
+
+    world = tp x pp x dp        (ep divides dp: experts spread over ep of the dp ranks; 1 for now)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+Sharding = Literal["full_shard", "shard_grad_op", "no_shard"]
+SHARDINGS: tuple[Sharding, ...] = ("full_shard", "shard_grad_op", "no_shard")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a step on ``tp * pp * dp`` devices.
+
+    ``microbatches`` is what the pipeline cuts the per-process batch into (1 without a pipeline); ``accumulate`` the
+    optimizer's gradient accumulation (set by ``global_batch``); ``dp_sharding`` is FSDP2's mode over dp (only
+    meaningful with dp > 1)."""
+
+    tp: int
+    pp: int
+    dp: int
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    activation_checkpointing: bool = False
+    dp_sharding: Sharding = "full_shard"
+    accumulate: int = 1
+    ep: int = 1  # expert parallelism: not searched yet (issue #31 lands it); kept so layouts compare whole
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """The axes' sizes by name (``ep`` included), as the mesh and the logs name them."""
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep}
+
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP2 shards parameters, gradients and optimizer state over dp."""
+        return self.dp > 1 and self.dp_sharding != "no_shard"
+
+    def normalized(self) -> "Layout":
+        """The same layout with the fields that do not apply set to their defaults (no pipeline: one micro-batch
+        and 1F1B; no dp: full_shard), so that equal runs compare equal."""
+        out = self
+        if self.pp == 1:
+            out = replace(out, microbatches=1, schedule="1f1b")
+        if self.dp == 1:
+            out = replace(out, dp_sharding="full_shard")
+        return out
+
+    def describe(self) -> str:
+        """``tp=2 pp=2 dp=1 m=4 1f1b ac=off`` as the ranked table prints it."""
+        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
+        if self.pp > 1:
+            parts += [f"m={self.microbatches}", self.schedule]
+        if self.dp > 1:
+            parts.append(self.dp_sharding)
+        parts.append(f"ac={'on' if self.activation_checkpointing else 'off'}")
+        if self.accumulate > 1:
+            parts.append(f"accum={self.accumulate}")
+        return " ".join(parts)
+
+    def strategy_kwargs(self) -> dict[str, object]:
+        """The ``TensorPipeStrategy`` arguments that run this layout."""
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "microbatches": self.microbatches,
+                "schedule": self.schedule, "activation_checkpointing": self.activation_checkpointing,
+                "dp_sharding": self.dp_sharding}

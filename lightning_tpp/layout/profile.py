@@ -1,0 +1,291 @@
+"""The model as the cost model sees it: per-block figures measured once on the meta device, scaled per layout.
+
+Nothing here allocates: the model (or a meta copy of it) runs on the meta device three times per tensor-parallel
+size measured (tp = 1 and tp = 2): the memory planner's own measurement of the bytes each block saves for backward
+(``memory.activations``, with activation checkpointing off and on), its cut (``parallel_state.cut``) for the
+parameters each block keeps, and one forward under ``FlopCounterMode`` for each block's FLOPs. Every figure that
+tensor parallelism changes is kept as :class:`Scaled` (``whole`` at tp = 1, of which ``cut`` divides by tp), fitted
+from the two sizes, so a layout's figure is arithmetic, not another meta run::
+
+    figure(tp) = whole - cut + cut / tp          (exact for what the plan cuts evenly; norms, residuals stay whole)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.core.mesh import MeshDims
+from lightning_tpp.memory.activations import ForwardFn, _default_forward, activations_per_stage, meta_copy
+from lightning_tpp.parallel_state import ParallelConfig, cut
+from lightning_tpp.pipeline.partition import find_block_sequences, plan_partition
+from lightning_tpp.tensor_parallel import TensorParallelConfigError, check_divisible
+
+CUTTING = ("colwise", "rowwise", "colwise_gather", "vocab", "mha", "experts")
+KEEP = 3  # blocks measured per container: the first (beside the embeddings), one inside, the last (beside the head)
+REDUCING = ("rowwise", "mha")  # an all-reduce of the block's output per forward (and of its input's gradient back)
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """A figure at tp = 1 (``whole``), of which ``cut`` is divided by tp."""
+
+    whole: float
+    cut: float = 0.0
+
+    def at(self, tp: int) -> float:
+        return self.whole - self.cut + self.cut / tp
+
+    @staticmethod
+    def fit(at_1: float, at_2: float) -> "Scaled":
+        """From the figure at tp = 1 and tp = 2 (``at_2 = whole - cut / 2``)."""
+        return Scaled(float(at_1), max(2.0 * (at_1 - at_2), 0.0))
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """One block of the block sequence: parameters (elements), bytes saved for backward per sequence without and
+    with activation checkpointing, forward FLOPs per sequence, and the all-reduces tensor parallelism adds to its
+    forward (as many again in backward)."""
+
+    name: str
+    kind: str  # the block measured for it (blocks of one container are alike): the key of its timing
+    params: Scaled
+    saved: Scaled
+    kept: Scaled
+    flops: Scaled
+    reductions: int
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Per-block figures and what lies outside the blocks, on the first stage (``first``: embeddings) and the last
+    (``last``: final norm, head, loss). Activations and FLOPs are per sequence of ``seq_len`` tokens (they grow
+    linearly with the micro-batch); ``sent`` is a stage's output per sequence (what a pipeline send carries and
+    what a tp all-reduce of the residual stream moves)."""
+
+    blocks: tuple[BlockProfile, ...]
+    first_params: Scaled
+    last_params: Scaled
+    first_saved: Scaled
+    last_saved: Scaled
+    end_flops: Scaled
+    sent: float
+    seq_len: int
+    dtype_bytes: int
+    tp_choices: tuple[int, ...]  # tensor-parallel sizes whose plan divides every block
+    vocab_reductions: int = 0  # all-reduces per forward outside the blocks at tp > 1 (vocabulary-parallel layers)
+    whole_params: int = 0
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks)
+
+
+def profile_model(module: nn.Module, *, seq_len: int, dtype: torch.dtype = torch.float32,
+                  forward: Optional[ForwardFn] = None, blocks: Optional[Union[str, Sequence[str]]] = None,
+                  tp_plan: Union[str, Mapping[str, str]] = "auto", max_tp: int = 8) -> ModelProfile:
+    """Measure ``module``'s per-block figures on the meta device (a real module is copied to meta, not touched).
+    ``forward(model, ids)`` as in ``estimate_memory``; ``max_tp`` bounds the tensor-parallel sizes checked."""
+    containers = (blocks,) if isinstance(blocks, str) else tuple(blocks) if blocks is not None else \
+        find_block_sequences(module)
+    shortened: dict[str, int] = {}
+    try:
+        with _truncated(module, containers, KEEP) as lengths:
+            shortened = dict(lengths)
+            copy = meta_copy(module, dtype)
+        return _profile(module, copy, shortened, seq_len, dtype, forward, blocks, tp_plan, max_tp)
+    except (IndexError, KeyError, RuntimeError, ValueError):
+        if not shortened:
+            raise
+    # a forward that counts its blocks (``for i in range(n_layers)``) fails on the shortened copy: the whole one
+    return _profile(module, meta_copy(module, dtype), {}, seq_len, dtype, forward, blocks, tp_plan, max_tp)
+
+
+def _profile(module: nn.Module, copy: nn.Module, lengths: Mapping[str, int], seq_len: int, dtype: torch.dtype,
+             forward: Optional[ForwardFn], blocks: Any, tp_plan: Any, max_tp: int) -> ModelProfile:
+    """The figures of ``copy`` (``module`` on meta, its stacks shortened to the first blocks: ``lengths``)."""
+    n = len(plan_partition(copy, 1, blocks=blocks).members)
+    partition = plan_partition(copy, n, blocks=blocks)  # a stage per block: the planner's per-stage bytes per block
+    flops, flops_total = _flops(copy, partition.names, seq_len, forward)
+    figures = {}
+    plans = {}
+    for tp in (1, 2):
+        try:
+            figures[tp], plans[tp] = _at_tp(copy, partition, tp, seq_len, dtype, forward, blocks, tp_plan)
+        except TensorParallelConfigError:
+            figures[tp], plans[tp] = figures[1], plans[1]  # tp = 2 does not divide: no tp at all
+    (params1, saved1, kept1, full1, pp1), (params2, saved2, kept2, full2, _) = figures[1], figures[2]
+    choices = [1] + [t for t in range(2, max_tp + 1) if plans[2].blocks and _divides(plans[2], t)]
+    styles = plans[2].styles
+    block_list = []
+    for i, names in enumerate(partition.members):
+        red = sum(1 for m, s in styles.items() if s in REDUCING and any(_inside(m, b) for b in names))
+        container = next((c for c in partition.blocks if _inside(names[0], c)), names[0])
+        block_list.append(BlockProfile(names[0], container, Scaled.fit(params1[i], params2[i]),
+                                       Scaled.fit(full1[i], full2[i]), Scaled.fit(kept1[i], kept2[i]),
+                                       Scaled(flops[i], flops[i] if red else 0.0), red))
+    block_list = _expand(block_list, partition.blocks, lengths)
+    ends = set(partition.pre) | set(partition.post)
+    vocab = sum(1 for m, s in styles.items() if s in ("vocab", "colwise_gather") and m in ends)
+    last = n - 1
+    return ModelProfile(
+        tuple(block_list), Scaled.fit(pp1["first"], figures[2][4]["first"]),
+        Scaled.fit(pp1["last"], figures[2][4]["last"]),
+        Scaled.fit(saved1[0] - full1[0], saved2[0] - full2[0]),
+        Scaled.fit(saved1[last] - full1[last], saved2[last] - full2[last]),
+        Scaled(flops_total - sum(flops), flops_total - sum(flops) if vocab else 0.0),
+        float(pp1["sent"]), seq_len, torch.empty((), dtype=dtype).element_size(), tuple(choices), vocab,
+        int(sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())))
+
+
+@contextmanager
+def _truncated(module: nn.Module, containers: Sequence[str], keep: int) -> Iterator[dict[str, int]]:
+    """While it is open, each container of same-class, same-shape blocks holds only its first ``keep`` blocks (the
+    model is put back as it was on exit): the copy measured costs ``keep`` blocks per container, whatever the depth.
+    Yields each shortened container's real length."""
+    lengths: dict[str, int] = {}
+    undo = []
+    for name in containers:
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else None
+        stack = getattr(parent, attr, None) if parent is not None else None
+        if not isinstance(stack, (nn.ModuleList, nn.Sequential)) or len(stack) <= keep or not _alike(stack):
+            continue
+        try:
+            short = type(stack)(*list(stack)[:keep]) if isinstance(stack, nn.Sequential) else \
+                nn.ModuleList(list(stack)[:keep])
+        except TypeError:  # a Sequential subclass built another way: measured whole
+            continue
+        undo.append((parent, attr, stack))
+        parent._modules[attr] = short
+        lengths[name] = len(stack)
+    try:
+        yield lengths
+    finally:
+        for parent, attr, stack in undo:
+            parent._modules[attr] = stack
+
+
+def _alike(stack: nn.Module) -> bool:
+    """Blocks of one class with the same parameter shapes: any one of them measures for all."""
+    shapes = {(type(m), tuple((n, tuple(p.shape)) for n, p in m.named_parameters())) for m in stack.children()}
+    return len(shapes) == 1
+
+
+def _expand(measured: list[BlockProfile], containers: Sequence[str], lengths: Mapping[str, int]
+            ) -> list[BlockProfile]:
+    """The whole model's blocks from a shortened copy's: a shortened container's later blocks are its last
+    measured one (renamed)."""
+    out = []
+    for block in measured:
+        out.append(block)
+        container = next((c for c in containers if _inside(block.name, c)), None)
+        if container is None or container not in lengths:
+            continue
+        index = int(block.name[len(container) + 1:].split(".")[0])
+        if index == KEEP - 1:
+            out += [dataclasses.replace(block, name=f"{container}.{i}") for i in range(KEEP, lengths[container])]
+    return out
+
+
+def _inside(name: str, outer: str) -> bool:
+    return name == outer or name.startswith(outer + ".")
+
+
+def _divides(plan: Any, tp: int) -> bool:
+    try:
+        check_divisible(plan, tp)
+    except TensorParallelConfigError:
+        return False
+    return True
+
+
+def _at_tp(copy: nn.Module, partition: Any, tp: int, seq_len: int, dtype: torch.dtype, forward: Optional[ForwardFn],
+           blocks: Any, tp_plan: Any) -> tuple[Any, Any]:
+    """Per block at tensor-parallel size ``tp``: parameters kept, bytes saved (checkpointing on, and off), and the
+    parameters outside the blocks on the first and last stage."""
+    dims = MeshDims(1, 1, tp)
+    twin = meta_copy(copy, dtype)
+    config = ParallelConfig(tp, 1, 1, "1f1b", 1, "params", None, blocks, tp_plan, False)
+    _, plan, _ = cut(twin, config, dims, pp_rank=0, device=torch.device("meta"), tp_group=TPGroup(None, 0, tp))
+    if tp > 1:
+        check_divisible(plan, tp)
+    modules = dict(twin.named_modules())
+    params = [float(sum(p.numel() for b in names for p in modules[b].parameters())) for names in partition.members]
+    inside = {id(p) for names in partition.members for b in names for p in modules[b].parameters()}
+    ends = {}
+    for side, names in (("first", partition.pre), ("last", partition.post)):
+        own = {id(p): p for m in names for p in modules[m].parameters() if id(p) not in inside}
+        ends[side] = float(sum(p.numel() for p in own.values()))
+    pp_dims = MeshDims(1, 1, tp)
+    per_stage, saved, _, _ = activations_per_stage(copy, plan, partition, pp_dims, 1, seq_len, dtype, False, forward)
+    _, kept_saved, recompute, _ = activations_per_stage(copy, plan, partition, pp_dims, 1, seq_len, dtype, True,
+                                                        forward)
+    n = partition.stages
+    full = [float(recompute.get(i, 0)) for i in range(n)]  # each block's saved bytes, checkpointing off
+    kept = [float(kept_saved.get(i, 0)) - (float(saved.get(i, 0)) - full[i]) for i in range(n)]
+    ends["sent"] = float(per_stage.get(0, 0) - saved.get(0, 0)) if n > 1 else 0.0
+    return (params, [float(saved.get(i, 0)) for i in range(n)], [max(k, 0.0) for k in kept], full, ends), plan
+
+
+def _flops(copy: nn.Module, names: Sequence[str], seq_len: int, forward: Optional[ForwardFn]
+           ) -> tuple[list[float], float]:
+    """Forward FLOPs per sequence of each block (tp = 1), and of the whole forward (loss included), counted by
+    ``FlopCounterMode`` on the meta copy; blocks after the second of the same class and shapes are not run again
+    (their count is the second's) so that an 80-layer model costs about two layers of meta operations."""
+    ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    modules = dict(copy.named_modules())
+    done: dict[Any, tuple[float, Any]] = {}
+    per_block = [0.0] * len(names)
+    counter = FlopCounterMode(display=False)
+
+    def run(i: int, block: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
+        kind = (type(block), tuple((n, tuple(p.shape)) for n, p in block.named_parameters()),
+                tuple(tuple(a.shape) if isinstance(a, Tensor) else type(a).__name__ for a in args))
+        if kind in done:
+            per_block[i], result = done[kind]
+            return _fresh(result)
+        before = _total(counter)
+        result = original(*args, **kwargs)
+        per_block[i] = float(_total(counter) - before)
+        done[kind] = (per_block[i], result)
+        return result
+
+    originals = {}
+    for i, name in enumerate(names):
+        block = modules[name]
+        originals[name] = block.forward
+        block.forward = functools.partial(run, i, block, block.forward)
+    try:
+        with counter, torch.no_grad():
+            (forward or _default_forward)(copy, ids)
+    finally:
+        for name, original in originals.items():
+            modules[name].forward = original
+    skipped = sum(per_block) - sum(_ran(done))
+    return per_block, float(_total(counter) + skipped)
+
+
+def _ran(done: Mapping[Any, tuple[float, Any]]) -> list[float]:
+    return [f for f, _ in done.values()]
+
+
+def _total(counter: FlopCounterMode) -> int:
+    return int(counter.get_total_flops())
+
+
+def _fresh(result: Any) -> Any:
+    if isinstance(result, Tensor):
+        return torch.empty_like(result)
+    if isinstance(result, (tuple, list)):
+        return type(result)(_fresh(r) for r in result)
+    return result

@@ -1,0 +1,204 @@
+"""The search: every layout of a world size, those that do not fit dropped with the reason, the rest ranked.
+
+Enumerated (all pure arithmetic on a :class:`ModelProfile`; nothing is allocated or run on a device)::
+
+    tp   divides the world, the node's devices, and every block's heads/features (the profile's tp_choices)
+    pp   divides world / tp, at most one block per stage
+    dp   world / (tp x pp)
+    micro-batches   divisors of the per-process batch (1 without a pipeline), up to 4 x pp
+    schedule        gpipe below pp micro-batches; else 1f1b, and zb-drain unless FSDP2 shards (as "auto" decides)
+    activation checkpointing on / off;  dp sharding full_shard / shard_grad_op / no_shard (dp > 1)
+
+Ranked by predicted seconds per sample (a layout with more dp reads more samples per step; with ``global_batch``
+every layout runs the same samples per optimizer step, gradient accumulation making up the difference). Ties (within
+1%) go to the simpler layout: fewer stages, no checkpointing, less sharding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+from lightning_tpp.layout.cost import BlockTimes, StepTime, step_time
+from lightning_tpp.layout.links import DeviceSpec
+from lightning_tpp.layout.memory import LayoutMemory, layout_memory
+from lightning_tpp.layout.plan import SHARDINGS, Layout, Sharding
+from lightning_tpp.layout.profile import ModelProfile
+
+GiB = 1024 ** 3
+TIE = 0.01
+
+
+class NoLayoutFitsError(ValueError):
+    """No layout of the world size fits the device memory (the message lists the closest ones)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    time: StepTime
+    memory: LayoutMemory
+
+
+@dataclass(frozen=True)
+class Dropped:
+    layout: Layout
+    reason: str
+
+
+@dataclass
+class Ranking:
+    """The ranked candidates (fastest per sample first) and the dropped ones with their reasons."""
+
+    ranked: list[Candidate]
+    dropped: list[Dropped]
+    world: int
+    batch: int
+    device_memory: Optional[float]
+    global_batch: Optional[int] = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate:
+        if not self.ranked:
+            closest = sorted(self.dropped, key=lambda d: d.reason)[:3]
+            raise NoLayoutFitsError(
+                f"no layout of {self.world} devices fits: {len(self.dropped)} dropped, e.g. "
+                + "; ".join(f"{d.layout.describe()}: {d.reason}" for d in closest)
+                + ". Raise device_memory, lower the per-process batch, or use more devices")
+        return self.ranked[0]
+
+    def why(self) -> str:
+        """Why the winner won: against the runner-up and the naive layout, by part."""
+        best = self.best
+        lines = [f"chosen {best.layout.describe()}: {best.time.per_sample * 1e3:.3f} ms/sample predicted, "
+                 f"{size(best.memory.total)} on its largest rank, a global batch of {best.time.samples} samples per "
+                 f"optimizer step"]
+        if len(self.ranked) > 1:
+            other = self.ranked[1]
+            lines.append(f"runner-up {other.layout.describe()}: {other.time.per_sample / best.time.per_sample:.3f}x "
+                         f"slower per sample (its step: {_parts(other.time)}; the chosen's: {_parts(best.time)})")
+        return "; ".join(lines)
+
+    def table(self, top: int = 10) -> str:
+        budget = size(self.device_memory) if self.device_memory else "no memory limit"
+        batch = f"{self.batch} sequences per process" + (f", {self.global_batch} per optimizer step"
+                                                          if self.global_batch else "")
+        head = (f"Layouts of {self.world} devices ({batch}; {budget}): {len(self.ranked)} fit, "
+                f"{len(self.dropped)} dropped")
+        rows = [head, f"{'#':>3} {'layout':<52} {'ms/sample':>10} {'step s':>9} {'bubble':>7} {'memory':>10} "
+                      f"{'samples':>8}"]
+        for i, c in enumerate(self.ranked[:top]):
+            t = c.time
+            rows.append(f"{i + 1:>3} {c.layout.describe():<52} {t.per_sample * 1e3:10.3f} {t.total:9.3f} "
+                        f"{t.bubble / t.total if t.total else 0:7.1%} {size(c.memory.total):>10} {t.samples:>8}")
+        reasons: dict[str, int] = {}
+        for d in self.dropped:
+            key = d.reason.split(":")[0]
+            reasons[key] = reasons.get(key, 0) + 1
+        rows += [f"dropped: {n} x {r}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
+        rows += [f"note: {n}" for n in self.notes]
+        return "\n".join(rows)
+
+
+def size(nbytes: float) -> str:
+    """``1.50 GiB``, ``12.0 MiB`` or ``300 KiB``: bytes in the unit that shows them."""
+    for unit, scale in (("GiB", GiB), ("MiB", 1024 ** 2)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{nbytes / 1024:.0f} KiB"
+
+
+def _parts(t: StepTime) -> str:
+    return (f"pipeline {t.pipeline:.3g} s (bubble {t.bubble:.3g}), fsdp {t.fsdp:.3g}, dp {t.dp:.3g}, "
+            f"optimizer {t.optimizer:.3g}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(profile: ModelProfile, *, world: int, devices_per_node: int, batch: int,
+                      tp: Optional[int] = None, pp: Optional[int] = None,
+                      activation_checkpointing: Optional[bool] = None,
+                      shardings: Optional[Sequence[Sharding]] = None) -> list[Layout]:
+    """Every layout the search considers (``tp``/``pp``/``activation_checkpointing`` fixed where given)."""
+    out = []
+    tps = [t for t in profile.tp_choices if world % t == 0 and devices_per_node % t == 0] if tp is None else [tp]
+    for t in tps:
+        for p in ([d for d in _divisors(world // t) if d <= profile.n_blocks] if pp is None else [pp]):
+            if world % (t * p):
+                continue
+            d = world // (t * p)
+            for m in _microbatches(p, batch):
+                for schedule in _schedules(p, m):
+                    for ac in ((False, True) if activation_checkpointing is None else (activation_checkpointing,)):
+                        for sharding in (("full_shard",) if d == 1 else tuple(shardings or SHARDINGS)):
+                            if d > 1 and sharding != "no_shard" and schedule not in ("1f1b", "gpipe"):
+                                continue  # a split backward keeps FSDP2's units gathered ("auto" runs 1f1b)
+                            out.append(Layout(t, p, d, m, schedule, ac, sharding))
+    return out
+
+
+def _microbatches(pp: int, batch: int) -> list[int]:
+    if pp == 1:
+        return [1]
+    return [m for m in _divisors(batch) if m <= 4 * pp]
+
+
+def _schedules(pp: int, m: int) -> list[str]:
+    if pp == 1:
+        return ["1f1b"]
+    return ["gpipe"] if m < pp else ["1f1b", "zb-drain"]
+
+
+def search_layouts(profile: ModelProfile, *, world: int, device: DeviceSpec, times: BlockTimes, batch: int,
+                   device_memory: Optional[float] = None, margin: float = 0.1, global_batch: Optional[int] = None,
+                   tp: Optional[int] = None, pp: Optional[int] = None,
+                   activation_checkpointing: Optional[bool] = None, shardings: Optional[Sequence[Sharding]] = None,
+                   optimizer: str = "adamw", backend: str = "nccl") -> Ranking:
+    """Rank every layout of ``world`` devices for per-process batches of ``batch`` sequences. A layout whose
+    largest rank needs more than ``device_memory / (1 + margin)`` is dropped (``margin``: what the planner does not
+    count, allocator and communication buffers)."""
+    if batch < 1:
+        raise ValueError(f"batch={batch} must be at least one sequence per process")
+    if tp is not None and tp not in profile.tp_choices:
+        raise ValueError(f"tp={tp} does not divide the model's blocks; choose tp in {list(profile.tp_choices)}")
+    ranking = Ranking([], [], world, batch, device_memory, global_batch)
+    states = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}[optimizer]
+    for layout in enumerate_layouts(profile, world=world, devices_per_node=device.devices_per_node, batch=batch,
+                                    tp=tp, pp=pp, activation_checkpointing=activation_checkpointing,
+                                    shardings=shardings):
+        if global_batch is not None:
+            if global_batch % (layout.dp * batch):
+                ranking.dropped.append(Dropped(layout, f"global batch: {global_batch} is not a multiple of dp x "
+                                                       f"batch = {layout.dp} x {batch}"))
+                continue
+            layout = replace(layout, accumulate=global_batch // (layout.dp * batch))
+        memory = layout_memory(profile, layout, batch=batch, optimizer=optimizer, backend=backend)
+        if device_memory is not None and memory.total * (1 + margin) > device_memory:
+            ranking.dropped.append(Dropped(layout, f"memory: needs {size(memory.total)} (+{margin:.0%}) on "
+                                                   f"pp rank {memory.pp_rank}, the device has "
+                                                   f"{size(device_memory)}"))
+            continue
+        time = step_time(profile, layout, device, times, batch=batch, optimizer_states=states)
+        ranking.ranked.append(Candidate(layout, time, memory))
+    ranking.ranked.sort(key=lambda c: c.time.per_sample)
+    ranking.ranked = _simpler_first(ranking.ranked)
+    return ranking
+
+
+def _simpler_first(ranked: list[Candidate]) -> list[Candidate]:
+    """Within ``TIE`` of the fastest, the simplest layout first (fewer stages, no recompute, less sharding)."""
+    if not ranked:
+        return ranked
+    best = ranked[0].time.per_sample
+    tied = [c for c in ranked if c.time.per_sample <= best * (1 + TIE)]
+    rest = ranked[len(tied):]
+
+    def complexity(c: Candidate) -> tuple:
+        lay = c.layout
+        return (lay.pp, lay.activation_checkpointing, lay.tp, SHARDINGS[::-1].index(lay.dp_sharding)
+                if lay.dp > 1 else 0, lay.microbatches, c.time.per_sample)
+
+    return sorted(tied, key=complexity) + rest

@@ -1,0 +1,195 @@
+"""``TensorPipeStrategy(layout="auto")`` (or ``tp="auto"`` / ``pp="auto"``): the choice made at setup, once the
+processes exist and before the mesh is built from tp, pp and dp.
+
+    every rank: profile the model on meta (deterministic), measure the link (an all-reduce, every rank)
+    rank 0:     time one block of each kind per micro-batch size, search, log the top layouts and why
+    every rank: take rank 0's choice (one broadcast), set tp/pp/dp, micro-batches, schedule, checkpointing, sharding
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+
+from lightning_tpp.layout.cost import BlockTimes
+from lightning_tpp.layout.links import DEVICES, DeviceSpec, cpu_memory_share, cpu_spec, measure_link
+from lightning_tpp.layout.plan import Layout
+from lightning_tpp.layout.profile import profile_model
+from lightning_tpp.layout.search import Ranking, search_layouts
+from lightning_tpp.layout.timing import time_blocks
+
+AUTO = "auto"
+
+
+class AutoLayoutError(ValueError):
+    """``layout="auto"`` cannot decide: what it needs is missing or contradicts a fixed argument."""
+
+
+@dataclass(frozen=True)
+class AutoRequest:
+    """What the user left to the search (``None``: searched) and the budget."""
+
+    tp: Optional[int]
+    pp: Optional[int]
+    activation_checkpointing: Optional[bool]
+    dp_sharding: Optional[str]
+    device_memory: Optional[float]
+    global_batch: Optional[int]
+    margin: float = 0.1
+
+
+def auto_request(*, tp: Any, pp: Any, dp: Any, layout: Optional[str], device_memory: Optional[Union[float, str]],
+                 global_batch: Optional[int], activation_checkpointing: bool, dp_sharding: str
+                 ) -> Optional[AutoRequest]:
+    """The request the strategy's arguments make, or ``None`` when every degree is given (the search is off)."""
+    if layout not in (None, AUTO):
+        raise AutoLayoutError(f"layout={layout!r} must be 'auto' or None (tp, pp and dp given)")
+    if layout is None and AUTO not in (tp, pp):
+        if device_memory is not None or global_batch is not None:
+            raise AutoLayoutError("device_memory= and global_batch= are budgets for the layout search; pass "
+                                  "layout='auto' (or tp='auto' / pp='auto') with them")
+        return None
+    if dp != AUTO:
+        raise AutoLayoutError(f"dp={dp!r} with a searched layout: dp is what tp and pp leave; pass dp='auto'")
+    if global_batch is not None and (not isinstance(global_batch, int) or global_batch < 1):
+        raise AutoLayoutError(f"global_batch={global_batch!r} must be a positive number of samples per optimizer step")
+    whole = layout == AUTO
+    return AutoRequest(tp=None if whole or tp == AUTO else tp, pp=None if whole or pp == AUTO else pp,
+                       activation_checkpointing=None if whole else activation_checkpointing,
+                       dp_sharding=None if whole else dp_sharding, device_memory=_bytes(device_memory),
+                       global_batch=global_batch)
+
+
+def _bytes(value: Optional[Union[float, str]]) -> Optional[float]:
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else float(value)
+    import re
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B)?\s*", value, flags=re.IGNORECASE)
+    if not match:
+        raise AutoLayoutError(f"device_memory={value!r} must be bytes or look like '80GB' / '80GiB'")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    power = " KMGT".index(unit[0]) if unit != "B" else 0
+    return number * ((1024 if "I" in unit else 1000) ** power)
+
+
+def batch_shape(module: nn.Module) -> tuple[int, int]:
+    """(sequences, tokens) of one per-process batch: the LightningModule's ``example_input_array`` (token ids)."""
+    example = getattr(module, "example_input_array", None)
+    if isinstance(example, (tuple, list)) and example:
+        example = example[0]
+    if not isinstance(example, Tensor) or example.dim() != 2 or example.is_floating_point():
+        raise AutoLayoutError(
+            f"layout='auto' times the model's blocks on the real batch shape and reads it from the LightningModule's "
+            f"example_input_array, which must be one per-process batch of token ids (batch, tokens); got "
+            f"{type(example).__name__ if not isinstance(example, Tensor) else tuple(example.shape)}. Set "
+            f"self.example_input_array = torch.zeros(batch_size, seq_len, dtype=torch.long)")
+    return int(example.shape[0]), int(example.shape[1])
+
+
+def choose(module: nn.Module, request: AutoRequest, *, world: int, rank: int, local_processes: int,
+           device: torch.device, model: Optional[nn.Module] = None) -> tuple[Layout, Optional[Ranking]]:
+    """Rank 0's choice on every rank (its ranking, on rank 0 only). ``module`` carries the batch shape; ``model``
+    (default ``module``) is what is profiled."""
+    batch, seq = batch_shape(module)
+    target = module if model is None else model
+    if not any(True for _ in target.parameters()):
+        raise AutoLayoutError("layout='auto' profiles the model at setup, before configure_model runs; build the "
+                              "model in __init__ (under trainer.init_module(empty_init=True) it stays on meta)")
+    dtype = next(p.dtype for p in target.parameters())
+    profile = profile_model(target, seq_len=seq, dtype=dtype)
+    link = measure_link()  # every rank: a collective
+    ranking = None
+    chosen: list[Any] = [None]
+    if rank == 0:
+        try:
+            ranking = _rank(target, profile, request, device, link, local_processes, world, batch, dtype)
+            chosen = [ranking.best.layout]
+            rank_zero_info(f"layout='auto':\n{ranking.table(top=5)}\n{ranking.why()}")
+        except ValueError as err:  # every rank raises it, instead of waiting for a rank 0 that is gone
+            chosen = [f"{type(err).__name__}: {err}"]
+    if dist.is_initialized() and world > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    if isinstance(chosen[0], str):
+        raise AutoLayoutError(f"layout='auto' found no layout (rank 0's search): {chosen[0]}")
+    return chosen[0], ranking
+
+
+def _rank(target: nn.Module, profile: Any, request: AutoRequest, device: torch.device, link: Any,
+          local_processes: int, world: int, batch: int, dtype: torch.dtype) -> Ranking:
+    """Rank 0's search: the device's spec, one block of each kind timed per micro-batch size, the ranking."""
+    spec = _device(device, link, local_processes, request.device_memory)
+    sizes = sorted({batch // m for m in range(1, batch + 1) if batch % m == 0})
+    times = BlockTimes(time_blocks(target, profile, sizes, device=device, dtype=dtype),
+                       slowdown=_slowdown(device, local_processes))
+    return search_layouts(profile, world=world, device=spec, times=times, batch=batch, device_memory=spec.memory,
+                          margin=request.margin, global_batch=request.global_batch, tp=request.tp, pp=request.pp,
+                          activation_checkpointing=request.activation_checkpointing,
+                          shardings=(request.dp_sharding,) if request.dp_sharding else None,  # type: ignore[arg-type]
+                          backend="gloo" if device.type == "cpu" else "nccl")
+
+
+def _device(device: torch.device, link: Any, local_processes: int, memory: Optional[float]) -> DeviceSpec:
+    """The spec the search uses: the table's entry for a known GPU, else the measured link on its own."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        total = float(torch.cuda.get_device_properties(device).total_memory)
+        known = next((s for k, s in DEVICES.items() if k in name), None)
+        spec = known or DeviceSpec(name, flops=0.0, efficiency=1.0, memory=total, memory_bandwidth=1e12,
+                                   intra=link, inter=link, devices_per_node=local_processes, overlap=0.8)
+        return replace(spec, memory=memory or total, devices_per_node=local_processes)
+    return cpu_spec(link, memory=memory or cpu_memory_share(local_processes), processes=local_processes)
+
+
+def _slowdown(device: torch.device, local_processes: int) -> float:
+    """Processes sharing the CPU cores each compute this much slower than the block timed alone."""
+    if device.type != "cpu":
+        return 1.0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1.0, local_processes / cores)
+
+
+class AutoLayout:
+    """Strategy mixin: with a searched layout, decides the degrees before the mesh is built (``_before_mesh``).
+    Expects the strategy's ``_auto_layout`` and the attributes the choice sets."""
+
+    _auto_layout: Optional[AutoRequest]
+    layout_choice: Optional[Layout] = None
+    layout_ranking: Optional[Ranking] = None  # rank 0's ranked candidates (None on other ranks)
+
+    def _before_mesh(self) -> None:
+        request = self._auto_layout
+        module = getattr(self, "lightning_module", None)
+        if request is not None and module is not None:
+            from lightning_tpp.parallel_state import ParallelState
+            state = ParallelState.of(module)
+            if self.layout_choice is None and state is not None and state.layout is not None:
+                self.layout_choice = state.layout  # the model is already cut that way: keep it
+            if self.layout_choice is None:
+                self.layout_choice, self.layout_ranking = choose(
+                    module, request, world=self.world_size, rank=self.global_rank,  # type: ignore[attr-defined]
+                    local_processes=self.num_processes, device=self.root_device)  # type: ignore[attr-defined]
+            self._apply_layout(self.layout_choice, module)
+        super()._before_mesh()  # type: ignore[misc]
+
+    def _apply_layout(self, layout: Layout, module: nn.Module) -> None:
+        from lightning_tpp.pipeline.schedule import validate
+        self._tp, self._pp, self._dp_arg = layout.tp, layout.pp, layout.dp
+        self.microbatches, self.virtual_stages = layout.microbatches, 1
+        if layout.pp > 1:
+            validate(layout.schedule, layout.pp, layout.microbatches, 1)
+            self.schedule = layout.schedule
+        self._activation_checkpointing = layout.activation_checkpointing
+        self._dp_sharding = layout.dp_sharding
+        if self._auto_layout is not None and self._auto_layout.global_batch is not None:
+            trainer = module.trainer
+            if trainer.accumulate_grad_batches not in (1, layout.accumulate):
+                raise AutoLayoutError(f"global_batch={self._auto_layout.global_batch} sets gradient accumulation "
+                                      f"to {layout.accumulate} for {layout.describe()}, and the Trainer was given "
+                                      f"accumulate_grad_batches={trainer.accumulate_grad_batches}; give one of them")
+            trainer.accumulate_grad_batches = layout.accumulate

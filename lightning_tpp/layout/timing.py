@@ -1,0 +1,133 @@
+"""Block times on this device: one block of each kind, at full size, on the real micro-batch shape, never the
+whole model.
+
+The block's inputs are captured on a meta copy (the model's forward stops at the block: nothing before it is
+computed for real), then the block alone is built on the device from the meta copy (its weights drawn at random:
+the values do not change the time), and its forward and backward are timed. Results are cached per model shape,
+micro-batch and device, so a second setup does not time again."""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_tpp._compat import tree_map
+from lightning_tpp.layout.profile import ModelProfile
+from lightning_tpp.memory.activations import ForwardFn, _default_forward, meta_copy
+
+_CACHE: dict[tuple, tuple[float, float]] = {}  # (model shape, kind, micro-batch, device, dtype) -> seconds
+
+
+class _Captured(Exception):
+    """Stops the meta forward once the block's inputs are known."""
+
+
+def time_blocks(module: nn.Module, profile: ModelProfile, sizes: Sequence[int], *, device: torch.device,
+                dtype: torch.dtype = torch.float32, forward: Optional[ForwardFn] = None, repeats: int = 5
+                ) -> dict[tuple[str, int], tuple[float, float]]:
+    """(forward, backward) seconds of one block of each kind per micro-batch of ``sizes`` sequences, for
+    ``cost.BlockTimes``: the least of ``repeats`` after one warm-up."""
+    kinds = {b.kind: b for b in profile.blocks}
+    shape = tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
+    out: dict[tuple[str, int], tuple[float, float]] = {}
+    failed: dict[str, str] = {}
+    for kind, block in kinds.items():
+        for mb in sizes:
+            key = (hash(shape), kind, mb, str(device), dtype)
+            if key not in _CACHE:
+                try:
+                    _CACHE[key] = _time_one(module, block.name, mb, profile.seq_len, device, dtype, forward, repeats)
+                except (RuntimeError, TypeError, ValueError) as err:
+                    failed[kind] = f"{type(err).__name__}: {str(err)[:200]}"
+                    break
+            out[(kind, mb)] = _CACHE[key]
+    timed = [k for k in kinds if k not in failed]
+    if not timed:
+        raise ValueError(f"no block of the model could be timed alone on {device}: {failed}. Pass blocks='<container>' "
+                         f"naming the blocks, or give tp/pp/dp")
+    for kind, why in failed.items():  # scaled by FLOPs from a kind that ran
+        ref = kinds[timed[0]]
+        ratio = kinds[kind].flops.whole / ref.flops.whole if ref.flops.whole else 1.0
+        warnings.warn(f"layout search: block {kinds[kind].name} could not run alone ({why}); its time is "
+                      f"{ratio:.2f} x {ref.name}'s, by their FLOPs")
+        for mb in sizes:
+            f, b = out[(timed[0], mb)]
+            out[(kind, mb)] = (f * ratio, b * ratio)
+    return out
+
+
+def _time_one(module: nn.Module, name: str, mb: int, seq_len: int, device: torch.device, dtype: torch.dtype,
+              forward: Optional[ForwardFn], repeats: int) -> tuple[float, float]:
+    twin = meta_copy(module, dtype).train()  # as in training: no key/value cache carried between calls
+    block = twin.get_submodule(name)
+    captured: list[Any] = []
+
+    def grab(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+        captured.append((args, kwargs))
+        raise _Captured
+
+    handle = block.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        (forward or _default_forward)(twin, torch.zeros(mb, seq_len, dtype=torch.long, device="meta"))
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if not captured:
+        raise ValueError(f"the model's forward never called block {name!r} on the meta device; its time cannot be "
+                         f"measured. Pass blocks='<container>' naming the blocks it runs")
+    real = copy.deepcopy(block).to_empty(device=device)
+    with torch.no_grad():
+        for p in real.parameters():
+            p.normal_(0.0, 0.02) if p.is_floating_point() else p.zero_()
+        for b in real.buffers():
+            b.zero_()
+    args, kwargs = captured[0]
+    args = tuple(None if "Cache" in type(v).__name__ else v for v in args)
+    kwargs = {k: None if "Cache" in type(v).__name__ else False if k == "use_cache" else v for k, v in kwargs.items()}
+    captured[0] = (args, kwargs)  # a key/value cache (Hugging Face) would carry one run's graph into the next
+    forwards, backwards = [], []
+    for _ in range(repeats + 1):
+        args, kwargs = tree_map(lambda t: _real(t, device), captured[0])  # fresh leaves: nothing kept between runs
+        start = time.perf_counter()
+        result = real(*args, **kwargs)
+        _sync(device)
+        middle = time.perf_counter()
+        loss = sum(t.float().sum() for t in _tensors(result) if t.requires_grad)
+        if isinstance(loss, Tensor):
+            loss.backward()
+        _sync(device)
+        forwards.append(middle - start)
+        backwards.append(time.perf_counter() - middle)
+    return min(forwards[1:]), min(backwards[1:])  # the least: the work itself, not other processes on the cores
+
+
+def _real(t: Any, device: torch.device) -> Any:
+    if not isinstance(t, Tensor):
+        return t
+    if t.is_floating_point():
+        return torch.randn(t.shape, dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
+    if t.dtype == torch.bool:
+        return torch.ones(t.shape, dtype=t.dtype, device=device)
+    return torch.zeros(t.shape, dtype=t.dtype, device=device)
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    return [t for t in _tensors(getattr(value, "last_hidden_state", None))] if hasattr(value, "last_hidden_state") \
+        else []
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,56 @@
+"""``TensorPipeStrategy(layout="auto")`` at 4 processes: it trains at parity with one process whatever it chose,
+and with ``device_memory`` below what the naive layout (pp only, nothing sharded) needs, the choice fits the budget
+(the memory planner's full estimate of the chosen layout, not only the search's arithmetic, and the tensor bytes
+each rank measured at its peak: parameters, gradients, optimizer state and the activations saved for backward)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import worker_layout  # noqa: F401 - registers the model the ranks train
+from launch import ROOT, run_ranks
+from models import MODELS, SEQ
+from parity import assert_parity, load_record, merge_stages, train
+
+from lightning_tpp import estimate_memory
+from lightning_tpp.layout import Layout, layout_memory, profile_model
+
+BATCH = 4
+
+
+def test_layout_auto_trains_at_parity_and_fits_a_budget_the_naive_layout_does_not(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = MODELS["llama4"]()
+    profile = profile_model(model, seq_len=SEQ)
+    naive = layout_memory(profile, Layout(1, 4, 1, microbatches=BATCH, schedule="1f1b"), batch=BATCH,
+                          backend="gloo").total  # the search assumes AdamW's states (it runs before
+                                                               # configure_optimizers): conservative for SGD
+    budget = 0.8 * naive * 1.1  # below the naive layout's need once the search's 10% margin is added
+    args = ["--model", "llama4", "--out", str(tmp_path), "--device-memory", str(budget), "--batch-size", str(BATCH)]
+    run_ranks(ROOT / "tests" / "distributed" / "worker_layout.py", 4, args, timeout=300).check()
+    infos = [json.loads((tmp_path / f"layout.rank{r}.json").read_text()) for r in range(4)]
+    assert all(i["layout"] == infos[0]["layout"] for i in infos), f"ranks chose differently: {infos}"
+    chosen = Layout(**infos[0]["layout"])
+    assert infos[0]["dims"] == [chosen.dp, chosen.pp, chosen.tp]
+    assert any("memory" in r for r in infos[0]["dropped"]), "the budget dropped nothing: it tests nothing"
+    assert infos[0]["memory"] * 1.1 <= budget
+    full = estimate_memory(model, tp=chosen.tp, pp=chosen.pp, dp=chosen.dp, microbatches=chosen.microbatches
+                           if chosen.pp > 1 else None, batch_size=BATCH * chosen.dp, seq_len=SEQ,
+                           schedule=chosen.schedule, backend="gloo",
+                           activation_checkpointing=chosen.activation_checkpointing, dp_shard=chosen.sharded)
+    assert full.largest.total <= budget / 1.1 * 1.15, (  # the search's arithmetic within 15% of the planner's
+        f"{chosen.describe()}: the planner finds {full.largest.total} bytes, the budget is {budget}")
+    peaks = [i["measured_peak"] for i in infos]
+    print(f"chose {chosen.describe()} under a budget of {budget:.0f} bytes (naive layout: {naive:.0f}); "
+          f"planned {infos[0]['memory']:.0f}, measured per rank {peaks}")
+    assert all(0 < p <= budget for p in peaks), (  # measured: parameters, gradients, states, saved activations
+        f"{chosen.describe()}: ranks hold {peaks} tensor bytes at their peak, the budget is {budget:.0f}")
+    ref = train("llama4", dp=chosen.dp, steps=3, batch_size=BATCH)
+    for d in range(chosen.dp):
+        for t in range(chosen.tp):
+            ranks = [(d * chosen.pp + s) * chosen.tp + t for s in range(chosen.pp)]
+            got = merge_stages([load_record(tmp_path / f"llama4.rank{r}.pt") for r in ranks])
+            assert_parity(got, ref, where=f"layout='auto' chose {chosen.describe()}, ranks {ranks}")

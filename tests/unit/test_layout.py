@@ -1,0 +1,237 @@
+"""The layout search in one process: the profile's figures, the memory arithmetic against the memory planner, the
+cost model's parts, the search's drops and ranking, the errors, and a 70B-shaped model on 1024 devices on paper."""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import pytest
+import torch
+import transformers
+
+from lightning_tpp import estimate_memory
+from lightning_tpp.layout import (BlockTimes, Layout, NoLayoutFitsError, Scaled, UnknownDeviceError, device_spec,
+                                  layout_memory, profile_model, search_layouts, step_time)
+from lightning_tpp.layout.links import DeviceSpec, Link
+from lightning_tpp.layout.memory import in_flight
+from lightning_tpp.layout.search import enumerate_layouts
+from lightning_tpp.layout.strategy import AutoLayoutError, auto_request, batch_shape
+from models import SEQ, TinyLlama
+
+CPU = DeviceSpec("test", flops=1e12, efficiency=0.5, memory=1e12, memory_bandwidth=1e10, intra=Link(1e9, 1e-5),
+                 inter=Link(1e8, 1e-4), devices_per_node=4)
+
+
+@pytest.fixture(scope="module")
+def llama4():
+    torch.manual_seed(0)
+    model = TinyLlama(n_layers=4)
+    return model, profile_model(model, seq_len=SEQ)
+
+
+def test_scaled_fits_two_sizes() -> None:
+    s = Scaled.fit(10.0, 6.0)  # 2 stay whole, 8 cut
+    assert (s.whole, s.cut) == (10.0, 8.0) and s.at(4) == 4.0
+
+
+def test_profile_counts_every_parameter_and_expands_a_shortened_stack(llama4) -> None:
+    model, profile = llama4
+    assert profile.n_blocks == 4 and [b.name for b in profile.blocks] == [f"layers.{i}" for i in range(4)]
+    total = sum(b.params.whole for b in profile.blocks) + profile.first_params.whole + profile.last_params.whole
+    assert total == sum(p.numel() for p in model.parameters()) == profile.whole_params
+    assert profile.tp_choices == (1, 2, 4)  # 4 heads (2 kv heads, shared by tp ranks beyond 2)
+    assert all(b.reductions == 2 for b in profile.blocks)  # attention and MLP outputs are all-reduced
+    assert profile.sent == SEQ * 32 * 4  # a stage sends (1, seq, dim) fp32 per sequence
+
+
+@pytest.mark.parametrize("layout", [Layout(1, 1, 1), Layout(2, 1, 1), Layout(1, 2, 1, 4, "1f1b"),
+                                    Layout(1, 4, 1, 4, "1f1b"), Layout(1, 2, 2, 2, "1f1b", True, "full_shard"),
+                                    Layout(1, 1, 4, dp_sharding="no_shard"), Layout(2, 2, 1, 2, "gpipe", True)],
+                         ids=lambda lay: lay.describe())
+def test_memory_arithmetic_is_the_planners(llama4, layout: Layout) -> None:
+    """Per-block figures scaled by arithmetic against the planner's full meta run of the same layout: within 15%
+    (its differences: tied/odd parameters counted per stage, FSDP2's padding, the exact partition's ends)."""
+    model, profile = llama4
+    batch = 4
+    mine = layout_memory(profile, layout, batch=batch, backend="gloo").total
+    planner = estimate_memory(model, tp=layout.tp, pp=layout.pp, dp=layout.dp,
+                              microbatches=layout.microbatches if layout.pp > 1 else None,
+                              batch_size=batch * layout.dp, seq_len=SEQ, schedule=layout.schedule, backend="gloo",
+                              activation_checkpointing=layout.activation_checkpointing,
+                              dp_shard=layout.sharded).largest.total
+    assert mine == pytest.approx(planner, rel=0.15), f"{layout.describe()}: {mine} vs the planner's {planner}"
+
+
+def test_in_flight_follows_the_schedules() -> None:
+    assert in_flight("1f1b", 4, 8, 0) == 4 and in_flight("1f1b", 4, 8, 3) == 1
+    assert in_flight("gpipe", 4, 8, 0) == 8
+    assert in_flight("zb-drain", 4, 8, 0) >= in_flight("1f1b", 4, 8, 0)
+
+
+def test_step_time_parts(llama4) -> None:
+    _, profile = llama4
+    times = BlockTimes()
+    one = step_time(profile, Layout(1, 1, 1), CPU, times, batch=8)
+    assert one.bubble == 0 and one.fsdp == one.dp == 0 and one.samples == 8
+    tp = step_time(profile, Layout(2, 1, 1), CPU, times, batch=8)
+    assert tp.pipeline > one.pipeline / 2  # halves the compute, adds the all-reduces
+    gpipe = step_time(profile, Layout(1, 4, 1, 2, "gpipe"), CPU, times, batch=8)
+    deep = step_time(profile, Layout(1, 4, 1, 8, "1f1b"), CPU, times, batch=8)
+    assert gpipe.bubble / gpipe.total > deep.bubble / deep.total > 0  # more micro-batches, less bubble
+    ac = step_time(profile, Layout(1, 1, 1, activation_checkpointing=True), CPU, times, batch=8)
+    assert ac.pipeline == pytest.approx(one.pipeline * 4 / 3, rel=0.05)  # one more forward: (F + 2F + F) / 3F
+    sharded = step_time(profile, Layout(1, 1, 4), CPU, times, batch=8)
+    replicated = step_time(profile, Layout(1, 1, 4, dp_sharding="no_shard"), CPU, times, batch=8)
+    assert sharded.fsdp > 0 and replicated.dp > 0 and sharded.samples == 32
+
+
+def test_timed_blocks_scale_with_the_micro_batch(llama4) -> None:
+    _, profile = llama4
+    times = BlockTimes({("layers", 1): (1e-3, 2e-3)}, slowdown=2.0)
+    f, b = times.block(profile.blocks[0], 4, 1, CPU)
+    assert (f, b) == pytest.approx((8e-3, 16e-3))
+    assert times.block(profile.blocks[0], 4, 2, CPU)[0] == pytest.approx(4e-3, rel=0.05)  # nearly all of it is cut
+
+
+def test_search_drops_what_does_not_fit_and_ranks_the_rest(llama4) -> None:
+    _, profile = llama4
+    naive = layout_memory(profile, Layout(1, 4, 1, 4, "1f1b"), batch=4).total
+    ranking = search_layouts(profile, world=4, device=CPU, times=BlockTimes(), batch=4, device_memory=0.8 * naive)
+    assert ranking.ranked and ranking.dropped
+    assert all(c.memory.total * 1.1 <= 0.8 * naive for c in ranking.ranked)
+    assert all("memory: needs" in d.reason for d in ranking.dropped)
+    assert [c.time.per_sample for c in ranking.ranked[1:]] == sorted(c.time.per_sample for c in ranking.ranked[1:])
+    best = ranking.best
+    assert best.time.samples == 4 * best.layout.dp  # each dp replica reads its own per-process batch
+    assert "Layouts of 4 devices" in ranking.table()
+    assert f"a global batch of {best.time.samples} samples per optimizer step" in ranking.why()
+
+
+def test_partial_choices_and_global_batch(llama4) -> None:
+    _, profile = llama4
+    layouts = enumerate_layouts(profile, world=4, devices_per_node=4, batch=4, tp=2)
+    assert {lay.tp for lay in layouts} == {2} and {lay.pp for lay in layouts} == {1, 2}
+    ranking = search_layouts(profile, world=4, device=CPU, times=BlockTimes(), batch=2, global_batch=8)
+    assert all(c.time.samples == 8 for c in ranking.ranked)
+    assert {c.layout.accumulate for c in ranking.ranked} >= {1, 4}
+    odd = search_layouts(profile, world=4, device=CPU, times=BlockTimes(), batch=2, global_batch=6)
+    assert any("global batch: 6 is not a multiple" in d.reason for d in odd.dropped)
+
+
+def test_errors(llama4) -> None:
+    _, profile = llama4
+    with pytest.raises(NoLayoutFitsError, match="no layout of 4 devices fits.*Raise device_memory"):
+        search_layouts(profile, world=4, device=CPU, times=BlockTimes(), batch=4, device_memory=1.0).best
+    with pytest.raises(ValueError, match=r"tp=8 does not divide the model's blocks; choose tp in \[1, 2, 4\]"):
+        search_layouts(profile, world=8, device=CPU, times=BlockTimes(), batch=4, tp=8)
+    with pytest.raises(ValueError, match="batch=0 must be at least one sequence"):
+        search_layouts(profile, world=4, device=CPU, times=BlockTimes(), batch=0)
+    with pytest.raises(UnknownDeviceError, match=r"device='tpu9' has no figures; choose one of \['a100'"):
+        device_spec("tpu9")
+    kwargs = dict(tp=1, pp=1, dp="auto", device_memory=None, global_batch=None, activation_checkpointing=False,
+                  dp_sharding="full_shard")
+    assert auto_request(**{**kwargs, "layout": None}) is None
+    with pytest.raises(AutoLayoutError, match="layout='x' must be 'auto' or None"):
+        auto_request(**{**kwargs, "layout": "x"})
+    with pytest.raises(AutoLayoutError, match="dp=2 with a searched layout: .* pass dp='auto'"):
+        auto_request(**{**kwargs, "layout": "auto", "dp": 2})
+    with pytest.raises(AutoLayoutError, match="device_memory= and global_batch= are budgets for the layout search"):
+        auto_request(**{**kwargs, "layout": None, "device_memory": 1e9})
+    with pytest.raises(AutoLayoutError, match="global_batch=0 must be a positive number"):
+        auto_request(**{**kwargs, "layout": "auto", "global_batch": 0})
+    with pytest.raises(AutoLayoutError, match="device_memory='lots' must be bytes or look like '80GB'"):
+        auto_request(**{**kwargs, "layout": "auto", "device_memory": "lots"})
+    assert auto_request(**{**kwargs, "tp": "auto", "layout": None, "device_memory": "2GiB"}).device_memory == 2 ** 31
+    with pytest.raises(AutoLayoutError, match=r"example_input_array.*got NoneType.*torch.zeros\(batch_size"):
+        batch_shape(torch.nn.Module())
+
+
+def test_strategy_arguments() -> None:
+    from lightning_tpp import TensorPipeStrategy
+    s = TensorPipeStrategy(tp="auto", pp=2, device_memory="1GB")
+    assert (s._tp, s._pp, s._auto_layout.tp, s._auto_layout.pp) == (1, 2, None, 2)  # tp decided at setup
+    with pytest.raises(AutoLayoutError, match="dp=2 with a searched layout"):
+        TensorPipeStrategy(layout="auto", dp=2)
+
+
+def test_70b_on_1024_devices_on_paper_in_seconds_allocating_nothing() -> None:
+    """A Llama-3-70B-shaped model built on meta: profiled (three blocks measured) and searched over every layout of
+    1024 devices in seconds; Python's own allocations stay small (tracemalloc) and no tensor leaves meta."""
+    cfg = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                   num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    tracemalloc.start()
+    start = time.perf_counter()
+    profile = profile_model(model, seq_len=8192, dtype=torch.bfloat16)
+    ranking = search_layouts(profile, world=1024, device=device_spec("h100"), times=BlockTimes(), batch=8,
+                             device_memory=80e9, global_batch=2048)
+    seconds = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert seconds < 30, f"{seconds:.1f} s"  # ~6 s on a contended 2-core machine
+    assert peak < 64 * 2 ** 20, f"{peak} bytes traced"
+    assert all(p.is_meta for p in model.parameters())
+    assert profile.n_blocks == 80 and profile.whole_params == pytest.approx(70.6e9, rel=0.01)
+    best = ranking.best
+    assert best.memory.total * 1.1 <= 80e9 and len(ranking.ranked) > 10
+    assert any(d.reason.startswith("memory") for d in ranking.dropped)  # tp=1 pp=1 cannot hold 70B
+
+
+def test_plan_auto_prints_the_ranked_table(tmp_path, capsys) -> None:
+    from lightning_tpp.__main__ import main
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                                   num_key_value_heads=4, vocab_size=1024)
+    (tmp_path / "config.json").write_text(cfg.to_json_string())
+    assert main(["plan", str(tmp_path / "config.json"), "--auto", "--devices", "16", "--devices-per-node", "8",
+                 "--device-memory", "80GB", "--device", "h100", "--batch-size", "4", "--seq-len", "128",
+                 "--dtype", "bfloat16", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "Layouts of 16 devices (4 sequences per process; 74.51 GiB)" in out and "chosen tp=" in out
+    assert " 1 tp=" in out and " 4 tp=" not in out  # --top 3
+
+
+def test_one_process_layout_auto_records_the_choice_and_sets_accumulation() -> None:
+    """``global_batch`` fixes the samples per optimizer step: with one process reading 4, accumulation is 2."""
+    import lightning as L
+
+    from lightning_tpp import TensorPipeStrategy
+    from models import LitLM, token_dataset
+
+    module = LitLM("llama")
+    module.example_input_array = torch.zeros(4, SEQ, dtype=torch.long)
+    strategy = TensorPipeStrategy(layout="auto", global_batch=8, print_plan=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(token_dataset(16), batch_size=4))
+    chosen = trainer.strategy.parallel_state.layout
+    assert (chosen.tp, chosen.pp, chosen.dp, chosen.accumulate) == (1, 1, 1, 2)
+    assert trainer.accumulate_grad_batches == 2 and trainer.global_step == 1 and strategy.layout_ranking is not None
+
+
+class _CountingLM(torch.nn.Module):
+    """Indexes its blocks by a count it keeps (``range(self.n)``): a shortened copy cannot run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TinyLlama(n_layers=5)
+        self.n = 5
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        m = self.inner
+        t = torch.arange(ids.shape[1], dtype=torch.float32, device=ids.device)
+        inv = 1.0 / (10000 ** (torch.arange(0, m.head_dim, 2, device=ids.device).float() / m.head_dim))
+        freqs = torch.outer(t, inv)
+        cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+        h = m.tok_embeddings(ids)
+        for i in range(self.n):
+            h = m.layers[i](h, cos, sin)
+        return m.output(m.norm(h))
+
+
+def test_a_forward_that_counts_its_blocks_is_profiled_whole() -> None:
+    model = _CountingLM()
+    profile = profile_model(model, seq_len=SEQ)
+    assert profile.n_blocks == 5 and profile.whole_params == sum(p.numel() for p in model.parameters())
+    assert len(model.inner.layers) == 5  # the user's model is put back as it was
