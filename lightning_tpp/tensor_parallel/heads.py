@@ -34,9 +34,11 @@ BINARY = frozenset(f"{p}{op}{s}" for op in ("add", "sub", "mul", "div", "truediv
 def _head_dim(whole: Tensor, part: Tensor, heads: int, tp: int) -> Optional[int]:
     """The dimension (counted from the right) at which ``whole`` has ``heads`` and ``part`` this rank's share."""
     local = heads // tp
-    if local <= 1:  # one head per rank: a size-1 dim is also an ordinary broadcast; left alone
+    if local < 1:
         return None
-    for i in range(1, min(whole.dim(), part.dim()) + 1):
+    # one head per rank: a size-1 dim also broadcasts, and a batch of as many sequences as heads looks like heads:
+    # only attention's head dim, (..., heads, S, S) or (B, heads, S, D), counts (the first-call check has the rest)
+    for i in range(1, min(whole.dim(), part.dim()) + 1) if local > 1 else (3,) * (min(whole.dim(), part.dim()) >= 3):
         if whole.shape[-i] == heads and part.shape[-i] == local:
             return whole.dim() - i
     return None
@@ -103,7 +105,7 @@ class WholeHeads(TorchFunctionMode):
         def gather(t: Tensor, dim: int) -> Tensor:
             return gather_from_tp(t.movedim(dim, -1).contiguous(), self.group).movedim(-1, dim)
 
-        keys = _operands(func, args, kwargs or {}) if local > 1 else None
+        keys = _operands(func, args, kwargs or {}) if local >= 1 else None
         if keys is not None:
             get = lambda k: (kwargs or {})[k] if isinstance(k, str) else args[k]  # noqa: E731
             for whole, part in (keys, keys[::-1]):

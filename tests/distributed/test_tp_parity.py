@@ -144,8 +144,11 @@ def test_parity_bf16_mixed(tmp_path: Path) -> None:
 
 def test_kv_heads_fewer_than_tp4(tmp_path: Path) -> None:
     """Grouped-query attention with two K/V heads at tp=4 (Llama-3-70B's case at tp=16): each K/V head whole on the
-    two ranks whose query heads read it, its gradient summed over them."""
-    _run(tmp_path, ["gqa8_kv2"], 4, 1)
-    ref = reference("gqa8_kv2", 1)
-    for rank in range(4):
-        assert_parity(load_record(tmp_path / f"gqa8_kv2.rank{rank}.pt"), ref, where=f"gqa8_kv2 tp=4 rank {rank}")
+    two ranks whose query heads read it, its gradient summed over them. And T5 at one head per rank (4 heads, a
+    batch of 4 sequences): its relative position bias cut to the rank's head where it meets the scores, the batch
+    left alone."""
+    _run(tmp_path, ["gqa8_kv2", "hf_t5"], 4, 1)
+    for name in ("gqa8_kv2", "hf_t5"):
+        ref = reference(name, 1)
+        for rank in range(4):
+            assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), ref, where=f"{name} tp=4 rank {rank}")
