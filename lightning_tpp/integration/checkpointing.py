@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -22,8 +23,12 @@ from lightning_tpp.checkpoint.dcp import (
     load_sharded,
     merge_param_groups,
     named_param_groups,
+    partial_dir,
     save_sharded,
+    sharded_meta,
+    sharded_state,
 )
+from lightning_tpp.checkpoint.async_save import AsyncSaver
 from lightning_tpp.checkpoint.files import atomic_save
 from lightning_tpp.checkpoint.rng import rng_state, set_rng_state
 from lightning_tpp.checkpoint.safe_load import load_or_explain
@@ -48,6 +53,7 @@ class CheckpointMixin:
 
     _restored_sharded: bool
     _save_sharded: bool
+    _async_saver: Optional[AsyncSaver]  # async_save=True: the save in flight
 
     def _gather_stages(self, obj: Any) -> Optional[list[Any]]:
         """Every pipeline stage's ``obj`` on the first stage's rank of this pp group (None elsewhere)."""
@@ -149,8 +155,48 @@ class CheckpointMixin:
             stages = self._gather_stages(groups)
             if stages is not None:
                 groups = merge_param_groups(stages)
-        save_sharded(path, checkpoint, module, optimizers, self._param_names, self._layout(),
-                     is_global_zero=self.is_global_zero, param_groups=groups)
+        saver = self._async_saver
+        self.wait_for_checkpoint()  # one save in flight; its failure raised here on every rank
+        if saver is None or not self._in_fit_loop():
+            save_sharded(path, checkpoint, module, optimizers, self._param_names, self._layout(),
+                         is_global_zero=self.is_global_zero, param_groups=groups)
+            return
+        state = sharded_state(module, optimizers, self._param_names, self._layout())
+        tmp = partial_dir(path, is_global_zero=self.is_global_zero)
+        meta = sharded_meta(checkpoint, self._param_names, groups) if self.is_global_zero else None
+        saver.save(state, tmp, path, meta)
+
+    def _in_fit_loop(self) -> bool:
+        """A save in the training loop goes to the background; one after ``fit`` (nothing to overlap) is written
+        before ``save_checkpoint`` returns."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING \
+            and trainer.state.status == TrainerStatus.RUNNING
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the checkpoint saved in the background (``async_save=True``) is published, and raise its
+        failure on every rank; nothing happens without ``async_save``. Collective: call it on every rank (the next
+        save and the teardown do)."""
+        if self._async_saver is not None:
+            self._async_saver.wait(self.world_size)
+
+    def finish_async_saves(self, *, failed: bool) -> None:
+        """At teardown: wait for the save in flight and raise its failure on every rank (collective); after a
+        failure of some rank, do not wait for peers that may be gone."""
+        if self._async_saver is None:
+            return
+        if failed:
+            self._async_saver.settle()
+        else:
+            self.wait_for_checkpoint()
+
+    @override  # type: ignore[misc]
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """``ModelCheckpoint`` dropping an old checkpoint: a save in flight is finished first, so that its publish
+        never lands after the removal of the same path."""
+        if self._async_saver is not None:
+            self._async_saver.drain()
+        super().remove_checkpoint(filepath)  # type: ignore[misc]
 
     @override  # type: ignore[misc]
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
