@@ -29,6 +29,7 @@ from lightning_tpp.checkpoint.dcp import (
     sharded_state,
 )
 from lightning_tpp.checkpoint.async_save import AsyncSaver
+from lightning_tpp.reliability import elastic
 from lightning_tpp.checkpoint.files import atomic_save
 from lightning_tpp.checkpoint.rng import rng_state, set_rng_state
 from lightning_tpp.checkpoint.safe_load import load_or_explain
@@ -133,6 +134,10 @@ class CheckpointMixin:
         rng: list[Any] = [None] * self.world_size
         dist.all_gather_object(rng, rng_state())
         checkpoint["tpp_rng_states"] = rng
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        checkpoint[elastic.KEY] = elastic.world_record(  # what a resume in another world size keeps
+            dp=self.dims.dp, accumulate=trainer.accumulate_grad_batches if trainer is not None else 1,
+            world_size=self.world_size)
         if self._save_sharded:
             return self._save_sharded_checkpoint(checkpoint, Path(self.broadcast(str(filepath))))
         if not self.is_global_zero:
@@ -191,6 +196,15 @@ class CheckpointMixin:
             self.wait_for_checkpoint()
 
     @override  # type: ignore[misc]
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """The training loader of an epoch resumed in its middle continues after the samples already read (in any
+        world size: :mod:`lightning_tpp.reliability.elastic`)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training:
+            return dataloader
+        return elastic.resume_data_position(dataloader, trainer)
+
+    @override  # type: ignore[misc]
     def remove_checkpoint(self, filepath: Any) -> None:
         """``ModelCheckpoint`` dropping an old checkpoint: a save in flight is finished first, so that its publish
         never lands after the removal of the same path."""
@@ -203,6 +217,9 @@ class CheckpointMixin:
         if weights_only is None:
             weights_only = requested_weights_only()
         checkpoint = self._load_checkpoint(checkpoint_path, weights_only)
+        if self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            elastic.keep_global_batch(checkpoint, self.lightning_module.trainer, dp=self.dims.dp,
+                                      world_size=self.world_size)
         rng = checkpoint.get("tpp_rng_states")
         if isinstance(rng, list) and len(rng) == self.world_size:  # same number of ranks: each resumes its streams
             set_rng_state(rng[self.global_rank])
