@@ -137,7 +137,7 @@ class CheckpointMixin:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         checkpoint[elastic.KEY] = elastic.world_record(  # what a resume in another world size keeps
             dp=self.dims.dp, accumulate=trainer.accumulate_grad_batches if trainer is not None else 1,
-            world_size=self.world_size)
+            world_size=self.world_size, loader=trainer.train_dataloader if trainer is not None else None)
         if self._save_sharded:
             return self._save_sharded_checkpoint(checkpoint, Path(self.broadcast(str(filepath))))
         if not self.is_global_zero:

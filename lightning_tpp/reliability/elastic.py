@@ -17,7 +17,7 @@ starts after the ``s * G`` samples already read (Lightning restarts a plain ``Da
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DistributedSampler, Sampler
@@ -29,16 +29,28 @@ class ElasticResumeError(ValueError):
     """A checkpoint's global batch cannot be kept in this world size."""
 
 
-def world_record(*, dp: int, accumulate: int, world_size: int) -> dict[str, int]:
-    return {"dp": dp, "accumulate_grad_batches": accumulate, "world_size": world_size}
+def world_record(*, dp: int, accumulate: int, world_size: int, loader: Any = None) -> dict[str, Any]:
+    """What a checkpoint records; ``sharded_data``: the training sampler shares the data out over the dp ranks (a
+    step then reads ``dp`` times the per-rank batch: the global batch depends on ``dp``)."""
+    return {"dp": dp, "accumulate_grad_batches": accumulate, "world_size": world_size,
+            "sharded_data": _distributed_sampler(loader) is not None}
+
+
+def _distributed_sampler(loader: Any) -> Optional[DistributedSampler]:
+    """The ``DistributedSampler`` (Lightning's, for training) behind a loader, or None."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None) or getattr(loader, "sampler", None)
+    if isinstance(sampler, _ResumedSampler):
+        sampler = sampler.inner
+    return sampler if isinstance(sampler, DistributedSampler) else None
 
 
 def keep_global_batch(checkpoint: dict[str, Any], trainer: Any, *, dp: int, world_size: int) -> None:
     """Resumed with another ``dp``: set the Trainer's accumulation so that an optimizer step reads as many samples
     as when the checkpoint was saved, and count the epoch's batches in this world's per-rank batches."""
     saved = checkpoint.get(KEY)
-    if not isinstance(saved, dict) or saved.get("dp") == dp:
-        return
+    if not isinstance(saved, dict) or saved.get("dp") == dp or not saved.get("sharded_data"):
+        return  # the same dp, or every dp rank read the same batches (use_distributed_sampler=False)
     per_step = saved["dp"] * saved["accumulate_grad_batches"]  # per-rank batches of one optimizer step, all ranks
     if per_step % dp:
         choices = sorted(d for d in range(1, per_step + 1) if per_step % d == 0)
@@ -82,17 +94,13 @@ def resume_data_position(dataloader: Any, trainer: Any) -> Any:
     """The training loader of an epoch resumed in its middle: its sampler starts after the samples already read."""
     batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # completed lags in on_train_batch_end
     batch_sampler = getattr(dataloader, "batch_sampler", None)
-    if batches == 0 or not isinstance(batch_sampler, BatchSampler):
-        return dataloader
-    sampler = batch_sampler.sampler
-    if isinstance(sampler, _ResumedSampler):
-        sampler = sampler.inner
-    if not isinstance(sampler, DistributedSampler):
+    if batches == 0 or not isinstance(batch_sampler, BatchSampler) or batches >= len(batch_sampler):
+        return dataloader  # at an epoch's start or end (the next epoch starts afresh), or no batch sampler
+    sampler = _distributed_sampler(dataloader)
+    if sampler is None:
         rank_zero_warn("resuming in the middle of an epoch with a sampler that is not Lightning's DistributedSampler: "
                        "the epoch's samples are read again from its start", category=UserWarning)
         return dataloader
-    if batches >= len(batch_sampler):
-        return dataloader  # saved at the epoch's last batch: the next epoch starts afresh
     skip = batches * batch_sampler.batch_size * sampler.num_replicas
     batch_sampler.sampler = _ResumedSampler(sampler, epoch=trainer.current_epoch, skip=skip)
     return dataloader

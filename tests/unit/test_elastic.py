@@ -21,7 +21,9 @@ from lightning_tpp.reliability.elastic import (
 
 def _checkpoint(dp: int, accumulate: int, processed: int, completed: int) -> dict:
     counts = {"ready": processed, "started": processed, "processed": processed, "completed": completed}
-    return {KEY: world_record(dp=dp, accumulate=accumulate, world_size=2 * dp),
+    loader = torch.utils.data.DataLoader(list(range(8)), sampler=DistributedSampler(list(range(8)), num_replicas=dp,
+                                                                                 rank=0), batch_size=2)
+    return {KEY: world_record(dp=dp, accumulate=accumulate, world_size=2 * dp, loader=loader),
             "loops": {"fit_loop": {"epoch_loop.batch_progress": {"current": dict(counts),
                                                                  "total": {k: v + 10 for k, v in counts.items()}}}}}
 
@@ -36,6 +38,16 @@ def test_smaller_world_accumulates_more_and_recounts_the_epoch() -> None:
     progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
     assert progress["current"] == {"ready": 8, "started": 8, "processed": 8, "completed": 7}  # the lag is kept
     assert progress["total"] == {"ready": 18, "started": 18, "processed": 18, "completed": 17}
+
+
+def test_replicas_reading_the_same_batches_keep_their_accumulation() -> None:
+    """use_distributed_sampler=False: every dp rank read every batch, so the global batch did not depend on dp."""
+    trainer = SimpleNamespace(accumulate_grad_batches=1)
+    checkpoint = _checkpoint(dp=2, accumulate=1, processed=4, completed=4)
+    checkpoint[KEY] = world_record(dp=2, accumulate=1, world_size=4, loader=torch.utils.data.DataLoader(range(8)))
+    before = copy.deepcopy(checkpoint)
+    keep_global_batch(checkpoint, trainer, dp=1, world_size=2)
+    assert trainer.accumulate_grad_batches == 1 and checkpoint == before
 
 
 def test_same_dp_changes_nothing() -> None:
