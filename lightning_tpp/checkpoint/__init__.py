@@ -1,6 +1,6 @@
 """Layout-free checkpoints: state under the single-device names (``state``), sharded folders with DCP (``dcp``),
-files that survive a killed save (``files``), loading that runs no planted code (``safe_load``), RNG states
-(``rng``), weights from files into any layout (``weights``)."""
+files that survive a killed save (``files``), saves written in the background (``async_save``), loading that runs no
+planted code (``safe_load``), RNG states (``rng``), weights from files into any layout (``weights``)."""
 
 from lightning_tpp.checkpoint.async_save import AsyncCheckpointError
 from lightning_tpp.checkpoint.dcp import consolidate, is_sharded_checkpoint

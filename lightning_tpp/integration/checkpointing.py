@@ -188,8 +188,8 @@ class CheckpointMixin:
     def finish_async_saves(self, *, failed: bool) -> None:
         """At teardown: wait for the save in flight and raise its failure on every rank (collective); after a
         failure of some rank, do not wait for peers that may be gone."""
-        if self._async_saver is None:
-            return
+        if self._async_saver is None or not dist.is_initialized():
+            return  # nothing saved yet: the process group never started
         if failed:
             self._async_saver.settle()
         else:
