@@ -46,10 +46,12 @@ def _assert_same(got: object, ref: object, where: str) -> None:
         assert got == ref, f"{where}: {got!r} vs {ref!r}"
 
 
-def test_async_checkpoints_equal_synchronous_ones_and_resume_the_same(tmp_path: Path) -> None:
-    """Saved in the background while the next epoch trains (tp2), the checkpoints hold what a synchronous save at
-    the same step holds (the shards were copied at the save), and a run resumed from them trains the same."""
-    run_ranks(SCRIPT, 2, [str(tmp_path), "parity"], timeout=300).check()
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_async_checkpoints_equal_synchronous_ones_and_resume_the_same(tmp_path: Path, layout: str) -> None:
+    """Saved in the background while the next epoch trains (tp2, or dp2 with FSDP2-sharded parameters and state),
+    the checkpoints hold what a synchronous save at the same step holds (the shards were copied at the save), and a
+    run resumed from them trains the same."""
+    run_ranks(SCRIPT, 2, [str(tmp_path), "parity", layout], timeout=300).check()
     for name in ("async", "sync"):  # ModelCheckpoint published both saves; the teardown waited for the last one
         assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["step3.ckpt", "step6.ckpt"], name
     for step in (3, 6):

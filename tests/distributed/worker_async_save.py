@@ -1,10 +1,12 @@
-"""Asynchronous checkpoints at tp2 (2 ranks); see test_async_save.py.
+"""Asynchronous checkpoints at tp2 or dp2 (FSDP2-sharded; 2 ranks; every replica reads every batch); see
+test_async_save.py.
 
-    python worker_async_save.py OUT parity   # 6 steps, ModelCheckpoint at the end of epochs 1 and 2 (steps 3 and 6)
-                                             # with async_save (training goes on while the first is written), then
-                                             # the same with synchronous saves; each resumed from its step-3 save
-    python worker_async_save.py OUT error    # AsyncSaver alone: rank 1's background write fails; every rank's
-                                             # wait() must raise the same AsyncCheckpointError
+    python worker_async_save.py OUT parity [tp2|dp2]
+        6 steps, ModelCheckpoint at the end of epochs 1 and 2 (steps 3 and 6) with async_save (training goes on
+        while the first is written), then the same with synchronous saves; each resumed from its step-3 save
+    python worker_async_save.py OUT error
+        AsyncSaver alone: rank 1's background write fails; every rank's wait() must raise the same
+        AsyncCheckpointError
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def hold_writes_until(advanced: threading.Event, held: list[bool]) -> None:
     dcp_filesystem._write_item = held_write
 
 
-def _fit(out: Path, *, async_save: bool, steps: int, ckpt_path: Path | None, save: Optional[Path]) -> list[float]:
+def _fit(out: Path, *, async_save: bool, steps: int, ckpt_path: Path | None, save: Optional[Path],
+         layout: str) -> list[float]:
     from lightning_tpp import TensorPipeStrategy
     from models import LitLM, token_dataset
 
@@ -66,7 +69,7 @@ def _fit(out: Path, *, async_save: bool, steps: int, ckpt_path: Path | None, sav
                                   save_on_train_epoch_end=True, auto_insert_metric_name=False)
     callbacks = [losses, every_epoch] if save is not None else [losses]
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=TensorPipeStrategy(
-        tp=2, print_plan=False, async_save=async_save), max_steps=steps, logger=False, enable_checkpointing=save is not None,
+        tp=2 if layout == "tp2" else 1, dp="auto", print_plan=False, async_save=async_save), max_steps=steps, logger=False, enable_checkpointing=save is not None,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         use_distributed_sampler=False)
     trainer.fit(LitLM("nanogpt4", lr=0.05), torch.utils.data.DataLoader(token_dataset(12), batch_size=4),
@@ -77,17 +80,17 @@ def _fit(out: Path, *, async_save: bool, steps: int, ckpt_path: Path | None, sav
     return losses.losses
 
 
-def parity(out: Path) -> None:
+def parity(out: Path, layout: str) -> None:
     """The same run with asynchronous and with synchronous saves; each resumed from its step-3 checkpoint."""
     losses = {}
     for name, async_save in (("async", True), ("sync", False)):
-        losses[name] = _fit(out, async_save=async_save, steps=6, ckpt_path=None, save=out / name)
+        losses[name] = _fit(out, async_save=async_save, steps=6, ckpt_path=None, save=out / name, layout=layout)
         losses[f"{name}-resumed"] = _fit(out, async_save=async_save, steps=6, ckpt_path=out / name / "step3.ckpt",
-                                         save=None)
+                                         save=None, layout=layout)
     torch.save(losses, out / f"losses.rank{RANK}.pt")
 
 
-def error(out: Path) -> None:
+def error(out: Path, layout: str) -> None:
     from datetime import timedelta
 
     from lightning_tpp import AsyncCheckpointError
@@ -113,4 +116,4 @@ def error(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    {"parity": parity, "error": error}[sys.argv[2]](Path(sys.argv[1]))
+    {"parity": parity, "error": error}[sys.argv[2]](Path(sys.argv[1]), sys.argv[3] if len(sys.argv) > 3 else "tp2")
