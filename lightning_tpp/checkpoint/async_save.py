@@ -62,6 +62,7 @@ class AsyncSaver:
         self._job: Optional[Future] = None
         self._path: Optional[Path] = None
         self._buffers: dict[str, Tensor] = {}  # host copies of the shards, reused save after save
+        self._deferred: list[Callable[[], None]] = []  # removals of older checkpoints, once the new one is published
 
     @property
     def pending(self) -> Optional[Path]:
@@ -85,16 +86,18 @@ class AsyncSaver:
     def settle(self) -> dict[int, str]:
         """Wait for this rank's part of the save in flight (no collective); what failed, by rank (DCP hands every
         rank the failures of all ranks), empty when nothing did."""
-        job = self._job
-        self._job = self._path = None
+        job, deferred = self._job, self._deferred
+        self._job, self._path, self._deferred = None, None, []
         if job is None:
             return {}
         try:
             job.result()
-        except CheckpointException as err:
+        except CheckpointException as err:  # the older checkpoints stay: nothing replaced them
             return {rank: _describe(f[0] if isinstance(f, tuple) else f) for rank, f in err.failures.items()}
         except BaseException as err:  # noqa: BLE001 - reported to every rank by wait()
             return {dist.get_rank(): _describe(err)}
+        for remove in deferred:
+            remove()
         return {}
 
     def wait(self, world_size: int) -> None:
@@ -112,11 +115,14 @@ class AsyncSaver:
                 + f". Nothing was published: {where} still holds the checkpoint saved before it (if any). Fix the "
                   f"cause (free space, permissions of the folder), or pass async_save=False to write in the step")
 
-    def drain(self) -> None:
-        """Wait until the save in flight is written or failed, keeping its outcome for :meth:`wait` (no
-        collective): before a checkpoint is removed, so that a publish never follows the removal."""
-        if self._job is not None:
-            self._job.exception()
+    def after_publish(self, remove: Callable[[], None]) -> None:
+        """Remove an older checkpoint (``ModelCheckpoint`` keeping its top k) only once the save in flight is
+        published, at the next :meth:`wait`, and not at all if it fails: until then the older one is what a crash
+        leaves. Without a save in flight, now."""
+        if self._job is None:
+            remove()
+        else:
+            self._deferred.append(remove)
 
 
 def host_copy(state: dict[str, Any], buffers: dict[str, Tensor]) -> dict[str, Any]:

@@ -91,27 +91,42 @@ def parity(out: Path, layout: str) -> None:
 
 
 def error(out: Path, layout: str) -> None:
+    """A save that succeeds removes the older checkpoint handed to after_publish once published; then rank 1's
+    write fails: every rank raises the same error at wait(), and the older checkpoint is kept."""
     from datetime import timedelta
 
     from lightning_tpp import AsyncCheckpointError
     from lightning_tpp.checkpoint.async_save import AsyncSaver
 
     dist.init_process_group("gloo")
-    if RANK == 1:
-        def full_disk(*args, **kwargs):
-            raise OSError(28, "No space left on device (injected)")
-
-        dcp_filesystem._write_item = full_disk
     saver = AsyncSaver(timedelta(seconds=30))
     path = out / "run.ckpt"
     tmp = path.with_name(".run.ckpt.partial")
-    saver.save({f"w{RANK}": torch.ones(4)}, tmp, path, {"meta": 1} if RANK == 0 else None)
-    try:
-        saver.wait(2)
-        message = "no error"
-    except AsyncCheckpointError as err:
-        message = str(err)
-    (out / f"error.rank{RANK}.txt").write_text(message)
+    older = [out / "older1.ckpt", out / "older2.ckpt"]
+    if RANK == 0:
+        for folder in older:
+            folder.mkdir()
+    dist.barrier()
+    def remove(folder: Path) -> None:  # as Strategy.remove_checkpoint: rank 0 removes (renamed here, to be seen)
+        if RANK == 0:
+            folder.rename(folder.with_suffix(".removed"))
+
+    for attempt, folder in enumerate(older):
+        if attempt == 1 and RANK == 1:
+            def full_disk(*args, **kwargs):
+                raise OSError(28, "No space left on device (injected)")
+
+            dcp_filesystem._write_item = full_disk
+        saver.save({f"w{RANK}": torch.ones(4)}, tmp, path, {"meta": attempt} if RANK == 0 else None)  # one entry
+        # per rank: DCP writes a replicated entry once
+        saver.after_publish(lambda: remove(folder))
+        try:
+            saver.wait(2)
+            message = "no error"
+        except AsyncCheckpointError as err:
+            message = str(err)
+        (out / f"error{attempt}.rank{RANK}.txt").write_text(message)
+    dist.barrier()
     dist.destroy_process_group()
 
 
