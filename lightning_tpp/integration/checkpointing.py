@@ -213,3 +213,32 @@ class CheckpointMixin:
             self._async_saver.after_publish(lambda: remove(filepath))
         else:
             remove(filepath)
+
+    @override  # type: ignore[misc]
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if weights_only is None:
+            weights_only = requested_weights_only()
+        checkpoint = self._load_checkpoint(checkpoint_path, weights_only)
+        if self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            elastic.keep_global_batch(checkpoint, self.lightning_module.trainer, dp=self.dims.dp,
+                                      world_size=self.world_size)
+        rng = checkpoint.get("tpp_rng_states")
+        if isinstance(rng, list) and len(rng) == self.world_size:  # same number of ranks: each resumes its streams
+            set_rng_state(rng[self.global_rank])
+        return checkpoint
+
+    def _load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool]) -> dict[str, Any]:
+        path = self.broadcast(str(checkpoint_path))
+        self._restored_sharded = is_sharded_checkpoint(path)
+        if self._restored_sharded:
+            assert self.lightning_module is not None
+            return load_sharded(Path(path), self.lightning_module,
+                                [torch_optimizer(o) for o in self.optimizers], self._param_names,
+                                self._layout(), lambda p: self._load_file(p, weights_only),
+                                strict=self.lightning_module.strict_loading, weights_only=weights_only)
+        return self._load_file(checkpoint_path, weights_only)
+
+    def _load_file(self, path: Any, weights_only: Optional[bool]) -> dict[str, Any]:
+        """A torch-saved file through the Trainer's ``CheckpointIO``, as safely as plain Lightning loads it (the
+        user's ``weights_only``; torch's default, True, when unset)."""
+        return load_or_explain(lambda p: self.checkpoint_io.load_checkpoint(p, weights_only=weights_only), path)
