@@ -6,6 +6,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_tpp.checkpoint import (
+    AsyncCheckpointError,
     CheckpointMismatchError,
     OptimizerStateLayoutError,
     UnsafeCheckpointError,
@@ -30,6 +31,7 @@ if TensorPipeStrategy.strategy_name not in StrategyRegistry:
     TensorPipeStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "AsyncCheckpointError",
     "CheckpointMismatchError",
     "MemoryReport",
     "MeshDims",

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_tpp._compat import StrategyRegistryType, layer_sync_requested, optimizers_to_device
+from lightning_tpp.checkpoint.async_save import AsyncSaver, check_async_save
 from lightning_tpp.checkpoint.state import check_state_layout
 from lightning_tpp.checkpoint.weights import covered_names, load_weights
 from lightning_tpp.core.comm import TPGroup
@@ -134,6 +135,11 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         save_distributed_checkpoint: write checkpoints as a folder of shards (torch.distributed.checkpoint, each
             rank writing its own; ``lightning-tpp consolidate`` makes one file of it) instead of one whole-model
             file written by rank 0. Both load into any layout.
+        async_save: write sharded checkpoints saved during ``fit`` in the background
+            (``torch.distributed.checkpoint.async_save``): the step waits only for this rank's shards to be copied
+            to host memory; the folder is published when every rank's shards are written, so a crash meanwhile
+            leaves the previous checkpoint. The next save and the teardown wait for it and raise its failure on
+            every rank (``AsyncCheckpointError``). See ``docs/checkpoints_and_failures.md``.
         dp_sharding: with dp > 1, how parameters, gradients and optimizer state are spread over the data-parallel
             ranks (torch's FSDP2, ``fully_shard`` on the dp mesh axis, a unit per block): ``"full_shard"`` (each
             rank holds 1/dp of them; parameters gathered per block for forward and again for backward),
@@ -193,6 +199,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         vocab_exchange: bool = True,
         print_plan: bool = True,
         save_distributed_checkpoint: bool = True,
+        async_save: bool = False,
         on_nonfinite: Literal["raise", "skip", "warn"] = "raise",
         pipeline_metrics: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -256,6 +263,8 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
             raise TypeError(f"vocab_exchange={vocab_exchange!r} must be True or False")
         self._vocab_exchange = vocab_exchange
         self._save_sharded = save_distributed_checkpoint
+        self._async_saver = AsyncSaver(timeout) if check_async_save(async_save, sharded=save_distributed_checkpoint) \
+            else None
         if on_nonfinite not in ("raise", "skip", "warn"):
             raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'raise', 'skip' or 'warn'")
         self._on_nonfinite = on_nonfinite
@@ -581,6 +590,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
 
     @override
     def teardown(self) -> None:
+        self.finish_async_saves(failed=self._watch is not None and self._watch.reported)
         if self._signal_report is not None:
             self._signal_report.uninstall()
             self._signal_report = None

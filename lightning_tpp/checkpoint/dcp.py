@@ -152,20 +152,39 @@ def _optimizer_entries(optimizers: list[Any], module: nn.Module, names: ParamNam
     return out
 
 
-def save_sharded(path: Path, checkpoint: dict[str, Any], module: nn.Module, optimizers: list[Any],
-                 names: ParamNames, layout: Layout, *, is_global_zero: bool, param_groups: list[Any]) -> None:
-    """Every rank calls this (DCP's save is collective)."""
+def sharded_state(module: nn.Module, optimizers: list[Any], names: ParamNames, layout: Layout) -> dict[str, Any]:
+    """What DCP writes: model and optimizer entries under single-device names, wrapped for resharding (collective
+    over tp and dp where a fused or dp-sharded tensor is gathered)."""
     state = {f"model.{k}": layout.wrap(*v) for k, v in _model_entries(module, layout.shards).items()}
     state.update({k: layout.wrap(*v) for k, v in _optimizer_entries(optimizers, module, names, layout).items()})
+    return state
+
+
+def sharded_meta(checkpoint: dict[str, Any], names: ParamNames, param_groups: list[Any]) -> dict[str, Any]:
+    """What ``meta.pt`` holds: everything Lightning saves but the tensors, and how to name the optimizer state."""
+    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    meta["tpp"] = {"param_order": list(names.order), "param_groups": param_groups}
+    return meta
+
+
+def partial_dir(path: Path, *, is_global_zero: bool) -> Path:
+    """The hidden folder a save writes into before it is published at ``path``, emptied of an earlier failed save
+    (collective: every rank waits until it is empty)."""
     tmp = path.with_name(f".{path.name}.partial")
     if is_global_zero and tmp.exists():
         shutil.rmtree(tmp)
     dist.barrier()
+    return tmp
+
+
+def save_sharded(path: Path, checkpoint: dict[str, Any], module: nn.Module, optimizers: list[Any],
+                 names: ParamNames, layout: Layout, *, is_global_zero: bool, param_groups: list[Any]) -> None:
+    """Every rank calls this (DCP's save is collective)."""
+    state = sharded_state(module, optimizers, names, layout)
+    tmp = partial_dir(path, is_global_zero=is_global_zero)
     dcp.save(state, checkpoint_id=tmp)
     if is_global_zero:
-        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        meta["tpp"] = {"param_order": list(names.order), "param_groups": param_groups}
-        atomic_save(meta, tmp / META)  # written last: a folder without it is an unfinished save
+        atomic_save(sharded_meta(checkpoint, names, param_groups), tmp / META)  # last: without it, unfinished
         publish(tmp, path)
     dist.barrier()
 

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -22,8 +23,13 @@ from lightning_tpp.checkpoint.dcp import (
     load_sharded,
     merge_param_groups,
     named_param_groups,
+    partial_dir,
     save_sharded,
+    sharded_meta,
+    sharded_state,
 )
+from lightning_tpp.checkpoint.async_save import AsyncSaver
+from lightning_tpp.reliability import elastic
 from lightning_tpp.checkpoint.files import atomic_save
 from lightning_tpp.checkpoint.rng import rng_state, set_rng_state
 from lightning_tpp.checkpoint.safe_load import load_or_explain
@@ -48,6 +54,7 @@ class CheckpointMixin:
 
     _restored_sharded: bool
     _save_sharded: bool
+    _async_saver: Optional[AsyncSaver]  # async_save=True: the save in flight
 
     def _gather_stages(self, obj: Any) -> Optional[list[Any]]:
         """Every pipeline stage's ``obj`` on the first stage's rank of this pp group (None elsewhere)."""
@@ -127,6 +134,10 @@ class CheckpointMixin:
         rng: list[Any] = [None] * self.world_size
         dist.all_gather_object(rng, rng_state())
         checkpoint["tpp_rng_states"] = rng
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        checkpoint[elastic.KEY] = elastic.world_record(  # what a resume in another world size keeps
+            dp=self.dims.dp, accumulate=trainer.accumulate_grad_batches if trainer is not None else 1,
+            world_size=self.world_size, loader=trainer.train_dataloader if trainer is not None else None)
         if self._save_sharded:
             return self._save_sharded_checkpoint(checkpoint, Path(self.broadcast(str(filepath))))
         if not self.is_global_zero:
@@ -149,14 +160,68 @@ class CheckpointMixin:
             stages = self._gather_stages(groups)
             if stages is not None:
                 groups = merge_param_groups(stages)
-        save_sharded(path, checkpoint, module, optimizers, self._param_names, self._layout(),
-                     is_global_zero=self.is_global_zero, param_groups=groups)
+        saver = self._async_saver
+        self.wait_for_checkpoint()  # one save in flight; its failure raised here on every rank
+        if saver is None or not self._in_fit_loop():
+            save_sharded(path, checkpoint, module, optimizers, self._param_names, self._layout(),
+                         is_global_zero=self.is_global_zero, param_groups=groups)
+            return
+        state = sharded_state(module, optimizers, self._param_names, self._layout())
+        tmp = partial_dir(path, is_global_zero=self.is_global_zero)
+        meta = sharded_meta(checkpoint, self._param_names, groups) if self.is_global_zero else None
+        saver.save(state, tmp, path, meta)
+
+    def _in_fit_loop(self) -> bool:
+        """A save in the training loop goes to the background; one after ``fit`` (nothing to overlap) is written
+        before ``save_checkpoint`` returns."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING \
+            and trainer.state.status == TrainerStatus.RUNNING
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the checkpoint saved in the background (``async_save=True``) is published, and raise its
+        failure on every rank; nothing happens without ``async_save``. Collective: call it on every rank (the next
+        save and the teardown do)."""
+        if self._async_saver is not None:
+            self._async_saver.wait(self.world_size)
+
+    def finish_async_saves(self, *, failed: bool) -> None:
+        """At teardown: wait for the save in flight and raise its failure on every rank (collective); after a
+        failure of some rank, do not wait for peers that may be gone."""
+        if self._async_saver is None or not dist.is_initialized():
+            return  # nothing saved yet: the process group never started
+        if failed:
+            self._async_saver.settle()
+        else:
+            self.wait_for_checkpoint()
+
+    @override  # type: ignore[misc]
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """The training loader of an epoch resumed in its middle continues after the samples already read (in any
+        world size: :mod:`lightning_tpp.reliability.elastic`)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training:
+            return dataloader
+        return elastic.resume_data_position(dataloader, trainer)
+
+    @override  # type: ignore[misc]
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """``ModelCheckpoint`` dropping an older checkpoint: with a save in flight, only once that one is published
+        (the step does not wait; a crash meanwhile still finds the older one)."""
+        remove = super().remove_checkpoint  # type: ignore[misc]
+        if self._async_saver is not None:
+            self._async_saver.after_publish(lambda: remove(filepath))
+        else:
+            remove(filepath)
 
     @override  # type: ignore[misc]
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if weights_only is None:
             weights_only = requested_weights_only()
         checkpoint = self._load_checkpoint(checkpoint_path, weights_only)
+        if self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            elastic.keep_global_batch(checkpoint, self.lightning_module.trainer, dp=self.dims.dp,
+                                      world_size=self.world_size)
         rng = checkpoint.get("tpp_rng_states")
         if isinstance(rng, list) and len(rng) == self.world_size:  # same number of ranks: each resumes its streams
             set_rng_state(rng[self.global_rank])

@@ -33,10 +33,15 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("point", "survivor"), [("shards", "previous"), ("shards-rank1", "previous"),
-                                                 ("written", "previous"), ("meta", "previous"), ("publish", "new")])
+                                                 ("written", "previous"), ("meta", "previous"), ("publish", "new"),
+                                                 ("async-shards", "previous"), ("async-shards-rank1", "previous"),
+                                                 ("async-written", "previous"), ("async-meta", "previous"),
+                                                 ("async-publish", "new")])
 def test_killed_sharded_save_leaves_a_whole_checkpoint(tmp_path: Path, point: str, survivor: str) -> None:
     """A rank killed at each point of a sharded save: the path holds a complete checkpoint at every moment (the
-    previous one until the new one is published in one step), and nothing half-written is visible."""
+    previous one until the new one is published in one step), and nothing half-written is visible. ``async-*``: the
+    same points in a save written in the background (async_save=True) while the next step trains; the previous
+    checkpoint is of step 2, the new one of step 3."""
     from lightning_tpp import consolidate
 
     path = tmp_path / "last.ckpt"
@@ -45,7 +50,10 @@ def test_killed_sharded_save_leaves_a_whole_checkpoint(tmp_path: Path, point: st
     one = tmp_path / "one" / "whole.ckpt"
     consolidate(path, one)  # every shard and entry present, the files safe to load
     state = torch.load(one, map_location="cpu", weights_only=True)
-    assert _batches_stepped(state) == (2 if survivor == "previous" else 99)
+    if point.startswith("async-"):  # saved in on_train_batch_end of steps 2 and 3
+        assert state["global_step"] == (2 if survivor == "previous" else 3)
+    else:
+        assert _batches_stepped(state) == (2 if survivor == "previous" else 99)
     model = LitLM.load_from_checkpoint(one, map_location="cpu")
     assert model.model.transformer.wte.weight.shape == (64, 32)
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["last.ckpt", "one"]
