@@ -204,7 +204,11 @@ def test_one_process_layout_auto_records_the_choice_and_sets_accumulation() -> N
     strategy = TensorPipeStrategy(layout="auto", global_batch=8, print_plan=False)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, torch.utils.data.DataLoader(token_dataset(16), batch_size=4))
+    try:
+        trainer.fit(module, torch.utils.data.DataLoader(token_dataset(16), batch_size=4))
+    finally:  # the strategy's one-process group, which later tests would meet
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     chosen = trainer.strategy.parallel_state.layout
     assert (chosen.tp, chosen.pp, chosen.dp, chosen.accumulate) == (1, 1, 1, 2)
     assert trainer.accumulate_grad_batches == 2 and trainer.global_step == 1 and strategy.layout_ranking is not None
