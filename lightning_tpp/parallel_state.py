@@ -271,14 +271,16 @@ def _shard_experts(module: nn.Module, plan: TPPlan, config: ParallelConfig, tp_g
 def _split_experts(module: nn.Module, plan: TPPlan, config: ParallelConfig, tp_group: TPGroup, ep_group: TPGroup,
                    shards: ShardIndex) -> None:
     """Expert parallelism: each rank keeps ``experts / ep`` whole experts of every bank; the tokens travel. A list of
-    expert modules (the model's own loop calls each one) is cut over tp, each expert an MLP, when tp > 1."""
+    expert modules (the model's own loop calls each one) is cut over tp, each expert an MLP (kept whole at tp = 1),
+    with a warning that names it."""
     layers = find_experts(module)
     lists = [layer for layer in layers if layer.kind == "list"]
-    if lists and config.tp > 1:
+    if lists:
         names = ", ".join(layer.name for layer in lists)
+        how = (f"cut over tp={config.tp} instead, each expert an MLP" if config.tp > 1 else
+               "kept whole on every rank (averaged over dp as the dense layers; tp > 1 would cut them)")
         rank_zero_warn(f"ep={config.ep} splits experts held as 3-D banks; the experts of {names} are lists of "
-                       f"modules that the model's own loop calls one by one, so they are cut over tp={config.tp} "
-                       f"instead, each expert an MLP")
+                       f"modules that the model's own loop calls one by one, so they are {how}")
         layers = [layer for layer in layers if layer.kind != "list"]
     for name in split_experts(module, layers, ep_group, tp_group, shards, verify=config.verify):
         plan.styles[name] = "ep"
