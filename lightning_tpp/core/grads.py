@@ -61,16 +61,24 @@ def average_gradients(params: list[nn.Parameter], group: Optional[ProcessGroup])
     params = [p for p in params if not is_dp_sharded(p)]  # FSDP2 averaged those (reduce-scatter in backward)
     if group is None or dist.get_world_size(group) == 1 or not params:
         return
-    device = params[0].device if params else torch.device("cpu")
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
-    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
+    all_reduce_coalesced(present_gradients(params, group), group, average=True)
+
+
+def present_gradients(params: list[nn.Parameter], group: Optional[ProcessGroup]) -> list[Tensor]:
+    """The gradients of ``params`` to reduce over ``group``: zeros where this rank has none and another rank has one
+    (one collective), none where no rank has one."""
+    if not params:
+        return []
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
     grads = []
     for p, present in zip(params, has.tolist()):
         if present:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-    all_reduce_coalesced(grads, group, average=True)
+    return grads
 
 
 def _norm_power(grads: list[Tensor], norm_type: float, device: torch.device) -> Tensor:

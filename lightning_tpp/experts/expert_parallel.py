@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tpp.core.comm import TPGroup, all_reduce_flag
+from lightning_tpp.core.grads import all_reduce_coalesced, present_gradients
 from lightning_tpp.core.params import ShardIndex, ShardInfo
 from lightning_tpp.core.reference import TensorParallelMismatchError, against_reference, first_difference, isolated
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
@@ -199,26 +200,8 @@ def reduce_expert_grads(params: list[nn.Parameter], group: ExpertGroup) -> None:
     """Each expert's gradient summed over its replicas and divided by dp: the average over every replica's batch,
     as the other parameters get. A bank whose parameter got no gradient on a rank (frozen, or no MoE call) gets
     zeros there when another rank has one."""
-    params = [p for p in params if p.requires_grad]
-    if not params:
-        return
-    device = params[0].device
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    grads = present_gradients([p for p in params if p.requires_grad], group.replicas)
     if group.replicas is not None and dist.get_world_size(group.replicas) > 1:
-        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group.replicas)
-    grads = []
-    for p, present in zip(params, has.tolist()):
-        if present:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
-    if group.replicas is not None and dist.get_world_size(group.replicas) > 1:
-        dist.all_reduce(flat, group=group.replicas)
-    flat.div_(group.dp)
-    offset = 0
+        all_reduce_coalesced(grads, group.replicas, average=False)
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+        g.div_(group.dp)

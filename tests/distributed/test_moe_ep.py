@@ -99,13 +99,16 @@ def test_ep2_tp2_pp2_zero_bubble_recomputed(tmp_path: Path) -> None:
         assert_parity(got, ref, where=f"ep=2 tp=2 pp=2 zero-bubble ranks {ranks}")
 
 
-def test_ep4_over_tp2_dp2(tmp_path: Path) -> None:
-    """One ep group of all four ranks (two replicas' tp pairs), the dense parameters cut over tp and FSDP2-sharded
-    over dp."""
-    _launch(tmp_path, ["hf_qwen2_moe_labels"], ep=4, dp=2, tp=2)
+@pytest.mark.parametrize("ep", [2, 4])
+def test_ep_over_tp2_dp2(tmp_path: Path, ep: int) -> None:
+    """ep=4: one ep group of all four ranks (two replicas' tp pairs); ep=2: the tp pairs, each expert held by two
+    ranks of different replicas whose gradients are summed. The dense parameters cut over tp and FSDP2-sharded over
+    dp."""
+    _launch(tmp_path, ["hf_qwen2_moe_labels"], ep=ep, dp=2, tp=2)
     ref = _reference("hf_qwen2_moe_labels", dp=2)
     for rank in range(4):
-        assert_parity(load_record(tmp_path / f"hf_qwen2_moe_labels.rank{rank}.pt"), ref, where=f"ep=4 rank {rank}")
+        assert_parity(load_record(tmp_path / f"hf_qwen2_moe_labels.rank{rank}.pt"), ref,
+                      where=f"ep={ep} rank {rank}")
 
 
 @pytest.mark.parametrize("sharded", [True, False], ids=["dcp", "whole"])
