@@ -76,20 +76,26 @@ def test_metrics_in_csv_tp2pp2(tp2pp2_run: Path) -> None:
 
 def test_measured_bubble_matches_the_simulator(schedules_run) -> None:
     """Stages of controlled cost (F = I = W = 100 ms per micro-batch and rank, sleeps): the measured bubble (median
-    over the steps) is within 10% of the simulator's for the step's measured action costs (the forwards carry the
-    step's own overhead, a few ms: near, not at, F = I = W), and within 20% of its (p-1)/(m*v+p-1) for 1F1B, GPipe
-    and interleaved; interleaving and zero-bubble measure below 1F1B."""
+    over the steps) is at least 0.9 x the simulator's for the step's measured action costs, and at most 1.1 x it
+    plus the step's own message time, which the simulator leaves out (module docstring of pipeline/metrics.py): each
+    message costs its sender the measured send time and its receiver about as much, hidden in its receive; on gloo
+    that is about 1 ms, 1-2% of an interleaved step of 2 x 8 messages a rank, as much as 10% of its 0.11 bubble. The
+    simulator's theory is (p-1)/(m*v+p-1) for 1F1B, GPipe and interleaved; interleaving and zero-bubble measure below
+    1F1B."""
     out, _ = schedules_run
-    measured, theory = {}, {}
+    measured, theory, messages = {}, {}, {}
     for schedule in SCHEDULES:
         rows = _rows(out / schedule)
         measured[schedule] = statistics.median(r["pipeline/bubble"] for r in rows)
         theory[schedule] = statistics.median(r["pipeline/bubble_theory"] for r in rows)
+        messages[schedule] = statistics.median(
+            2 * statistics.mean(r[f"pipeline/pp{p}/send"] for p in (0, 1)) / r["pipeline/step_time"] for r in rows)
     for schedule in SCHEDULES:
-        assert measured[schedule] == pytest.approx(theory[schedule], rel=0.1), (schedule, measured, theory)
+        low, high = 0.9 * theory[schedule], 1.1 * theory[schedule] + messages[schedule]
+        assert low <= measured[schedule] <= high, (schedule, low, high, measured, theory, messages)
+        assert messages[schedule] < 0.03, (schedule, messages)  # a message of ~1 ms, not a stalled transport
     for schedule, p, m, v in (("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("interleaved-1f1b", 2, 4, 2)):
         assert theory[schedule] == pytest.approx((p - 1) / (m * v + p - 1), rel=0.01)
-        assert measured[schedule] == pytest.approx(theory[schedule], rel=0.1)
     assert measured["interleaved-1f1b"] < measured["1f1b"] and measured["zero-bubble"] < measured["1f1b"]
 
 
