@@ -99,8 +99,8 @@ def choose(module: nn.Module, request: AutoRequest, *, world: int, rank: int, lo
     batch, seq = batch_shape(module)
     target = module if model is None else model
     if not any(True for _ in target.parameters()):
-        raise AutoLayoutError("layout='auto' profiles the model at setup, before configure_model runs; build the "
-                              "model in __init__ (under trainer.init_module(empty_init=True) it stays on meta)")
+        raise AutoLayoutError("layout='auto' profiles the model at setup and found no parameters: the "
+                              "LightningModule builds no layer in __init__ and none in configure_model")
     dtype = next(p.dtype for p in target.parameters())
     profile = profile_model(target, seq_len=seq, dtype=dtype)
     link = measure_link()  # every rank: a collective
@@ -171,11 +171,30 @@ class AutoLayout:
             if self.layout_choice is None and state is not None and state.layout is not None:
                 self.layout_choice = state.layout  # the model is already cut that way: keep it
             if self.layout_choice is None:
+                self._build_on_meta(module)
                 self.layout_choice, self.layout_ranking = choose(
                     module, request, world=self.world_size, rank=self.global_rank,  # type: ignore[attr-defined]
                     local_processes=self.num_processes, device=self.root_device)  # type: ignore[attr-defined]
             self._apply_layout(self.layout_choice, module)
         super()._before_mesh()  # type: ignore[misc]
+
+    def _build_on_meta(self, module: Any) -> None:
+        """A model built in ``configure_model`` (Lightning calls it after the mesh exists): built here, on meta, as
+        the Trainer would build it (the same contexts), so that the search sees it. Lightning's own call comes later
+        and, as its documentation asks of the hook, finds the layers there (or builds them again, on meta too)."""
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+        if any(True for _ in module.parameters()) or not is_overridden("configure_model", module):
+            return
+        try:
+            with self.tensor_init_context(), self.model_sharded_context(), \
+                    self.precision_plugin.module_init_context():  # type: ignore[attr-defined]
+                module.configure_model()
+        except Exception as err:
+            raise AutoLayoutError(
+                f"layout='auto' builds the model of configure_model on the meta device before choosing the layout "
+                f"(the mesh does not exist yet), and configure_model failed there: {type(err).__name__}: {err}. "
+                f"Build the model in __init__ under trainer.init_module(empty_init=True), or give tp, pp and dp"
+            ) from err
 
     def _apply_layout(self, layout: Layout, module: nn.Module) -> None:
         from lightning_tpp.pipeline.schedule import validate
