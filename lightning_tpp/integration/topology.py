@@ -20,7 +20,7 @@ from lightning_tpp.core.heap import return_freed_blocks
 from lightning_tpp.core.mesh import MeshDims, build_mesh, resolve_dims
 from lightning_tpp.core.seeding import agree_with_rank0
 from lightning_tpp.experts.expert_parallel import ExpertGroup, check_ep, expert_group
-from lightning_tpp.reliability.watch import FailureWatch
+from lightning_tpp.reliability.watch import FailureWatch, job_store
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,7 +134,7 @@ class MeshTopology:
             self._ep_group = expert_group(self._mesh, self._ep, rank=self.global_rank, dp=self._dims.dp)
         if self._watch is None and self.world_size > 1:
             seconds = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-            self._watch = FailureWatch(default_store(), self.global_rank, self.world_size,
+            self._watch = FailureWatch(job_store(default_store()), self.global_rank, self.world_size,
                                        timeout=min(seconds, 60.0))
             self._watch.start()
 

@@ -40,6 +40,20 @@ from typing import Any, Callable, Optional
 _ABORT = "tpp/abort"
 
 
+def job_store(store: Any) -> Any:
+    """``store`` under a prefix that only this start of the job uses. torchrun hands restarted workers the
+    rendezvous' store, which outlives them: the failure report and heartbeats of the attempt before would stop the
+    new one at once (found by a two-agent test: the restarted ranks stopped on the lost node's report). Rank 0 draws
+    the prefix; one broadcast gives it to every rank."""
+    import uuid
+
+    import torch.distributed as dist
+
+    token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    return dist.PrefixStore(f"tpp/{token[0]}/", store)
+
+
 class FailureWatch:
     def __init__(self, store: Any, rank: int, world_size: int, *, timeout: float, interval: float = 0.5,
                  grace: float = 10.0) -> None:

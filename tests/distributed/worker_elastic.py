@@ -8,6 +8,11 @@
     reference(OUT)    one process, no strategy, 8 steps of the same 8-sample global batches (the order Lightning's
                       DistributedSampler draws: seed 0)
 
+    torchrun --nnodes=1:2 --nproc-per-node=2 --rdzv-backend=c10d ... worker_elastic.py OUT node   (two agents)
+        attempt 0: the two agents' 4 workers, tp2 x dp2; as step 5 starts, the second node's workers write their
+        pids and wait; the test SIGKILLs that node (its agent and workers). The first agent's workers fail, it
+        restarts them, and the c10d rendezvous forms the world that is left: one node of 2 workers, tp2 x dp1.
+
 Every rank records (attempt, step, loss) per micro-batch to OUT/losses.attempt{A}.rank{R}.json.
 """
 
@@ -17,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,6 +31,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+NODE_LOST = sys.argv[2:3] == ["node"]
 
 
 class Record(L.Callback):
@@ -35,9 +42,19 @@ class Record(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
         self.step = trainer.global_step
-        if self.kill_at is not None and trainer.global_step == self.kill_at and trainer.global_rank == 3:
+        if self.kill_at is None or trainer.global_step != self.kill_at or ATTEMPT > 0:
+            return
+        if NODE_LOST:  # the second node's workers say where they are and wait for the test to kill their node
+            if trainer.global_rank >= 2:
+                self._dump(trainer)
+                tmp = self.out / f"pid.rank{trainer.global_rank}.tmp"
+                tmp.write_text(f"{os.getpid()} {os.getppid()}")  # the worker and its agent
+                os.replace(tmp, self.out / f"pid.rank{trainer.global_rank}")
+                if trainer.global_rank == 3:
+                    time.sleep(600)
+        elif trainer.global_rank == 3:
             self._dump(trainer)
-            os.kill(os.getpid(), signal.SIGKILL)  # a lost node: no exception, no goodbye
+            os.kill(os.getpid(), signal.SIGKILL)  # a lost rank: no exception, no goodbye
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, *args) -> None:
         self.rows.append((ATTEMPT, self.step, float(outputs["loss"])))
@@ -77,11 +94,12 @@ def main() -> None:
 
     L.seed_everything(0, verbose=False)
     world = int(os.environ.get("WORLD_SIZE", "4"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))  # "node": two agents of 2 workers, then one
     checkpoints = ModelCheckpoint(out / "ckpt", filename="step{step}", every_n_train_steps=2, save_last=True,
                                   auto_insert_metric_name=False)
-    trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=8, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[Record(out, 4 if mode == "killed" else None),
-                                                               checkpoints],
+    record = Record(out, 4 if mode in ("killed", "node") else None)
+    trainer = L.Trainer(accelerator="cpu", devices=local, num_nodes=world // local, max_steps=8, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[record, checkpoints],
                         strategy=TensorPipeStrategy(tp=2, dp="auto", print_plan=False, timeout=timedelta(seconds=10)))
     loader = torch.utils.data.DataLoader(token_dataset(64), batch_size=4)  # one epoch: 8 steps of 8 samples at dp2
     trainer.fit(LitLM("nanogpt4", lr=0.05), loader, ckpt_path="last" if ATTEMPT > 0 else None)
