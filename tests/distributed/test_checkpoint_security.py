@@ -80,7 +80,7 @@ def test_planted_sharded_checkpoint_refused_in_one_process(tmp_path: Path, shard
     _assert_refused_everywhere(result, marker, "meta.pt")
 
 
-@pytest.mark.parametrize("command", ["consolidate", "export-hf"])
+@pytest.mark.parametrize("command", ["consolidate", pytest.param("export-hf", marks=pytest.mark.slow)])
 def test_planted_checkpoint_refused_by_the_command_line(tmp_path: Path, sharded: Path, command: str) -> None:
     marker = tmp_path / "ran"
     for plant in (_plant_meta, _plant_metadata):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from launch import ROOT
@@ -29,6 +30,7 @@ def test_readme_demo_loss_falls() -> None:
     _falls(_run(str(ROOT / "examples" / "gpt.py"), "--steps", "30").stdout)
 
 
+@pytest.mark.slow
 def test_cli_config_round_trips_and_trains(tmp_path: Path) -> None:
     """``--print_config`` of the YAML with a command-line override gives a config that trains as given."""
     cli, config = str(ROOT / "examples" / "cli.py"), str(ROOT / "examples" / "configs" / "gpt_tp2_pp2.yaml")

@@ -56,6 +56,7 @@ def _example():
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.slow
 def test_hf_example_trains_resumes_and_exports(tmp_path: Path) -> None:
     import transformers
 

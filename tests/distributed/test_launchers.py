@@ -12,7 +12,7 @@ import pytest
 from launch import ROOT
 
 
-@pytest.mark.parametrize("method", ["spawn", "fork"])
+@pytest.mark.parametrize("method", [pytest.param("spawn", marks=pytest.mark.slow), "fork"])
 def test_spawned_ranks_hand_back_whole_weights(method: str) -> None:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)

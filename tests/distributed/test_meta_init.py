@@ -42,6 +42,7 @@ def test_meta_built_parity(tmp_path: Path, tp: int, pp: int) -> None:
             assert_parity(got, ref, where=f"meta-built {name} tp={tp} pp={pp} tp rank {tp_rank}")
 
 
+@pytest.mark.slow
 def test_meta_built_parity_tp2_pp2_dp2_sharded_with_activation_checkpointing(tmp_path: Path) -> None:
     """8 ranks: built on meta, each rank initialises its tp shard of its stage, FSDP2 cuts it over dp; blocks
     recomputed in backward. Llama (rotary side inputs) and GPT-2 (tied embedding/head on the first and last stage)."""

@@ -111,7 +111,7 @@ def test_ep_over_tp2_dp2(tmp_path: Path, ep: int) -> None:
                       where=f"ep={ep} rank {rank}")
 
 
-@pytest.mark.parametrize("sharded", [True, False], ids=["dcp", "whole"])
+@pytest.mark.parametrize("sharded", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["dcp", "whole"])
 def test_ep_checkpoints_resume_in_other_layouts(tmp_path: Path, sharded: bool) -> None:
     """Saved at ep=2 over dp=2 (DCP shards, or one whole file), resumed in one process (DCP consolidated) and at
     tp=2: the steps after the resume equal an uninterrupted run's, momentum included; the file holds the model's own

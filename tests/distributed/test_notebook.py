@@ -59,6 +59,7 @@ def test_committed_notebook_has_no_outputs() -> None:
     assert nb.metadata.kernelspec.name == "python3"
 
 
+@pytest.mark.slow
 def test_notebook_runs_top_to_bottom(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _python3_kernel_of_this_interpreter(tmp_path, monkeypatch)
     # the kernel inherits this environment: `from gpt import ...` as from the notebook's own folder; one thread a rank

@@ -71,6 +71,7 @@ def test_pp2_values_crossing_stages(tmp_path: Path) -> None:
     run_and_compare(tmp_path, CROSSING_MODELS)
 
 
+@pytest.mark.slow
 def test_tp2_pp2_values_crossing_stages(tmp_path: Path) -> None:
     # T5: its position bias, made whole by the first layer, crosses stages and is cut to each rank's heads where
     # read; Falcon: one K/V head, held whole by both tp ranks; a DiT's conditioning vector (issue 30)
@@ -131,6 +132,7 @@ def test_pp2_dp2(tmp_path: Path) -> None:
                                                                  "--no-vocab-exchange"))
 
 
+@pytest.mark.slow
 def test_pp2_dp2_sharded_every_schedule(tmp_path: Path) -> None:
     """Parameters, gradients and optimizer state sharded over dp (FSDP2, the default) under every schedule: gradients
     reduce-scattered after each backward (GPipe, 1F1B, interleaved) or once after the schedule, where zero-bubble

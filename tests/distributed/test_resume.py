@@ -45,8 +45,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
     return _uninterrupted(str(tmp_path_factory.mktemp("reference")))
 
 
-@pytest.mark.parametrize(("save", "load"), [((2, 2), (2, 2)), ((2, 2), (1, 2)), ((2, 2), (2, 1)), ((2, 2), (0, 0)),
-                                            ((0, 0), (2, 2))],
+@pytest.mark.parametrize(("save", "load"), [pytest.param((2, 2), (2, 2), marks=pytest.mark.slow), ((2, 2), (1, 2)),
+                                            ((2, 2), (2, 1)), ((2, 2), (0, 0)), ((0, 0), (2, 2))],
                          ids=["tp2pp2-same", "tp2pp2-to-pp2", "tp2pp2-to-tp2", "tp2pp2-to-one-process",
                               "one-process-to-tp2pp2"])
 def test_resume_across_layouts(tmp_path: Path, reference, save: tuple[int, int], load: tuple[int, int]) -> None:
@@ -68,7 +68,8 @@ def test_resume_across_layouts(tmp_path: Path, reference, save: tuple[int, int],
     torch.testing.assert_close(second.logged["val_loss"], ref_second.logged["val_loss"], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("load", [(1, 2), (2, 1), (2, 2), (0, 0)], ids=["to-pp2", "to-tp2", "same", "consolidated"])
+@pytest.mark.parametrize("load", [(1, 2), (2, 1), pytest.param((2, 2), marks=pytest.mark.slow), (0, 0)],
+                         ids=["to-pp2", "to-tp2", "same", "consolidated"])
 def test_sharded_checkpoint_resumes_in_any_layout(tmp_path: Path, reference, load: tuple[int, int]) -> None:
     """save_distributed_checkpoint=True at tp2 x pp2: a folder of shards (DCP) that loads into other layouts; for one
     process without the strategy it is consolidated into one ordinary file first."""
@@ -109,7 +110,8 @@ def adafactor_reference(tmp_path_factory: pytest.TempPathFactory):
     return _uninterrupted(str(tmp_path_factory.mktemp("adafactor")), "adafactor")
 
 
-@pytest.mark.parametrize(("save", "load", "sharded"), [((1, 2), (1, 2), True), ((1, 2), (0, 0), False),
+@pytest.mark.parametrize(("save", "load", "sharded"), [pytest.param((1, 2), (1, 2), True, marks=pytest.mark.slow),
+                                                       ((1, 2), (0, 0), False),
                                                        ((0, 0), (1, 2), False)],
                          ids=["pp2-sharded-same", "pp2-to-one-process", "one-process-to-pp2"])
 def test_adafactor_resumes_across_layouts(tmp_path: Path, adafactor_reference, save: tuple[int, int],
