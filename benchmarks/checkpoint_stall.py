@@ -4,6 +4,7 @@
     python benchmarks/checkpoint_stall.py                # Llama-style, ~25 M parameters + AdamW, tp=2 (2 CPU processes)
     python benchmarks/checkpoint_stall.py --model gpt    # GPT of ~25 M parameters: its fused qkv is gathered in the step
     python benchmarks/checkpoint_stall.py --quick        # ~1.6 M parameters: a smoke test
+    python benchmarks/checkpoint_stall.py --profile      # and the parts of each stall (median, slowest rank)
 
 Each run trains ``--steps`` steps of ``examples/hf_causal_lm.py``'s ``LitLlama`` (q, k, v, o, gate, up and down
 projections: every tensor-parallel shard is saved as it is) or ``examples/gpt.py``'s GPT (a fused ``[q | k | v]``
@@ -13,7 +14,8 @@ stall of a save is the wall time of that call, on the slowest rank: for a synchr
 ``meta.pt`` and the publish; for an asynchronous one, waiting for the previous save (if still in flight), copying
 this rank's shards to host memory and starting the background write. The time the background write takes is
 measured too (from the save to its publish, seen at the next save or at the end), and the step time of the steps
-between saves, so that a write that slows the steps it overlaps is seen.
+between saves, so that a write that slows the steps it overlaps is seen. A save that comes while the previous write
+is still in flight waits for it: that wait is part of the stall and is also printed on its own line.
 """
 
 from __future__ import annotations
