@@ -34,8 +34,9 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 __all__ = [
     "BatchNormBase", "InstanceNormBase", "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType",
     "SubprocessScriptLauncher",
-    "SummaryCallbackAdapter", "all_gather_ddp_if_available", "collect_rng_states", "dcp_metadata_path",
-    "default_store", "distributed_is_initialized", "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now",
+    "SummaryCallbackAdapter", "all_gather_ddp_if_available", "caching_save_planner", "collect_rng_states",
+    "dcp_metadata_path", "default_store", "drop_save_plan_cache", "distributed_is_initialized",
+    "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now",
     "fsdp_sharded_params", "fsdp_state", "get_layout", "hf_install_output_hook", "hf_output_collector",
     "in_backward", "init_dist_connection", "layer_sync_requested", "optimizer_to_device", "optimizers_to_device",
     "requested_weights_only", "set_rank_zero", "set_rng_states",
@@ -98,6 +99,27 @@ def outside_function_modes() -> Iterator[None]:
 def default_store() -> Any:
     """The default process group's key-value store (no public accessor in torch)."""
     return dist.distributed_c10d._get_default_store()
+
+
+def caching_save_planner(key: str, planner_class: Any = None) -> Any:
+    """A ``DefaultSavePlanner`` (or ``planner_class``, a subclass) that keeps its plans under ``key``
+    (``enable_plan_caching=True``): a later save of the same tensors skips building and exchanging the plans. DCP
+    keys its class-level cache by the planner's class name unless told otherwise, so two savers in one process
+    would share (and merge) their plans."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    planner = (planner_class or DefaultSavePlanner)(enable_plan_caching=True)
+    planner._cached_plans_key = key
+    return planner
+
+
+def drop_save_plan_cache(key: str) -> None:
+    """Forget what :func:`caching_save_planner` cached under ``key`` (held in ``SavePlanner``'s class attributes)."""
+    from torch.distributed.checkpoint import SavePlanner
+
+    for name in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
+                 "_cached_final_save_plan"):
+        getattr(SavePlanner, name).pop(key, None)
 
 
 def dcp_metadata_path(reader: Any, rank: Optional[int]) -> Any:

@@ -9,7 +9,8 @@ A checkpoint is a folder::
                                  the optimizers' parameter groups (by name) and the single-device parameter order
 
 Plain column/row/vocab shards are saved as DTensors (``Shard(dim)`` of the tp mesh), so DCP reshards them into any
-layout on load; fused projections (qkv) and replicated tensors are saved whole. The folder is written aside and
+layout on load; fused projections (qkv) as one chunk per piece of the whole tensor (``pieces``), each written by the
+rank that holds it; replicated tensors whole. The folder is written aside and
 renamed into place, so a save that dies midway leaves the previous checkpoint intact.
 """
 
@@ -30,6 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tpp.checkpoint.files import atomic_save, publish
+from lightning_tpp.checkpoint.pieces import Pieces, PiecesPlanner
 from lightning_tpp.checkpoint.safe_load import CheckpointMismatchError, SafeFileSystemReader, classify, torch_load
 from lightning_tpp.checkpoint.state import check_state_layout, cut_like_param, indexed_optimizer_state
 from lightning_tpp.core.comm import TPGroup, gather_with_spec
@@ -103,6 +105,16 @@ class Layout:
                                       shape=torch.Size(full_shape), stride=_contiguous_stride(full_shape))
         return gather_with_spec(t, spec, self.group)
 
+    def save_form(self, t: Tensor, spec: Optional[ShardSpec], full_shape: tuple[int, ...]) -> Any:
+        """What a save writes of ``t``: :meth:`wrap`'s, except that a tensor cut in several pieces per rank (a
+        fused projection) is written piece by piece where it lies instead of gathered (:mod:`.pieces`)."""
+        if spec is None or spec.over is not None or spec.parts is None or self.group.size == 1:
+            return self.wrap(t, spec, full_shape)
+        if isinstance(t, DTensor):  # sharded over dp as well: whole on this tp rank first
+            t = gather_dp(t)
+        pieces = spec.pieces(full_shape[spec.dim], self.group.rank, self.group.size)
+        return Pieces(t.detach().contiguous(), full_shape, spec.dim, pieces)
+
     def unwrap(self, loaded: Any, spec: Optional[ShardSpec], like: Tensor) -> Tensor:
         """This rank's part of what was loaded into ``wrap``'s result, shaped as ``like`` (what was wrapped)."""
         if isinstance(loaded, DTensor):  # this rank's box of the whole tensor
@@ -152,12 +164,21 @@ def _optimizer_entries(optimizers: list[Any], module: nn.Module, names: ParamNam
     return out
 
 
+Entry = tuple[Any, Optional[ShardSpec], tuple[int, ...]]  # this rank's tensor, how it is cut, the whole shape
+
+
+def sharded_entries(module: nn.Module, optimizers: list[Any], names: ParamNames, layout: Layout
+                    ) -> dict[str, Entry]:
+    """Model and optimizer entries under single-device names, each as this rank holds it."""
+    entries = {f"model.{k}": v for k, v in _model_entries(module, layout.shards).items()}
+    entries.update(_optimizer_entries(optimizers, module, names, layout))
+    return entries
+
+
 def sharded_state(module: nn.Module, optimizers: list[Any], names: ParamNames, layout: Layout) -> dict[str, Any]:
-    """What DCP writes: model and optimizer entries under single-device names, wrapped for resharding (collective
-    over tp and dp where a fused or dp-sharded tensor is gathered)."""
-    state = {f"model.{k}": layout.wrap(*v) for k, v in _model_entries(module, layout.shards).items()}
-    state.update({k: layout.wrap(*v) for k, v in _optimizer_entries(optimizers, module, names, layout).items()})
-    return state
+    """What DCP writes: :func:`sharded_entries` wrapped for resharding (collective over dp where a fused tensor is
+    also sharded over dp and gathered on each tp rank). Write it with :class:`PiecesPlanner`."""
+    return {k: layout.save_form(*v) for k, v in sharded_entries(module, optimizers, names, layout).items()}
 
 
 def sharded_meta(checkpoint: dict[str, Any], names: ParamNames, param_groups: list[Any]) -> dict[str, Any]:
@@ -167,12 +188,22 @@ def sharded_meta(checkpoint: dict[str, Any], names: ParamNames, param_groups: li
     return meta
 
 
-def partial_dir(path: Path, *, is_global_zero: bool) -> Path:
-    """The hidden folder a save writes into before it is published at ``path``, emptied of an earlier failed save
-    (collective: every rank waits until it is empty)."""
-    tmp = path.with_name(f".{path.name}.partial")
-    if is_global_zero and tmp.exists():
+def partial_path(path: Path) -> Path:
+    """The hidden folder a save writes into before it is published at ``path``."""
+    return path.with_name(f".{path.name}.partial")
+
+
+def clear_partial(path: Path) -> Path:
+    """:func:`partial_path`, emptied of an earlier failed save (rank 0, while no rank writes there)."""
+    tmp = partial_path(path)
+    if tmp.exists():
         shutil.rmtree(tmp)
+    return tmp
+
+
+def partial_dir(path: Path, *, is_global_zero: bool) -> Path:
+    """:func:`partial_path`, emptied of an earlier failed save (collective: every rank waits until it is empty)."""
+    tmp = clear_partial(path) if is_global_zero else partial_path(path)
     dist.barrier()
     return tmp
 
@@ -182,7 +213,7 @@ def save_sharded(path: Path, checkpoint: dict[str, Any], module: nn.Module, opti
     """Every rank calls this (DCP's save is collective)."""
     state = sharded_state(module, optimizers, names, layout)
     tmp = partial_dir(path, is_global_zero=is_global_zero)
-    dcp.save(state, checkpoint_id=tmp)
+    dcp.save(state, checkpoint_id=tmp, planner=PiecesPlanner())
     if is_global_zero:
         atomic_save(sharded_meta(checkpoint, names, param_groups), tmp / META)  # last: without it, unfinished
         publish(tmp, path)

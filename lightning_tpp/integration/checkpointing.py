@@ -22,11 +22,12 @@ from lightning_tpp.checkpoint.dcp import (
     is_sharded_checkpoint,
     load_sharded,
     merge_param_groups,
+    clear_partial,
     named_param_groups,
-    partial_dir,
+    partial_path,
     save_sharded,
+    sharded_entries,
     sharded_meta,
-    sharded_state,
 )
 from lightning_tpp.checkpoint.async_save import AsyncSaver
 from lightning_tpp.reliability import elastic
@@ -131,15 +132,23 @@ class CheckpointMixin:
                         ) -> None:
         """Rank 0 writes the whole-model checkpoint aside and then renames it into place (local paths); every rank's
         RNG states travel with it."""
-        rng: list[Any] = [None] * self.world_size
-        dist.all_gather_object(rng, rng_state())
+        path: Optional[Path] = None
+        if self._async_saver is not None:  # one collective: the save in flight waited for (its failure raised on
+            # every rank), every rank's RNG states, rank 0's path; rank 0 clears the folder this save writes to
+            own = Path(str(filepath))
+            shared = self._async_saver.wait(self.world_size, (rng_state(), str(own)),
+                                            then=(lambda: clear_partial(own)) if self.is_global_zero else None)
+            rng, path = [r for r, _ in shared], Path(shared[0][1])
+        else:
+            rng = [None] * self.world_size
+            dist.all_gather_object(rng, rng_state())
         checkpoint["tpp_rng_states"] = rng
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         checkpoint[elastic.KEY] = elastic.world_record(  # what a resume in another world size keeps
             dp=self.dims.dp, accumulate=trainer.accumulate_grad_batches if trainer is not None else 1,
             world_size=self.world_size, loader=trainer.train_dataloader if trainer is not None else None)
         if self._save_sharded:
-            return self._save_sharded_checkpoint(checkpoint, Path(self.broadcast(str(filepath))))
+            return self._save_sharded_checkpoint(checkpoint, path or Path(self.broadcast(str(filepath))))
         if not self.is_global_zero:
             return
         if storage_options is not None or "://" in str(filepath):
@@ -160,16 +169,16 @@ class CheckpointMixin:
             stages = self._gather_stages(groups)
             if stages is not None:
                 groups = merge_param_groups(stages)
-        saver = self._async_saver
-        self.wait_for_checkpoint()  # one save in flight; its failure raised here on every rank
+        saver = self._async_saver  # the save in flight was waited for by save_checkpoint
         if saver is None or not self._in_fit_loop():
             save_sharded(path, checkpoint, module, optimizers, self._param_names, self._layout(),
                          is_global_zero=self.is_global_zero, param_groups=groups)
             return
-        state = sharded_state(module, optimizers, self._param_names, self._layout())
-        tmp = partial_dir(path, is_global_zero=self.is_global_zero)
+        layout = self._layout()
+        entries = sharded_entries(module, optimizers, self._param_names, layout)
         meta = sharded_meta(checkpoint, self._param_names, groups) if self.is_global_zero else None
-        saver.save(state, tmp, path, meta)
+        saver.save(entries, partial_path(path), path, meta, layout)  # partial_path cleared by rank 0 before
+        # save_checkpoint's collective
 
     def _in_fit_loop(self) -> bool:
         """A save in the training loop goes to the background; one after ``fit`` (nothing to overlap) is written

@@ -217,6 +217,21 @@ def test_torch_dcp_metadata_names() -> None:
     assert _params(FileSystemReader._get_metadata_path) == ["self", "rank"]
 
 
+def test_dcp_save_plan_cache() -> None:
+    """``checkpoint.async_save`` caches DCP's save plans under a key of its own: the planner keeps the key in
+    ``_cached_plans_key`` and the caches are ``SavePlanner`` class dictionaries keyed by it."""
+    from torch.distributed.checkpoint import DefaultSavePlanner, SavePlanner
+
+    assert "enable_plan_caching" in _params(DefaultSavePlanner)
+    planner = _compat.caching_save_planner("test-key")
+    assert planner._cached_plans_key == "test-key" and planner._enable_plan_caching is True
+    SavePlanner._cached_metadata["test-key"] = object()  # what a save leaves behind
+    SavePlanner._cached_save_plan["test-key"] = object()
+    _compat.drop_save_plan_cache("test-key")
+    assert all("test-key" not in getattr(SavePlanner, name) for name in (
+        "_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata", "_cached_final_save_plan"))
+
+
 def test_fsdp2_internals(tmp_path: Path) -> None:
     """FSDP2's state, its parameters (sharded and gathered), explicit root initialisation and a reduce-scatter run
     outside backward: what ``core.dp_shard`` and the pipeline rely on (one-rank process group, destroyed after)."""
