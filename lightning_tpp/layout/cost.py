@@ -14,6 +14,15 @@ What it adds up (per pipeline rank; a step is ``accumulate`` pipeline runs of ``
     dp all-reduce         (no_shard) the stage's gradients once per step, ``overlap`` of it hidden
     optimizer             the rank's parameters and states read and written once, at memory bandwidth
 
+Expert parallelism (``ep > 1``, ``experts.dispatch``), per routed layer and micro-batch: forward, the counts'
+all-to-all and two of the rows (to the experts, back), backward two more (again in a recomputation); each rank sends
+its share of the tokens (1/tp of the micro-batch's under tp) x top-k rows of ``hidden`` elements, (ep-1)/ep of them
+to other ranks, on the tp link while the ep group stays in a tp group or a node. The experts' compute per rank is
+unchanged: every rank of a stage holds 1/ep of the experts and receives on average ep/tp ranks' shares of the rows,
+the same work that expert tp gives it (1/tp of every expert for all its tokens). Their gradients are summed over their
+replicas (dp x tp / ep ranks) once per step, not overlapped (``StepTime.experts``); FSDP2 and the dp all-reduce carry
+only the dense rest.
+
 Assumptions: tp all-reduces and pipeline sends are not overlapped with compute (Megatron's defaults, and gloo's);
 FSDP2's and dp's collectives overlap by ``DeviceSpec.overlap`` (0 for gloo, which runs on the compute cores) of
 what they share with compute (``overlap x min(communication, compute)`` is hidden);
@@ -28,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from lightning_tpp.layout.links import DeviceSpec, Link
-from lightning_tpp.layout.memory import stage_blocks
+from lightning_tpp.layout.memory import stage_blocks, stage_params
 from lightning_tpp.layout.plan import Layout
 from lightning_tpp.layout.profile import BlockProfile, ModelProfile
 from lightning_tpp.pipeline.schedule import simulate
@@ -78,22 +87,38 @@ class StepTime:
     dp: float
     optimizer: float
     samples: int
+    experts: float = 0.0  # ep > 1: the experts' gradients summed over their replicas
 
     @property
     def total(self) -> float:
-        return self.pipeline + self.fsdp + self.dp + self.optimizer
+        return self.pipeline + self.fsdp + self.dp + self.optimizer + self.experts
 
     @property
     def per_sample(self) -> float:
         return self.total / self.samples
 
 
-def _links(layout: Layout, device: DeviceSpec) -> tuple[Link, Link, Link]:
-    """tp, pp and dp links: tp within a node; pp while tp x pp fit in a node; dp while the whole mesh does."""
+def _links(layout: Layout, device: DeviceSpec) -> tuple[Link, Link, Link, Link]:
+    """tp, pp, dp and ep links: tp within a node; pp while tp x pp fit in a node; dp while the whole mesh does; ep
+    while its group is inside a tp group or spans no more than ep x pp devices of a node (tp fastest, then dp)."""
     node = device.devices_per_node
     pp = device.intra if layout.tp * layout.pp <= node else device.inter
     dp = device.intra if layout.world <= node else device.inter
-    return device.intra, pp, dp
+    ep = device.intra if layout.ep <= layout.tp or layout.ep * layout.pp <= node else device.inter
+    return device.intra, pp, dp, ep
+
+
+def _exchanges(block: BlockProfile, mb: float, layout: Layout, link: Link, seq_len: int, elem: int
+               ) -> tuple[float, float]:
+    """(forward, backward) seconds of the block's all-to-alls under ep (0 without): see the module docstring."""
+    if layout.ep == 1 or not block.routed:
+        return 0.0, 0.0
+    f = b = 0.0
+    for r in block.routed:
+        rows = link.all_to_all(mb * seq_len * r.top_k / layout.tp * r.hidden * elem, layout.ep)
+        f += 2 * rows + link.all_to_all(r.experts * 8, layout.ep)
+        b += 2 * rows
+    return f, b
 
 
 def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: BlockTimes, *, batch: int,
@@ -101,34 +126,33 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
     """Seconds of one optimizer step of ``layout`` on per-process batches of ``batch`` sequences."""
     tp, pp, m = layout.tp, layout.pp, layout.microbatches
     mb = batch / m
-    tp_link, pp_link, dp_link = _links(layout, device)
+    tp_link, pp_link, dp_link, ep_link = _links(layout, device)
     hidden = profile.sent * mb  # the residual stream of a micro-batch, in bytes
     reduce = tp_link.all_reduce(hidden, tp)
     send = pp_link.p2p(hidden) if pp > 1 else 0.0
     rate = times.rate(profile, device)
-    costs = tuple(b.params.whole for b in profile.blocks)
+    costs = tuple(b.active for b in profile.blocks)
     bounds = stage_blocks(costs, pp, profile.first_params.whole, profile.last_params.whole) if pp > 1 else \
         ((0, profile.n_blocks),)
-    per_rank, stage_params = [], []
+    per_rank, stage_dense, stage_experts = [], [], []
     for r, (a, b) in enumerate(bounds):
         f = bwd = 0.0
         for block in profile.blocks[a:b]:
             bf, bb = times.block(block, mb, tp, device)
+            xf, xb = _exchanges(block, mb, layout, ep_link, profile.seq_len, profile.dtype_bytes)
             comm = block.reductions * reduce
-            f += bf + comm
-            bwd += bb + comm + (bf + comm if layout.activation_checkpointing else 0.0)
-        params = sum(x.params.at(tp) for x in profile.blocks[a:b])
-        if r == 0:
-            params += profile.first_params.at(tp)
+            f += bf + comm + xf
+            bwd += bb + comm + xb + (bf + comm + xf if layout.activation_checkpointing else 0.0)
+        dense, experts, _ = stage_params(profile, layout, r, a, b)
         if r == pp - 1:
-            params += profile.last_params.at(tp)
             ends = profile.end_flops.at(tp) * mb / rate + profile.vocab_reductions * reduce
             f, bwd = f + ends, bwd + 2 * ends
         per_rank.append((f + send, bwd + send))
-        stage_params.append(params * profile.dtype_bytes)
+        stage_dense.append(dense * profile.dtype_bytes)
+        stage_experts.append(experts * profile.dtype_bytes)
     run, busy = _pipeline(layout.schedule, pp, m, tuple(per_rank))
     compute = max(m * (f + b) for f, b in per_rank) * layout.accumulate  # what FSDP2/dp traffic can hide behind
-    largest = max(stage_params)
+    largest = max(stage_dense)
     fsdp = dp = 0.0
     if layout.sharded:
         gathers = 2 if layout.dp_sharding == "full_shard" else 1
@@ -137,9 +161,12 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
     elif layout.dp > 1:
         dp = _exposed(dp_link.all_reduce(largest, layout.dp), compute, device.overlap)
     shard = layout.dp if layout.sharded else 1
-    optimizer = largest / shard * (3 + 2 * optimizer_states) / device.memory_bandwidth
+    held = max(d / shard + e for d, e in zip(stage_dense, stage_experts))
+    optimizer = held * (3 + 2 * optimizer_states) / device.memory_bandwidth
+    experts = dp_link.all_reduce(max(stage_experts), layout.dp * tp // layout.ep) if layout.ep > 1 else 0.0
     samples = batch * layout.dp * layout.accumulate
-    return StepTime(run * layout.accumulate, (run - busy) * layout.accumulate, fsdp, dp, optimizer, samples)
+    return StepTime(run * layout.accumulate, (run - busy) * layout.accumulate, fsdp, dp, optimizer, samples,
+                    experts)
 
 
 def _exposed(comm: float, compute: float, overlap: float) -> float:

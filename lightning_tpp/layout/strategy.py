@@ -3,7 +3,8 @@ processes exist and before the mesh is built from tp, pp and dp.
 
     every rank: profile the model on meta (deterministic), measure the link (an all-reduce, every rank)
     rank 0:     time one block of each kind per micro-batch size, search, log the top layouts and why
-    every rank: take rank 0's choice (one broadcast), set tp/pp/dp, micro-batches, schedule, checkpointing, sharding
+    every rank: take rank 0's choice (one broadcast), set tp/pp/dp/ep, micro-batches, schedule, checkpointing,
+                sharding
 """
 
 from __future__ import annotations
@@ -42,12 +43,14 @@ class AutoRequest:
     device_memory: Optional[float]
     global_batch: Optional[int]
     margin: float = 0.1
+    ep: Optional[int] = None  # searched (layout="auto", where the model has experts), else the given one
 
 
 def auto_request(*, tp: Any, pp: Any, dp: Any, layout: Optional[str], device_memory: Optional[Union[float, str]],
-                 global_batch: Optional[int], activation_checkpointing: bool, dp_sharding: str
+                 global_batch: Optional[int], activation_checkpointing: bool, dp_sharding: str, ep: int = 1
                  ) -> Optional[AutoRequest]:
-    """The request the strategy's arguments make, or ``None`` when every degree is given (the search is off)."""
+    """The request the strategy's arguments make, or ``None`` when every degree is given (the search is off).
+    ``layout="auto"`` searches ep too; ``tp="auto"`` / ``pp="auto"`` keep the given ``ep``."""
     if layout not in (None, AUTO):
         raise AutoLayoutError(f"layout={layout!r} must be 'auto' or None (tp, pp and dp given)")
     if layout is None and AUTO not in (tp, pp):
@@ -63,7 +66,7 @@ def auto_request(*, tp: Any, pp: Any, dp: Any, layout: Optional[str], device_mem
     return AutoRequest(tp=None if whole or tp == AUTO else tp, pp=None if whole or pp == AUTO else pp,
                        activation_checkpointing=None if whole else activation_checkpointing,
                        dp_sharding=None if whole else dp_sharding, device_memory=_bytes(device_memory),
-                       global_batch=global_batch)
+                       global_batch=global_batch, ep=None if whole else ep)
 
 
 def _bytes(value: Optional[Union[float, str]]) -> Optional[float]:
@@ -131,7 +134,7 @@ def _rank(target: nn.Module, profile: Any, request: AutoRequest, device: torch.d
                           margin=request.margin, global_batch=request.global_batch, tp=request.tp, pp=request.pp,
                           activation_checkpointing=request.activation_checkpointing,
                           shardings=(request.dp_sharding,) if request.dp_sharding else None,  # type: ignore[arg-type]
-                          backend="gloo" if device.type == "cpu" else "nccl")
+                          backend="gloo" if device.type == "cpu" else "nccl", ep=request.ep)
 
 
 def _device(device: torch.device, link: Any, local_processes: int, memory: Optional[float]) -> DeviceSpec:
@@ -179,7 +182,7 @@ class AutoLayout:
 
     def _apply_layout(self, layout: Layout, module: nn.Module) -> None:
         from lightning_tpp.pipeline.schedule import validate
-        self._tp, self._pp, self._dp_arg = layout.tp, layout.pp, layout.dp
+        self._tp, self._pp, self._dp_arg, self._ep = layout.tp, layout.pp, layout.dp, layout.ep
         self.microbatches, self.virtual_stages = layout.microbatches, 1
         if layout.pp > 1:
             validate(layout.schedule, layout.pp, layout.microbatches, 1)
