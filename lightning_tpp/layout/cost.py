@@ -12,7 +12,8 @@ What it adds up (per pipeline rank; a step is ``accumulate`` pipeline runs of ``
     FSDP2 (dp sharded)    per micro-batch: all-gather of the stage's parameters for forward (again for backward
                           under full_shard), reduce-scatter of its gradients; ``overlap`` of it hidden by compute
     dp all-reduce         (no_shard) the stage's gradients once per step, ``overlap`` of it hidden
-    optimizer             the rank's parameters and states read and written once, at memory bandwidth
+    optimizer             AdamW timed on the device (per parameter tensor + per element, on one block's shapes),
+                          else the rank's parameters and states read and written once, at memory bandwidth
 
 Expert parallelism (``ep > 1``, ``experts.dispatch``), per routed layer and micro-batch: forward, the counts'
 all-to-all and two of the rows (to the experts, back), backward two more (again in a recomputation); each rank sends
@@ -51,6 +52,16 @@ class BlockTimes:
 
     measured: Mapping[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
     slowdown: float = 1.0
+    optimizer: Optional[tuple[float, float]] = None  # AdamW step: (seconds per tensor, per element), timed
+
+    def optimizer_step(self, tensors: int, elements: float, elem: int, states: int, device: DeviceSpec) -> float:
+        """Seconds of the optimizer step of a rank holding ``tensors`` parameter tensors of ``elements`` in all:
+        timed (AdamW; other optimizers by their states' share of the bytes), else its bytes at memory bandwidth."""
+        share = (3 + 2 * states) / 7  # parameter, gradient and states read, parameter and states written
+        if self.optimizer is not None:
+            per_tensor, per_element = self.optimizer
+            return (per_tensor * tensors + per_element * elements * share) * self.slowdown
+        return elements * elem * (3 + 2 * states) / device.memory_bandwidth
 
     def block(self, block: BlockProfile, mb: float, tp: int, device: DeviceSpec) -> tuple[float, float]:
         share = block.flops.at(tp) / block.flops.whole if block.flops.whole else 1.0 / tp
@@ -134,7 +145,7 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
     costs = tuple(b.active for b in profile.blocks)
     bounds = stage_blocks(costs, pp, profile.first_params.whole, profile.last_params.whole) if pp > 1 else \
         ((0, profile.n_blocks),)
-    per_rank, stage_dense, stage_experts = [], [], []
+    per_rank, stage_dense, stage_experts, stage_tensors = [], [], [], []
     for r, (a, b) in enumerate(bounds):
         f = bwd = 0.0
         for block in profile.blocks[a:b]:
@@ -150,6 +161,8 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
         per_rank.append((f + send, bwd + send))
         stage_dense.append(dense * profile.dtype_bytes)
         stage_experts.append(experts * profile.dtype_bytes)
+        stage_tensors.append(sum(x.tensors for x in profile.blocks[a:b]) + (profile.end_tensors[0] if r == 0 else 0)
+                             + (profile.end_tensors[1] if r == pp - 1 else 0))
     run, busy = _pipeline(layout.schedule, pp, m, tuple(per_rank))
     compute = max(m * (f + b) for f, b in per_rank) * layout.accumulate  # what FSDP2/dp traffic can hide behind
     largest = max(stage_dense)
@@ -161,8 +174,9 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
     elif layout.dp > 1:
         dp = _exposed(dp_link.all_reduce(largest, layout.dp), compute, device.overlap)
     shard = layout.dp if layout.sharded else 1
-    held = max(d / shard + e for d, e in zip(stage_dense, stage_experts))
-    optimizer = held * (3 + 2 * optimizer_states) / device.memory_bandwidth
+    optimizer = max(times.optimizer_step(n, (d / shard + e) / profile.dtype_bytes, profile.dtype_bytes,
+                                         optimizer_states, device)
+                    for n, d, e in zip(stage_tensors, stage_dense, stage_experts))
     experts = dp_link.all_reduce(max(stage_experts), layout.dp * tp // layout.ep) if layout.ep > 1 else 0.0
     samples = batch * layout.dp * layout.accumulate
     return StepTime(run * layout.accumulate, (run - busy) * layout.accumulate, fsdp, dp, optimizer, samples,

@@ -92,6 +92,7 @@ class BlockProfile:
     experts: Scaled = Scaled(0.0)  # parameters of its expert banks (in ``params``; expert tp cuts them)
     routed: tuple[RoutedLayer, ...] = ()
     exchange_saved: float = 0.0  # bytes per sequence (tp = 1) that expert parallelism's exchange adds to ``saved``
+    tensors: int = 0  # parameter tensors (an optimizer step's per-tensor work)
 
     @property
     def active(self) -> float:
@@ -124,6 +125,7 @@ class ModelProfile:
     tp_choices: tuple[int, ...]  # tensor-parallel sizes whose plan divides every block
     vocab_reductions: int = 0  # all-reduces per forward outside the blocks at tp > 1 (vocabulary-parallel layers)
     whole_params: int = 0
+    end_tensors: tuple[int, int] = (0, 0)  # parameter tensors outside the blocks on the first and last stage
 
     @property
     def n_blocks(self) -> int:
@@ -198,7 +200,8 @@ def _profile(module: nn.Module, copy: nn.Module, lengths: Mapping[str, int], seq
         block_list.append(BlockProfile(names[0], container, Scaled.fit(params1[i], params2[i]),
                                        Scaled.fit(full1[i], full2[i]), Scaled.fit(kept1[i], kept2[i]),
                                        Scaled(flops[i], flops[i] if red else 0.0), red,
-                                       Scaled.fit(banks1[i], banks2[i]), routed[i], exchange[i]))
+                                       Scaled.fit(banks1[i], banks2[i]), routed[i], exchange[i],
+                                       int(pp1["tensors"][i])))
     block_list = _expand(block_list, partition.blocks, lengths)
     ends = set(partition.pre) | set(partition.post)
     vocab = sum(1 for m, s in styles.items() if s in ("vocab", "colwise_gather") and m in ends)
@@ -210,7 +213,8 @@ def _profile(module: nn.Module, copy: nn.Module, lengths: Mapping[str, int], seq
         Scaled.fit(saved1[last] - full1[last], saved2[last] - full2[last]),
         Scaled(flops_total - sum(flops), flops_total - sum(flops) if vocab else 0.0),
         float(pp1["sent"]), seq_len, torch.empty((), dtype=dtype).element_size(), tuple(choices), vocab,
-        int(sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())))
+        int(sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())),
+        (int(pp1["first_tensors"]), int(pp1["last_tensors"])))
 
 
 @contextmanager
@@ -295,6 +299,8 @@ def _at_tp(copy: nn.Module, partition: Any, tp: int, seq_len: int, dtype: torch.
     for side, names in (("first", partition.pre), ("last", partition.post)):
         own = {id(p): p for m in names for p in modules[m].parameters() if id(p) not in inside}
         ends[side] = float(sum(p.numel() for p in own.values()))
+        ends[f"{side}_tensors"] = len(own)
+    ends["tensors"] = [len({id(p) for b in names for p in modules[b].parameters()}) for names in partition.members]
     pp_dims = MeshDims(1, 1, tp)
     per_stage, saved, _, _ = activations_per_stage(copy, plan, partition, pp_dims, 1, seq_len, dtype, False, forward,
                                                    ep)

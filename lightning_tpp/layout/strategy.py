@@ -23,7 +23,7 @@ from lightning_tpp.layout.links import DEVICES, DeviceSpec, cpu_memory_share, cp
 from lightning_tpp.layout.plan import Layout
 from lightning_tpp.layout.profile import profile_model
 from lightning_tpp.layout.search import Ranking, search_layouts
-from lightning_tpp.layout.timing import time_blocks
+from lightning_tpp.layout.timing import time_blocks, time_optimizer
 
 AUTO = "auto"
 
@@ -129,7 +129,8 @@ def _rank(target: nn.Module, profile: Any, request: AutoRequest, device: torch.d
     spec = _device(device, link, local_processes, request.device_memory)
     sizes = sorted({batch // m for m in range(1, batch + 1) if batch % m == 0})
     times = BlockTimes(time_blocks(target, profile, sizes, device=device, dtype=dtype),
-                       slowdown=_slowdown(device, local_processes))
+                       slowdown=_slowdown(device, local_processes),
+                       optimizer=time_optimizer(target, profile, device=device, dtype=dtype))
     return search_layouts(profile, world=world, device=spec, times=times, batch=batch, device_memory=spec.memory,
                           margin=request.margin, global_batch=request.global_batch, tp=request.tp, pp=request.pp,
                           activation_checkpointing=request.activation_checkpointing,

@@ -4,11 +4,13 @@ whole model.
 The block's inputs are captured on a meta copy (the model's forward stops at the block: nothing before it is
 computed for real), then the block alone is built on the device from the meta copy (its weights drawn at random:
 the values do not change the time), and its forward and backward are timed. Results are cached per model shape,
-micro-batch and device, so a second setup does not time again."""
+micro-batch and device, so a second setup does not time again. An optimizer step is timed too
+(:func:`time_optimizer`), on one block's parameter shapes."""
 
 from __future__ import annotations
 
 import copy
+import math
 import time
 import warnings
 from typing import Any, Mapping, Optional, Sequence
@@ -59,6 +61,33 @@ def time_blocks(module: nn.Module, profile: ModelProfile, sizes: Sequence[int], 
             f, b = out[(timed[0], mb)]
             out[(kind, mb)] = (f * ratio, b * ratio)
     return out
+
+
+def time_optimizer(module: nn.Module, profile: ModelProfile, *, device: torch.device,
+                   dtype: torch.dtype = torch.float32, repeats: int = 10) -> tuple[float, float]:
+    """(seconds per parameter tensor, seconds per element) of an AdamW step (torch's default, foreach) on this
+    device: timed on one block's parameters (real tensors of its shapes) and on one flat tensor of as many elements,
+    the least of ``repeats`` after one warm-up each. A step is not only bytes at memory bandwidth: on a CPU thread
+    its per-tensor work is most of it for small tensors."""
+    block = profile.blocks[0]
+    shapes = [tuple(p.shape) for p in meta_copy(module, dtype).get_submodule(block.name).parameters()]
+    elements = sum(math.prod(s) for s in shapes)
+    seconds = []
+    for group in (shapes, [(elements,)]):
+        params = [torch.zeros(s, dtype=dtype, device=device, requires_grad=True) for s in group]
+        for q in params:
+            q.grad = torch.randn_like(q)
+        optimizer = torch.optim.AdamW(params, lr=1e-4)
+        samples = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            optimizer.step()
+            _sync(device)
+            samples.append(time.perf_counter() - start)
+        seconds.append(min(samples[1:]))
+    per_element = seconds[1] / max(elements, 1)
+    per_tensor = max(seconds[0] - seconds[1], 0.0) / max(len(shapes) - 1, 1)
+    return per_tensor, per_element
 
 
 def _time_one(module: nn.Module, name: str, mb: int, seq_len: int, device: torch.device, dtype: torch.dtype,

@@ -362,3 +362,20 @@ def test_plan_auto_on_a_mixture_of_experts_config(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "Layouts of 16 devices" in out and "chosen tp=" in out and " ep=" in out
     assert "dropped:" in out and "x ep" in out  # ep=16 does not divide the 8 experts
+
+
+def test_the_optimizer_step_is_timed_per_tensor_and_per_element(llama4) -> None:
+    """On the device (here the CPU), an AdamW step costs per tensor as well as per byte: timed on one block's shapes
+    and one flat tensor; the cost model charges each rank its own tensors and elements (FSDP2 shards the elements,
+    not the tensor count)."""
+    from lightning_tpp.layout.timing import time_optimizer
+    model, profile = llama4
+    per_tensor, per_element = time_optimizer(model, profile, device=torch.device("cpu"))
+    assert per_tensor >= 0 and per_element > 0
+    assert sum(b.tensors for b in profile.blocks) + sum(profile.end_tensors) == len(list(model.parameters()))
+    times = BlockTimes(optimizer=(1e-4, 1e-8))
+    whole = step_time(profile, Layout(1, 1, 4, dp_sharding="no_shard"), CPU, times, batch=4).optimizer
+    sharded = step_time(profile, Layout(1, 1, 4), CPU, times, batch=4).optimizer
+    tensors = len(list(model.parameters()))
+    assert whole == pytest.approx(1e-4 * tensors + 1e-8 * profile.whole_params)
+    assert sharded == pytest.approx(1e-4 * tensors + 1e-8 * profile.whole_params / 4)
