@@ -82,9 +82,8 @@ def role_measure(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from lightning_tpp import TensorPipeStrategy
-    from lightning_tpp.layout import BlockTimes, measure_link, profile_model, search_layouts
-    from lightning_tpp.layout.strategy import _device, _slowdown
-    from lightning_tpp.layout.timing import time_blocks, time_optimizer
+    from lightning_tpp.layout import measure_link, profile_model, search_layouts
+    from lightning_tpp.layout.strategy import _device, block_times
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
@@ -92,37 +91,48 @@ def role_measure(args: argparse.Namespace) -> None:
     profile = profile_model(module, seq_len=SEQ)
     link = measure_link()
     rows: list = [None]
+    # every rank times at once, as layout="auto" does on CPU (the cores shared as in a step)
+    times = block_times(module, profile, BATCH, device=torch.device("cpu"), dtype=torch.float32,
+                        local_processes=world, together=True)
     if rank == 0:
         spec = _device(torch.device("cpu"), link, world, None)
-        sizes = sorted({BATCH // m for m in range(1, BATCH + 1) if BATCH % m == 0})
-        times = BlockTimes(time_blocks(module, profile, sizes, device=torch.device("cpu")),
-                           slowdown=_slowdown(torch.device("cpu"), world),
-                           optimizer=time_optimizer(module, profile, device=torch.device("cpu")))
         shardings = ("full_shard",) if args.quick else ("full_shard", "no_shard")
         ranking = search_layouts(profile, world=world, device=spec, times=times, batch=BATCH, backend="gloo",
                                  activation_checkpointing=False, shardings=shardings)
         runs = [c for c in ranking.ranked if c.layout.schedule == "1f1b" and c.layout.microbatches in (1, BATCH)
                 and c.layout.tp <= MAX_TP.get(args.model, 8)]
-        rows = [[(c.layout.__dict__, c.time.per_sample, i == 0) for i, c in enumerate(runs)]]
+        rows = [[(c.layout.__dict__, c.time.per_sample, i == 0, c.time.__dict__) for i, c in enumerate(runs)]]
     dist.broadcast_object_list(rows, src=0)  # the process group stays: every Trainer below joins it
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1024, (BATCH * world * (args.steps + 1), SEQ), generator=g)
     data = torch.utils.data.TensorDataset(ids)
     results = []
-    for layout, predicted, chosen in rows[0]:
+    for layout, predicted, chosen, parts in rows[0]:
         kwargs = {k: layout[k] for k in ("tp", "pp", "dp", "ep", "microbatches", "activation_checkpointing",
                                          "dp_sharding")}
         kwargs["schedule"] = layout["schedule"] if layout["pp"] > 1 else "auto"
         if layout["pp"] == 1:
             kwargs.pop("microbatches")
         step_times: list[float] = []
+        marks: list[dict] = []
 
-        class Timer(L.Callback):
+        class Timer(L.Callback):  # the step, and its parts as Lightning's hooks cut it
             def on_train_batch_start(self, *a) -> None:
                 self.start = time.perf_counter()
+                marks.append({"start": self.start})
+
+            def on_before_backward(self, *a) -> None:
+                marks[-1]["backward"] = time.perf_counter()  # without a pipeline: the forward ends here
+
+            def on_after_backward(self, *a) -> None:
+                marks[-1]["reduce"] = time.perf_counter()
+
+            def on_before_optimizer_step(self, *a) -> None:
+                marks[-1]["optimizer"] = time.perf_counter()
 
             def on_train_batch_end(self, *a) -> None:
                 step_times.append(time.perf_counter() - self.start)
+                marks[-1]["end"] = time.perf_counter()
 
         trainer = L.Trainer(accelerator="cpu", devices=world, strategy=TensorPipeStrategy(**kwargs, print_plan=False,
                                                                                           pipeline_metrics=False),
@@ -132,7 +142,13 @@ def role_measure(args: argparse.Namespace) -> None:
         trainer.fit(lit(args.model), torch.utils.data.DataLoader(data, batch_size=BATCH))
         kept = sorted(step_times[args.warmup:]) or sorted(step_times)
         measured = kept[len(kept) // 2] / (BATCH * layout["dp"])
-        results.append({"layout": layout, "predicted": predicted, "measured": measured, "chosen": chosen})
+        phases = {}
+        order = ("start", "backward", "reduce", "optimizer", "end")
+        for a, b in zip(order, order[1:]):
+            spans = sorted(m[b] - m[a] for m in marks[args.warmup:] if a in m and b in m)
+            phases[a if a != "start" else "forward"] = spans[len(spans) // 2] if spans else None
+        results.append({"layout": layout, "predicted": predicted, "measured": measured, "chosen": chosen,
+                        "parts": parts, "phases": phases, "step": kept[len(kept) // 2]})
     if rank == 0:
         (Path(args.out) / f"{args.model}.json").write_text(json.dumps(results))
 
@@ -197,6 +213,14 @@ def report(model: str, results: list[dict]) -> None:
     for r in sorted(results, key=lambda r: r["measured"]):
         mark = "  <- chosen" if r["chosen"] else ""
         print(f"  {describe(r['layout']):<44} {r['predicted'] * 1e3:10.2f} {r['measured'] * 1e3:10.2f}{mark}")
+    c = chosen
+    if c.get("parts"):
+        p, ph = c["parts"], c["phases"]
+        fmt = lambda v: f"{v * 1e3:.1f}" if v is not None else "-"  # noqa: E731
+        print(f"  chosen step, ms: predicted pipeline {fmt(p['pipeline'])} dp {fmt(p['dp'])} fsdp {fmt(p['fsdp'])} "
+              f"optimizer {fmt(p['optimizer'])} experts {fmt(p.get('experts', 0.0))} = {fmt(p['pipeline'] + p['dp'] + p['fsdp'] + p['optimizer'] + p.get('experts', 0.0))}; "
+              f"measured forward {fmt(ph['forward'])} backward {fmt(ph['backward'])} after backward {fmt(ph['reduce'])} "
+              f"optimizer {fmt(ph['optimizer'])} = step {fmt(c['step'])}")
     rho = spearman([r["predicted"] for r in results], [r["measured"] for r in results])
     print(f"  rank correlation {rho:.2f}; chosen / best measured {chosen['measured'] / best:.2f} (goal <= 1.10); "
           f"chosen predicted / measured {chosen['predicted'] / chosen['measured']:.2f} (goal 0.8-1.2)")

@@ -2,7 +2,8 @@
 processes exist and before the mesh is built from tp, pp and dp.
 
     every rank: profile the model on meta (deterministic), measure the link (an all-reduce, every rank)
-    rank 0:     time one block of each kind per micro-batch size, search, log the top layouts and why
+    rank 0:     time one block of each kind per micro-batch size and an optimizer step (on CPU every rank times
+                them at once: the cores are shared as in a step), search, log the top layouts and why
     every rank: take rank 0's choice (one broadcast), set tp/pp/dp/ep, micro-batches, schedule, checkpointing,
                 sharding
 """
@@ -107,11 +108,20 @@ def choose(module: nn.Module, request: AutoRequest, *, world: int, rank: int, lo
     dtype = next(p.dtype for p in target.parameters())
     profile = profile_model(target, seq_len=seq, dtype=dtype)
     link = measure_link()  # every rank: a collective
+    together = device.type == "cpu" and world > 1
     ranking = None
     chosen: list[Any] = [None]
+    if together and rank != 0:
+        try:
+            block_times(target, profile, batch, device=device, dtype=dtype, local_processes=local_processes,
+                        together=True)  # beside rank 0's timing: the cores shared as a step shares them
+        except ValueError:
+            pass  # rank 0 meets it too and reports it to every rank
     if rank == 0:
         try:
-            ranking = _rank(target, profile, request, device, link, local_processes, world, batch, dtype)
+            times = block_times(target, profile, batch, device=device, dtype=dtype, local_processes=local_processes,
+                                together=together)
+            ranking = _rank(profile, request, device, link, local_processes, world, batch, times)
             chosen = [ranking.best.layout]
             rank_zero_info(f"layout='auto':\n{ranking.table(top=5)}\n{ranking.why()}")
         except ValueError as err:  # every rank raises it, instead of waiting for a rank 0 that is gone
@@ -123,14 +133,21 @@ def choose(module: nn.Module, request: AutoRequest, *, world: int, rank: int, lo
     return chosen[0], ranking
 
 
-def _rank(target: nn.Module, profile: Any, request: AutoRequest, device: torch.device, link: Any,
-          local_processes: int, world: int, batch: int, dtype: torch.dtype) -> Ranking:
-    """Rank 0's search: the device's spec, one block of each kind timed per micro-batch size, the ranking."""
-    spec = _device(device, link, local_processes, request.device_memory)
+def block_times(target: nn.Module, profile: Any, batch: int, *, device: torch.device, dtype: torch.dtype,
+                local_processes: int, together: bool) -> BlockTimes:
+    """One block of each kind timed per micro-batch size of ``batch``, and an optimizer step. ``together``: every
+    process of the machine times at the same moment (CPU processes share its cores, and whatever else runs there:
+    what a step meets), taken as measured; else the time alone, scaled by processes per core."""
     sizes = sorted({batch // m for m in range(1, batch + 1) if batch % m == 0})
-    times = BlockTimes(time_blocks(target, profile, sizes, device=device, dtype=dtype),
-                       slowdown=_slowdown(device, local_processes),
-                       optimizer=time_optimizer(target, profile, device=device, dtype=dtype))
+    return BlockTimes(time_blocks(target, profile, sizes, device=device, dtype=dtype, together=together),
+                      slowdown=1.0 if together else _slowdown(device, local_processes),
+                      optimizer=time_optimizer(target, profile, device=device, dtype=dtype, together=together))
+
+
+def _rank(profile: Any, request: AutoRequest, device: torch.device, link: Any, local_processes: int, world: int,
+          batch: int, times: BlockTimes) -> Ranking:
+    """Rank 0's search: the device's spec and the ranking."""
+    spec = _device(device, link, local_processes, request.device_memory)
     return search_layouts(profile, world=world, device=spec, times=times, batch=batch, device_memory=spec.memory,
                           margin=request.margin, global_batch=request.global_batch, tp=request.tp, pp=request.pp,
                           activation_checkpointing=request.activation_checkpointing,

@@ -379,3 +379,17 @@ def test_the_optimizer_step_is_timed_per_tensor_and_per_element(llama4) -> None:
     tensors = len(list(model.parameters()))
     assert whole == pytest.approx(1e-4 * tensors + 1e-8 * profile.whole_params)
     assert sharded == pytest.approx(1e-4 * tensors + 1e-8 * profile.whole_params / 4)
+
+
+def test_block_times_timed_together_are_taken_as_measured(llama4) -> None:
+    """On CPU every process times at once (the cores shared as in a step): the median, unscaled; alone, the least,
+    scaled by processes per core."""
+    import os
+    from lightning_tpp.layout.strategy import block_times
+    model, profile = llama4
+    kwargs = dict(device=torch.device("cpu"), dtype=torch.float32, local_processes=4)
+    together = block_times(model, profile, 2, together=True, **kwargs)
+    alone = block_times(model, profile, 2, together=False, **kwargs)
+    assert set(together.measured) == set(alone.measured) == {("layers", 1), ("layers", 2)}
+    assert together.slowdown == 1.0 and together.optimizer is not None
+    assert alone.slowdown == max(1.0, 4 / len(os.sched_getaffinity(0)))
