@@ -11,7 +11,8 @@ What it adds up (per pipeline rank; a step is ``accumulate`` pipeline runs of ``
                           bubble comes from the schedule's own action lists
     FSDP2 (dp sharded)    per micro-batch: all-gather of the stage's parameters for forward (again for backward
                           under full_shard), reduce-scatter of its gradients; ``overlap`` of it hidden by compute
-    dp all-reduce         (no_shard) the stage's gradients once per step, ``overlap`` of it hidden
+    dp all-reduce         (no_shard) the stage's gradients once per step, after backward (the strategy averages
+                          them in the optimizer's closure, ``core.grads``): not overlapped
     optimizer             AdamW timed on the device (per parameter tensor + per element, on one block's shapes),
                           else the rank's parameters and states read and written once, at memory bandwidth
 
@@ -25,8 +26,9 @@ replicas (dp x tp / ep ranks) once per step, not overlapped (``StepTime.experts`
 only the dense rest.
 
 Assumptions: tp all-reduces and pipeline sends are not overlapped with compute (Megatron's defaults, and gloo's);
-FSDP2's and dp's collectives overlap by ``DeviceSpec.overlap`` (0 for gloo, which runs on the compute cores) of
-what they share with compute (``overlap x min(communication, compute)`` is hidden);
+FSDP2's collectives overlap by ``DeviceSpec.overlap`` (0 for gloo, which runs on the compute cores) of what they
+share with compute (``overlap x min(communication, compute)`` is hidden); the dp all-reduce and the experts'
+reduction run after backward and are not;
 compute of a micro-batch is linear in its sequences above the measured sizes; a tp rank computes 1/tp of what the
 plan cuts at the measured rate (no loss of efficiency from smaller matmuls: an optimistic bias for large tp).
 """
@@ -172,7 +174,7 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
         per_mb = (gathers + 1) * dp_link.gather(largest, layout.dp)  # all-gathers + the reduce-scatter
         fsdp = _exposed(per_mb * m * layout.accumulate, compute, device.overlap)
     elif layout.dp > 1:
-        dp = _exposed(dp_link.all_reduce(largest, layout.dp), compute, device.overlap)
+        dp = dp_link.all_reduce(largest, layout.dp)  # after backward: nothing left to hide it behind
     shard = layout.dp if layout.sharded else 1
     optimizer = max(times.optimizer_step(n, (d / shard + e) / profile.dtype_bytes, profile.dtype_bytes,
                                          optimizer_states, device)
