@@ -83,13 +83,13 @@ def role_measure(args: argparse.Namespace) -> None:
 
     from lightning_tpp import TensorPipeStrategy
     from lightning_tpp.layout import measure_link, profile_model, search_layouts
-    from lightning_tpp.layout.strategy import _device, block_times
+    from lightning_tpp.layout.strategy import _device, block_times, link_size
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
     module = lit(args.model)
     profile = profile_model(module, seq_len=SEQ)
-    link = measure_link()
+    link = measure_link(large=link_size(profile))
     rows: list = [None]
     # every rank times at once, as layout="auto" does on CPU (the cores shared as in a step)
     times = block_times(module, profile, BATCH, device=torch.device("cpu"), dtype=torch.float32,

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_tpp._compat import tree_map
+from lightning_tpp.core.meta_ops import DataDependentOnMeta
 from lightning_tpp.layout.profile import ModelProfile
 from lightning_tpp.memory.activations import ForwardFn, _default_forward, meta_copy
 
@@ -105,7 +106,8 @@ def _time_one(module: nn.Module, name: str, mb: int, seq_len: int, device: torch
 
     handle = block.register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        (forward or _default_forward)(twin, torch.zeros(mb, seq_len, dtype=torch.long, device="meta"))
+        with DataDependentOnMeta():  # routed layers before the block: shapes only (core.meta_ops)
+            (forward or _default_forward)(twin, torch.zeros(mb, seq_len, dtype=torch.long, device="meta"))
     except _Captured:
         pass
     finally:
