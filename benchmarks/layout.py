@@ -5,7 +5,7 @@ prediction, for three models of different shapes, on this machine.
     python benchmarks/layout.py --quick    # fewer layouts (no dp sharding variants) and steps
 
 Models: a GPT-2 whose vocabulary head dominates (vocab 8192, width 128), a Llama with grouped-query attention
-(8 heads, 2 kv heads), and a T5 encoder-decoder. Per model, one launch of 4 ranks (one thread each): rank 0 profiles
+(8 heads, 2 kv heads), a T5 encoder-decoder, and a Mixtral (4 experts, top-2, in 3-D banks: ep searched). Per model, one launch of 4 ranks (one thread each): rank 0 profiles
 the model, times one block of each kind, measures the gloo link and ranks the layouts (``lightning_tpp.layout``, as
 ``layout="auto"`` does at setup, without a memory limit); then every layout in the ranking (activation checkpointing
 off, 1F1B, micro-batches = the per-process batch, full_shard or no_shard over dp) trains a few steps, each reading the
@@ -29,10 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, BATCH = 64, 8
-MODELS = ("gpt_head", "llama_gqa", "t5")
-# T5 at tp=4 (one head per rank) fails the strategy's own check of its attention (the relative position bias of
-# all heads added to one head's scores): a strategy limitation, reported; its layouts stop at tp=2 here
-MAX_TP = {"t5": 2}
+MODELS = ("gpt_head", "llama_gqa", "t5", "mixtral")
+MAX_TP: dict[str, int] = {}  # per model, the largest tp measured (all of them since T5 trains at one head per rank)
 
 
 def build(name: str):
@@ -43,6 +41,10 @@ def build(name: str):
     if name == "gpt_head":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=8192, n_embd=128, n_layer=4,
                                                                     n_head=4, n_positions=SEQ))
+    if name == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ))
     if name == "llama_gqa":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
@@ -80,46 +82,57 @@ def role_measure(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from lightning_tpp import TensorPipeStrategy
-    from lightning_tpp.layout import BlockTimes, measure_link, profile_model, search_layouts
-    from lightning_tpp.layout.strategy import _device, _slowdown
-    from lightning_tpp.layout.timing import time_blocks
+    from lightning_tpp.layout import measure_link, profile_model, search_layouts
+    from lightning_tpp.layout.strategy import _device, block_times, link_size
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
     module = lit(args.model)
     profile = profile_model(module, seq_len=SEQ)
-    link = measure_link()
+    link = measure_link(large=link_size(profile))
     rows: list = [None]
+    # every rank times at once, as layout="auto" does on CPU (the cores shared as in a step)
+    times = block_times(module, profile, BATCH, device=torch.device("cpu"), dtype=torch.float32,
+                        local_processes=world, together=True)
     if rank == 0:
         spec = _device(torch.device("cpu"), link, world, None)
-        sizes = sorted({BATCH // m for m in range(1, BATCH + 1) if BATCH % m == 0})
-        times = BlockTimes(time_blocks(module, profile, sizes, device=torch.device("cpu")),
-                           slowdown=_slowdown(torch.device("cpu"), world))
         shardings = ("full_shard",) if args.quick else ("full_shard", "no_shard")
         ranking = search_layouts(profile, world=world, device=spec, times=times, batch=BATCH, backend="gloo",
                                  activation_checkpointing=False, shardings=shardings)
         runs = [c for c in ranking.ranked if c.layout.schedule == "1f1b" and c.layout.microbatches in (1, BATCH)
                 and c.layout.tp <= MAX_TP.get(args.model, 8)]
-        rows = [[(c.layout.__dict__, c.time.per_sample, i == 0) for i, c in enumerate(runs)]]
+        rows = [[(c.layout.__dict__, c.time.per_sample, i == 0, c.time.__dict__) for i, c in enumerate(runs)]]
     dist.broadcast_object_list(rows, src=0)  # the process group stays: every Trainer below joins it
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1024, (BATCH * world * (args.steps + 1), SEQ), generator=g)
     data = torch.utils.data.TensorDataset(ids)
     results = []
-    for layout, predicted, chosen in rows[0]:
-        kwargs = {k: layout[k] for k in ("tp", "pp", "dp", "microbatches", "activation_checkpointing",
+    for layout, predicted, chosen, parts in rows[0]:
+        kwargs = {k: layout[k] for k in ("tp", "pp", "dp", "ep", "microbatches", "activation_checkpointing",
                                          "dp_sharding")}
         kwargs["schedule"] = layout["schedule"] if layout["pp"] > 1 else "auto"
         if layout["pp"] == 1:
             kwargs.pop("microbatches")
         step_times: list[float] = []
+        marks: list[dict] = []
 
-        class Timer(L.Callback):
+        class Timer(L.Callback):  # the step, and its parts as Lightning's hooks cut it
             def on_train_batch_start(self, *a) -> None:
                 self.start = time.perf_counter()
+                marks.append({"start": self.start})
+
+            def on_before_backward(self, *a) -> None:
+                marks[-1]["backward"] = time.perf_counter()  # without a pipeline: the forward ends here
+
+            def on_after_backward(self, *a) -> None:
+                marks[-1]["reduce"] = time.perf_counter()
+
+            def on_before_optimizer_step(self, *a) -> None:
+                marks[-1]["optimizer"] = time.perf_counter()
 
             def on_train_batch_end(self, *a) -> None:
                 step_times.append(time.perf_counter() - self.start)
+                marks[-1]["end"] = time.perf_counter()
 
         trainer = L.Trainer(accelerator="cpu", devices=world, strategy=TensorPipeStrategy(**kwargs, print_plan=False,
                                                                                           pipeline_metrics=False),
@@ -129,7 +142,13 @@ def role_measure(args: argparse.Namespace) -> None:
         trainer.fit(lit(args.model), torch.utils.data.DataLoader(data, batch_size=BATCH))
         kept = sorted(step_times[args.warmup:]) or sorted(step_times)
         measured = kept[len(kept) // 2] / (BATCH * layout["dp"])
-        results.append({"layout": layout, "predicted": predicted, "measured": measured, "chosen": chosen})
+        phases = {}
+        order = ("start", "backward", "reduce", "optimizer", "end")
+        for a, b in zip(order, order[1:]):
+            spans = sorted(m[b] - m[a] for m in marks[args.warmup:] if a in m and b in m)
+            phases[a if a != "start" else "forward"] = spans[len(spans) // 2] if spans else None
+        results.append({"layout": layout, "predicted": predicted, "measured": measured, "chosen": chosen,
+                        "parts": parts, "phases": phases, "step": kept[len(kept) // 2]})
     if rank == 0:
         (Path(args.out) / f"{args.model}.json").write_text(json.dumps(results))
 
@@ -194,6 +213,14 @@ def report(model: str, results: list[dict]) -> None:
     for r in sorted(results, key=lambda r: r["measured"]):
         mark = "  <- chosen" if r["chosen"] else ""
         print(f"  {describe(r['layout']):<44} {r['predicted'] * 1e3:10.2f} {r['measured'] * 1e3:10.2f}{mark}")
+    c = chosen
+    if c.get("parts"):
+        p, ph = c["parts"], c["phases"]
+        fmt = lambda v: f"{v * 1e3:.1f}" if v is not None else "-"  # noqa: E731
+        print(f"  chosen step, ms: predicted pipeline {fmt(p['pipeline'])} dp {fmt(p['dp'])} fsdp {fmt(p['fsdp'])} "
+              f"optimizer {fmt(p['optimizer'])} experts {fmt(p.get('experts', 0.0))} = {fmt(p['pipeline'] + p['dp'] + p['fsdp'] + p['optimizer'] + p.get('experts', 0.0))}; "
+              f"measured forward {fmt(ph['forward'])} backward {fmt(ph['backward'])} after backward {fmt(ph['reduce'])} "
+              f"optimizer {fmt(ph['optimizer'])} = step {fmt(c['step'])}")
     rho = spearman([r["predicted"] for r in results], [r["measured"] for r in results])
     print(f"  rank correlation {rho:.2f}; chosen / best measured {chosen['measured'] / best:.2f} (goal <= 1.10); "
           f"chosen predicted / measured {chosen['predicted'] / chosen['measured']:.2f} (goal 0.8-1.2)")

@@ -95,7 +95,8 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         ep: expert parallelism for mixture-of-experts models: each rank holds ``experts / ep`` whole experts of
             every bank and the tokens travel to them by all-to-all (dropless). The ep group is drawn from the
             data-parallel and tensor-parallel ranks of a stage (``ep`` must divide ``dp * tp``); expert gradients
-            are averaged over the ranks holding the same experts. See ``docs/experts.md``.
+            are averaged over the ranks holding the same experts. Searched with ``layout="auto"`` where the model
+            has experts (``docs/layout.md``). See ``docs/experts.md``.
         microbatches: micro-batches per step for the pipeline (default ``2 * pp``).
         schedule: pipeline schedule, one of ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble"``,
             ``"zb-drain"``, ``"zb-lead"`` (see ``docs/pipeline.md``: zero-bubble splits every backward, zb-drain a
@@ -218,7 +219,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
                          precision_plugin=precision_plugin)
         self._auto_layout = auto_request(tp=tp, pp=pp, dp=dp, layout=layout, device_memory=device_memory,
                                          global_batch=global_batch, activation_checkpointing=activation_checkpointing,
-                                         dp_sharding=normalize_sharding(dp_sharding))
+                                         dp_sharding=normalize_sharding(dp_sharding), ep=ep)
         if self._auto_layout is not None:  # decided at setup (AutoLayout._before_mesh); placeholders until then
             tp, pp, dp = (1 if tp == "auto" or layout else tp), (1 if pp == "auto" or layout else pp), "auto"
         resolve_dims(tp * pp * (dp if isinstance(dp, int) else 1), tp, pp, dp)  # argument types and ranges

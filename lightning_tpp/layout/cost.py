@@ -11,12 +11,24 @@ What it adds up (per pipeline rank; a step is ``accumulate`` pipeline runs of ``
                           bubble comes from the schedule's own action lists
     FSDP2 (dp sharded)    per micro-batch: all-gather of the stage's parameters for forward (again for backward
                           under full_shard), reduce-scatter of its gradients; ``overlap`` of it hidden by compute
-    dp all-reduce         (no_shard) the stage's gradients once per step, ``overlap`` of it hidden
-    optimizer             the rank's parameters and states read and written once, at memory bandwidth
+    dp all-reduce         (no_shard) the stage's gradients once per step, after backward (the strategy averages
+                          them in the optimizer's closure, ``core.grads``): not overlapped
+    optimizer             AdamW timed on the device (per parameter tensor + per element, on one block's shapes),
+                          else the rank's parameters and states read and written once, at memory bandwidth
+
+Expert parallelism (``ep > 1``, ``experts.dispatch``), per routed layer and micro-batch: forward, the counts'
+all-to-all and two of the rows (to the experts, back), backward two more (again in a recomputation); each rank sends
+its share of the tokens (1/tp of the micro-batch's under tp) x top-k rows of ``hidden`` elements, (ep-1)/ep of them
+to other ranks, on the tp link while the ep group stays in a tp group or a node. The experts' compute per rank is
+unchanged: every rank of a stage holds 1/ep of the experts and receives on average ep/tp ranks' shares of the rows,
+the same work that expert tp gives it (1/tp of every expert for all its tokens). Their gradients are summed over their
+replicas (dp x tp / ep ranks) once per step, not overlapped (``StepTime.experts``); FSDP2 and the dp all-reduce carry
+only the dense rest.
 
 Assumptions: tp all-reduces and pipeline sends are not overlapped with compute (Megatron's defaults, and gloo's);
-FSDP2's and dp's collectives overlap by ``DeviceSpec.overlap`` (0 for gloo, which runs on the compute cores) of
-what they share with compute (``overlap x min(communication, compute)`` is hidden);
+FSDP2's collectives overlap by ``DeviceSpec.overlap`` (0 for gloo, which runs on the compute cores) of what they
+share with compute (``overlap x min(communication, compute)`` is hidden); the dp all-reduce and the experts'
+reduction run after backward and are not;
 compute of a micro-batch is linear in its sequences above the measured sizes; a tp rank computes 1/tp of what the
 plan cuts at the measured rate (no loss of efficiency from smaller matmuls: an optimistic bias for large tp).
 """
@@ -28,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from lightning_tpp.layout.links import DeviceSpec, Link
-from lightning_tpp.layout.memory import stage_blocks
+from lightning_tpp.layout.memory import stage_blocks, stage_params
 from lightning_tpp.layout.plan import Layout
 from lightning_tpp.layout.profile import BlockProfile, ModelProfile
 from lightning_tpp.pipeline.schedule import simulate
@@ -42,6 +54,16 @@ class BlockTimes:
 
     measured: Mapping[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
     slowdown: float = 1.0
+    optimizer: Optional[tuple[float, float]] = None  # AdamW step: (seconds per tensor, per element), timed
+
+    def optimizer_step(self, tensors: int, elements: float, elem: int, states: int, device: DeviceSpec) -> float:
+        """Seconds of the optimizer step of a rank holding ``tensors`` parameter tensors of ``elements`` in all:
+        timed (AdamW; other optimizers by their states' share of the bytes), else its bytes at memory bandwidth."""
+        share = (3 + 2 * states) / 7  # parameter, gradient and states read, parameter and states written
+        if self.optimizer is not None:
+            per_tensor, per_element = self.optimizer
+            return (per_tensor * tensors + per_element * elements * share) * self.slowdown
+        return elements * elem * (3 + 2 * states) / device.memory_bandwidth
 
     def block(self, block: BlockProfile, mb: float, tp: int, device: DeviceSpec) -> tuple[float, float]:
         share = block.flops.at(tp) / block.flops.whole if block.flops.whole else 1.0 / tp
@@ -78,22 +100,38 @@ class StepTime:
     dp: float
     optimizer: float
     samples: int
+    experts: float = 0.0  # ep > 1: the experts' gradients summed over their replicas
 
     @property
     def total(self) -> float:
-        return self.pipeline + self.fsdp + self.dp + self.optimizer
+        return self.pipeline + self.fsdp + self.dp + self.optimizer + self.experts
 
     @property
     def per_sample(self) -> float:
         return self.total / self.samples
 
 
-def _links(layout: Layout, device: DeviceSpec) -> tuple[Link, Link, Link]:
-    """tp, pp and dp links: tp within a node; pp while tp x pp fit in a node; dp while the whole mesh does."""
+def _links(layout: Layout, device: DeviceSpec) -> tuple[Link, Link, Link, Link]:
+    """tp, pp, dp and ep links: tp within a node; pp while tp x pp fit in a node; dp while the whole mesh does; ep
+    while its group is inside a tp group or spans no more than ep x pp devices of a node (tp fastest, then dp)."""
     node = device.devices_per_node
     pp = device.intra if layout.tp * layout.pp <= node else device.inter
     dp = device.intra if layout.world <= node else device.inter
-    return device.intra, pp, dp
+    ep = device.intra if layout.ep <= layout.tp or layout.ep * layout.pp <= node else device.inter
+    return device.intra, pp, dp, ep
+
+
+def _exchanges(block: BlockProfile, mb: float, layout: Layout, link: Link, seq_len: int, elem: int
+               ) -> tuple[float, float]:
+    """(forward, backward) seconds of the block's all-to-alls under ep (0 without): see the module docstring."""
+    if layout.ep == 1 or not block.routed:
+        return 0.0, 0.0
+    f = b = 0.0
+    for r in block.routed:
+        rows = link.all_to_all(mb * seq_len * r.top_k / layout.tp * r.hidden * elem, layout.ep)
+        f += 2 * rows + link.all_to_all(r.experts * 8, layout.ep)
+        b += 2 * rows
+    return f, b
 
 
 def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: BlockTimes, *, batch: int,
@@ -101,45 +139,50 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
     """Seconds of one optimizer step of ``layout`` on per-process batches of ``batch`` sequences."""
     tp, pp, m = layout.tp, layout.pp, layout.microbatches
     mb = batch / m
-    tp_link, pp_link, dp_link = _links(layout, device)
+    tp_link, pp_link, dp_link, ep_link = _links(layout, device)
     hidden = profile.sent * mb  # the residual stream of a micro-batch, in bytes
     reduce = tp_link.all_reduce(hidden, tp)
     send = pp_link.p2p(hidden) if pp > 1 else 0.0
     rate = times.rate(profile, device)
-    costs = tuple(b.params.whole for b in profile.blocks)
+    costs = tuple(b.active for b in profile.blocks)
     bounds = stage_blocks(costs, pp, profile.first_params.whole, profile.last_params.whole) if pp > 1 else \
         ((0, profile.n_blocks),)
-    per_rank, stage_params = [], []
+    per_rank, stage_dense, stage_experts, stage_tensors = [], [], [], []
     for r, (a, b) in enumerate(bounds):
         f = bwd = 0.0
         for block in profile.blocks[a:b]:
             bf, bb = times.block(block, mb, tp, device)
+            xf, xb = _exchanges(block, mb, layout, ep_link, profile.seq_len, profile.dtype_bytes)
             comm = block.reductions * reduce
-            f += bf + comm
-            bwd += bb + comm + (bf + comm if layout.activation_checkpointing else 0.0)
-        params = sum(x.params.at(tp) for x in profile.blocks[a:b])
-        if r == 0:
-            params += profile.first_params.at(tp)
+            f += bf + comm + xf
+            bwd += bb + comm + xb + (bf + comm + xf if layout.activation_checkpointing else 0.0)
+        dense, experts, _ = stage_params(profile, layout, r, a, b)
         if r == pp - 1:
-            params += profile.last_params.at(tp)
             ends = profile.end_flops.at(tp) * mb / rate + profile.vocab_reductions * reduce
             f, bwd = f + ends, bwd + 2 * ends
         per_rank.append((f + send, bwd + send))
-        stage_params.append(params * profile.dtype_bytes)
+        stage_dense.append(dense * profile.dtype_bytes)
+        stage_experts.append(experts * profile.dtype_bytes)
+        stage_tensors.append(sum(x.tensors for x in profile.blocks[a:b]) + (profile.end_tensors[0] if r == 0 else 0)
+                             + (profile.end_tensors[1] if r == pp - 1 else 0))
     run, busy = _pipeline(layout.schedule, pp, m, tuple(per_rank))
     compute = max(m * (f + b) for f, b in per_rank) * layout.accumulate  # what FSDP2/dp traffic can hide behind
-    largest = max(stage_params)
+    largest = max(stage_dense)
     fsdp = dp = 0.0
     if layout.sharded:
         gathers = 2 if layout.dp_sharding == "full_shard" else 1
         per_mb = (gathers + 1) * dp_link.gather(largest, layout.dp)  # all-gathers + the reduce-scatter
         fsdp = _exposed(per_mb * m * layout.accumulate, compute, device.overlap)
     elif layout.dp > 1:
-        dp = _exposed(dp_link.all_reduce(largest, layout.dp), compute, device.overlap)
+        dp = dp_link.all_reduce(largest, layout.dp)  # after backward: nothing left to hide it behind
     shard = layout.dp if layout.sharded else 1
-    optimizer = largest / shard * (3 + 2 * optimizer_states) / device.memory_bandwidth
+    optimizer = max(times.optimizer_step(n, (d / shard + e) / profile.dtype_bytes, profile.dtype_bytes,
+                                         optimizer_states, device)
+                    for n, d, e in zip(stage_tensors, stage_dense, stage_experts))
+    experts = dp_link.all_reduce(max(stage_experts), layout.dp * tp // layout.ep) if layout.ep > 1 else 0.0
     samples = batch * layout.dp * layout.accumulate
-    return StepTime(run * layout.accumulate, (run - busy) * layout.accumulate, fsdp, dp, optimizer, samples)
+    return StepTime(run * layout.accumulate, (run - busy) * layout.accumulate, fsdp, dp, optimizer, samples,
+                    experts)
 
 
 def _exposed(comm: float, compute: float, overlap: float) -> float:

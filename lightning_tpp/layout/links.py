@@ -41,6 +41,12 @@ class Link:
             return 0.0
         return 2 * (ranks - 1) * self.latency + 2 * (ranks - 1) / ranks * nbytes / self.bandwidth
 
+    def all_to_all(self, nbytes: float, ranks: int) -> float:
+        """All-to-all of ``nbytes`` per rank, spread evenly: (k-1)/k of it leaves the rank, one latency per peer."""
+        if ranks <= 1:
+            return 0.0
+        return (ranks - 1) * self.latency + (ranks - 1) / ranks * nbytes / self.bandwidth
+
     def gather(self, nbytes: float, ranks: int) -> float:
         """Ring all-gather (or reduce-scatter) whose whole result is ``nbytes``: (k-1)/k of it crosses each link."""
         if ranks <= 1 or nbytes <= 0:

@@ -14,6 +14,11 @@ The same terms as the memory planner (``memory.estimate``), which this follows a
                                     kept gathered from forward to backward under shard_grad_op)
                         step        AdamW's foreach temporary, the size of the parameters
     total = states + max(activations + gathered, step)
+
+With expert parallelism (``ep > 1``) a rank holds ``1 / ep`` of every expert bank, whole (not cut by tp) and not
+sharded by FSDP2 (the experts are left out of its units: their replicas are a part of dp), as ``estimate_memory(ep=)``
+counts them; the dense rest keeps tp and FSDP2. The exchange's rows held for backward are measured once at ep = 2
+(``BlockProfile.exchange_saved``): a rank receives about as many rows at any ep (its share of the group's tokens).
 """
 
 from __future__ import annotations
@@ -60,6 +65,23 @@ def in_flight(schedule: str, pp: int, microbatches: int, rank: int) -> int:
     return most
 
 
+def stage_params(profile: ModelProfile, layout: Layout, r: int, a: int, b: int) -> tuple[float, float, float]:
+    """Parameter elements of pipeline rank ``r`` (blocks ``a:b``): (dense, its experts, the largest block's dense
+    part). Under ``ep > 1`` the experts are ``1 / ep`` of the banks, whole; else they are in ``dense`` (cut by tp,
+    sharded by FSDP2 as every other parameter)."""
+    tp, ep = layout.tp, layout.ep
+    blocks = profile.blocks[a:b]
+    split = ep > 1
+    dense = sum(x.params.at(tp) - (x.experts.at(tp) if split else 0.0) for x in blocks)
+    experts = sum(x.experts.whole for x in blocks) / ep if split else 0.0
+    largest = max((x.params.at(tp) - (x.experts.at(tp) if split else 0.0) for x in blocks), default=0.0)
+    if r == 0:
+        dense += profile.first_params.at(tp)
+    if r == layout.pp - 1:
+        dense += profile.last_params.at(tp)
+    return dense, experts, largest
+
+
 @functools.lru_cache(maxsize=1024)
 def stage_blocks(costs: tuple[float, ...], pp: int, first: float, last: float) -> tuple[tuple[int, int], ...]:
     """The pipeline partition the strategy makes (``balance="params"``): contiguous block ranges per stage."""
@@ -73,38 +95,38 @@ def layout_memory(profile: ModelProfile, layout: Layout, *, batch: int, optimize
     mb = batch / layout.microbatches
     elem = profile.dtype_bytes
     per_param = elem * (2 + OPTIMIZER_STATES[optimizer])
-    costs = tuple(b.params.whole for b in profile.blocks)
+    costs = tuple(b.active for b in profile.blocks)
     bounds = stage_blocks(costs, pp, profile.first_params.whole, profile.last_params.whole) if pp > 1 else \
         ((0, profile.n_blocks),)
     shard = layout.dp if layout.sharded else 1
     best = None
     for r, (a, b) in enumerate(bounds):
         blocks = profile.blocks[a:b]
-        params = sum(x.params.at(tp) for x in blocks)
+        dense, experts, largest = stage_params(profile, layout, r, a, b)
         saved = 0.0
         if r == 0:
-            params += profile.first_params.at(tp)
             saved += profile.first_saved.at(tp) * mb
         if r == pp - 1:
-            params += profile.last_params.at(tp)
             saved += profile.last_saved.at(tp) * mb
+        exchange = (lambda x: x.exchange_saved / tp) if layout.ep > 1 else (lambda x: 0.0)  # noqa: E731
         if layout.activation_checkpointing:
             saved += sum(x.kept.at(tp) for x in blocks) * mb
-            extra = max((x.saved.at(tp) for x in blocks), default=0.0) * mb
+            extra = max((x.saved.at(tp) + exchange(x) for x in blocks), default=0.0) * mb
         else:
-            saved += sum(x.saved.at(tp) for x in blocks) * mb
+            saved += sum(x.saved.at(tp) + exchange(x) for x in blocks) * mb
             extra = 0.0
         if r < pp - 1:
             saved += profile.sent * mb
         held = in_flight(layout.schedule, pp, layout.microbatches, r) * saved + extra
-        largest = max((x.params.at(tp) for x in blocks), default=0.0) * elem
+        largest *= elem
         gathered = 0.0
         if layout.sharded:
             gathered = 2 * largest if backend == "gloo" else 4 * largest
             if layout.dp_sharding == "shard_grad_op":
-                gathered += params * elem
-        step = params * elem / shard if optimizer in ("adam", "adamw") else 0.0
-        memory = LayoutMemory(r, params * per_param / shard, held, gathered, step)
+                gathered += dense * elem
+        held_params = dense / shard + experts  # experts: not sharded by FSDP2
+        step = held_params * elem if optimizer in ("adam", "adamw") else 0.0
+        memory = LayoutMemory(r, held_params * per_param, held, gathered, step)
         if best is None or memory.total > best.total:
             best = memory
     assert best is not None

@@ -1,9 +1,9 @@
 """A layout as data: the degrees of each parallel axis and how a step runs, the thing ``layout="auto"`` chooses.
 
-Degrees are kept together (:attr:`Layout.degrees`) so that a new axis (expert parallelism, ``ep``, drawn from the
-dp ranks as Megatron-Core and torchtitan do) is one more field, 1 until the search learns it::
+Degrees are kept together (:attr:`Layout.degrees`); expert parallelism (``ep``) is drawn from the dp and tp ranks
+of a stage as Megatron-Core and torchtitan draw it, so it adds no devices::
 
-    world = tp x pp x dp        (ep divides dp: experts spread over ep of the dp ranks; 1 for now)
+    world = tp x pp x dp        ep divides dp x tp (experts spread over ep of a stage's ranks; 1 without experts)
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Layout:
     activation_checkpointing: bool = False
     dp_sharding: Sharding = "full_shard"
     accumulate: int = 1
-    ep: int = 1  # expert parallelism: not searched yet (issue #31 lands it); kept so layouts compare whole
+    ep: int = 1  # expert parallelism: ranks of a stage's dp x tp that split the experts (1: none)
 
     @property
     def world(self) -> int:
@@ -58,8 +58,9 @@ class Layout:
         return out
 
     def describe(self) -> str:
-        """``tp=2 pp=2 dp=1 m=4 1f1b ac=off`` as the ranked table prints it."""
-        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
+        """``tp=2 pp=2 dp=1 m=4 1f1b ac=off`` (``ep=2`` after dp when experts are split) as the ranked table
+        prints it."""
+        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"] + ([f"ep={self.ep}"] if self.ep > 1 else [])
         if self.pp > 1:
             parts += [f"m={self.microbatches}", self.schedule]
         if self.dp > 1:
@@ -71,6 +72,6 @@ class Layout:
 
     def strategy_kwargs(self) -> dict[str, object]:
         """The ``TensorPipeStrategy`` arguments that run this layout."""
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "microbatches": self.microbatches,
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep, "microbatches": self.microbatches,
                 "schedule": self.schedule, "activation_checkpointing": self.activation_checkpointing,
                 "dp_sharding": self.dp_sharding}

@@ -8,6 +8,11 @@ tensor parallelism changes is kept as :class:`Scaled` (``whole`` at tp = 1, of w
 from the two sizes, so a layout's figure is arithmetic, not another meta run::
 
     figure(tp) = whole - cut + cut / tp          (exact for what the plan cuts evenly; norms, residuals stay whole)
+
+Mixture-of-experts layers (``experts.find_experts``) are recorded per block (:class:`RoutedLayer`: experts, top-k,
+hidden size, the bank's parameters) for expert parallelism's terms. On meta no token reaches an expert (the
+data-dependent operations find nothing, ``core.meta_ops``) and grouped matmuls have no FLOP formula, so the experts'
+FLOPs are added by arithmetic: each (token, slot) row runs one expert's matrices, 2 FLOPs per parameter.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.mesh import MeshDims
+from lightning_tpp.core.meta_ops import DataDependentOnMeta
+from lightning_tpp.experts.detect import MoELayer, find_experts, top_k
 from lightning_tpp.memory.activations import ForwardFn, _default_forward, activations_per_stage, meta_copy
 from lightning_tpp.parallel_state import ParallelConfig, cut
 from lightning_tpp.pipeline.partition import find_block_sequences, plan_partition
@@ -31,7 +38,26 @@ from lightning_tpp.tensor_parallel import TensorParallelConfigError, check_divis
 
 CUTTING = ("colwise", "rowwise", "colwise_gather", "vocab", "mha", "experts")
 KEEP = 3  # blocks measured per container: the first (beside the embeddings), one inside, the last (beside the head)
-REDUCING = ("rowwise", "mha")  # an all-reduce of the block's output per forward (and of its input's gradient back)
+REDUCING = ("rowwise", "mha", "experts")  # an all-reduce of the output per forward (of the input's gradient back)
+
+
+@dataclass(frozen=True)
+class RoutedLayer:
+    """A mixture-of-experts layer as expert parallelism costs it: ``experts`` per bank, each token's ``top_k``
+    slots, the ``hidden`` size of a row sent, the bank's parameter elements (whole), and how its experts are held
+    (``"bank"``: 3-D parameters, which ep splits; ``"list"``: modules, which it does not)."""
+
+    name: str
+    kind: str
+    experts: int
+    top_k: int
+    hidden: int
+    params: float
+
+    @property
+    def flops_per_token(self) -> float:
+        """Forward FLOPs of one token through its ``top_k`` experts (2 per parameter of one expert, per slot)."""
+        return 2.0 * self.params / self.experts * self.top_k
 
 
 @dataclass(frozen=True)
@@ -63,6 +89,21 @@ class BlockProfile:
     kept: Scaled
     flops: Scaled
     reductions: int
+    experts: Scaled = Scaled(0.0)  # parameters of its expert banks (in ``params``; expert tp cuts them)
+    routed: tuple[RoutedLayer, ...] = ()
+    exchange_saved: float = 0.0  # bytes per sequence (tp = 1) that expert parallelism's exchange adds to ``saved``
+    tensors: int = 0  # parameter tensors (an optimizer step's per-tensor work)
+
+    @property
+    def active(self) -> float:
+        """Parameters as a token runs through them (each bank's top-k of its experts): the weight the strategy
+        balances pipeline stages by (``experts.active_parameters``)."""
+        return self.params.whole - sum(r.params * (1 - r.top_k / r.experts) for r in self.routed)
+
+    def exchanged(self, seq_len: int, dtype_bytes: int) -> float:
+        """Bytes of one all-to-all of every routed layer of the block, per sequence, before ep and tp split it:
+        tokens x top-k rows of ``hidden`` elements."""
+        return float(sum(seq_len * r.top_k * r.hidden * dtype_bytes for r in self.routed))
 
 
 @dataclass(frozen=True)
@@ -84,10 +125,26 @@ class ModelProfile:
     tp_choices: tuple[int, ...]  # tensor-parallel sizes whose plan divides every block
     vocab_reductions: int = 0  # all-reduces per forward outside the blocks at tp > 1 (vocabulary-parallel layers)
     whole_params: int = 0
+    end_tensors: tuple[int, int] = (0, 0)  # parameter tensors outside the blocks on the first and last stage
 
     @property
     def n_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def routed(self) -> tuple[RoutedLayer, ...]:
+        """Every mixture-of-experts layer inside the blocks."""
+        return tuple(r for b in self.blocks for r in b.routed)
+
+    def ep_problem(self, ep: int) -> Optional[str]:
+        """Why expert parallelism over ``ep`` ranks cannot split this model's experts, or None."""
+        for r in self.routed:
+            if r.kind != "bank":
+                return (f"ep={ep}: the experts of {r.name} are a list of {r.experts} modules; expert parallelism "
+                        f"splits 3-D banks only")
+            if r.experts % ep:
+                return f"ep={ep} must divide the {r.experts} experts of {r.name}"
+        return None
 
 
 def profile_model(module: nn.Module, *, seq_len: int, dtype: torch.dtype = torch.float32,
@@ -116,6 +173,11 @@ def _profile(module: nn.Module, copy: nn.Module, lengths: Mapping[str, int], seq
     n = len(plan_partition(copy, 1, blocks=blocks).members)
     partition = plan_partition(copy, n, blocks=blocks)  # a stage per block: the planner's per-stage bytes per block
     flops, flops_total = _flops(copy, partition.names, seq_len, forward)
+    layers = find_experts(copy)
+    routed = [_routed(copy, layers, names) for names in partition.members]
+    expert_flops = [seq_len * sum(r.flops_per_token for r in layers) for layers in routed]
+    flops = [f + e for f, e in zip(flops, expert_flops)]
+    flops_total += sum(expert_flops)
     figures = {}
     plans = {}
     for tp in (1, 2):
@@ -124,6 +186,11 @@ def _profile(module: nn.Module, copy: nn.Module, lengths: Mapping[str, int], seq
         except TensorParallelConfigError:
             figures[tp], plans[tp] = figures[1], plans[1]  # tp = 2 does not divide: no tp at all
     (params1, saved1, kept1, full1, pp1), (params2, saved2, kept2, full2, _) = figures[1], figures[2]
+    banks1, banks2 = pp1["experts"], figures[2][4]["experts"]
+    exchange = [0.0] * len(full1)  # bytes per sequence the all-to-all's rows add to a block under ep (any ep > 1)
+    if any(routed) and all(r.kind == "bank" and r.experts % 2 == 0 for layers in routed for r in layers):
+        at_ep = _at_tp(copy, partition, 1, seq_len, dtype, forward, blocks, tp_plan, ep=2)[0][3]
+        exchange = [max(e - f, 0.0) for e, f in zip(at_ep, full1)]
     choices = [1] + [t for t in range(2, max_tp + 1) if plans[2].blocks and _divides(plans[2], t)]
     styles = plans[2].styles
     block_list = []
@@ -132,7 +199,9 @@ def _profile(module: nn.Module, copy: nn.Module, lengths: Mapping[str, int], seq
         container = next((c for c in partition.blocks if _inside(names[0], c)), names[0])
         block_list.append(BlockProfile(names[0], container, Scaled.fit(params1[i], params2[i]),
                                        Scaled.fit(full1[i], full2[i]), Scaled.fit(kept1[i], kept2[i]),
-                                       Scaled(flops[i], flops[i] if red else 0.0), red))
+                                       Scaled(flops[i], flops[i] if red else 0.0), red,
+                                       Scaled.fit(banks1[i], banks2[i]), routed[i], exchange[i],
+                                       int(pp1["tensors"][i])))
     block_list = _expand(block_list, partition.blocks, lengths)
     ends = set(partition.pre) | set(partition.post)
     vocab = sum(1 for m, s in styles.items() if s in ("vocab", "colwise_gather") and m in ends)
@@ -144,7 +213,8 @@ def _profile(module: nn.Module, copy: nn.Module, lengths: Mapping[str, int], seq
         Scaled.fit(saved1[last] - full1[last], saved2[last] - full2[last]),
         Scaled(flops_total - sum(flops), flops_total - sum(flops) if vocab else 0.0),
         float(pp1["sent"]), seq_len, torch.empty((), dtype=dtype).element_size(), tuple(choices), vocab,
-        int(sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())))
+        int(sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())),
+        (int(pp1["first_tensors"]), int(pp1["last_tensors"])))
 
 
 @contextmanager
@@ -193,7 +263,9 @@ def _expand(measured: list[BlockProfile], containers: Sequence[str], lengths: Ma
             continue
         index = int(block.name[len(container) + 1:].split(".")[0])
         if index == KEEP - 1:
-            out += [dataclasses.replace(block, name=f"{container}.{i}") for i in range(KEEP, lengths[container])]
+            out += [dataclasses.replace(block, name=f"{container}.{i}", routed=tuple(
+                dataclasses.replace(r, name=f"{container}.{i}" + r.name[len(block.name):]) for r in block.routed))
+                for i in range(KEEP, lengths[container])]
     return out
 
 
@@ -210,13 +282,14 @@ def _divides(plan: Any, tp: int) -> bool:
 
 
 def _at_tp(copy: nn.Module, partition: Any, tp: int, seq_len: int, dtype: torch.dtype, forward: Optional[ForwardFn],
-           blocks: Any, tp_plan: Any) -> tuple[Any, Any]:
-    """Per block at tensor-parallel size ``tp``: parameters kept, bytes saved (checkpointing on, and off), and the
-    parameters outside the blocks on the first and last stage."""
+           blocks: Any, tp_plan: Any, ep: int = 1) -> tuple[Any, Any]:
+    """Per block at tensor-parallel size ``tp`` (and expert-parallel ``ep``): parameters kept, bytes saved
+    (checkpointing on, and off), and the parameters outside the blocks on the first and last stage."""
     dims = MeshDims(1, 1, tp)
     twin = meta_copy(copy, dtype)
-    config = ParallelConfig(tp, 1, 1, "1f1b", 1, "params", None, blocks, tp_plan, False)
-    _, plan, _ = cut(twin, config, dims, pp_rank=0, device=torch.device("meta"), tp_group=TPGroup(None, 0, tp))
+    config = ParallelConfig(tp, 1, 1, "1f1b", 1, "params", None, blocks, tp_plan, False, ep=ep)
+    _, plan, _ = cut(twin, config, dims, pp_rank=0, device=torch.device("meta"), tp_group=TPGroup(None, 0, tp),
+                     ep_group=TPGroup(None, 0, ep) if ep > 1 else None)
     if tp > 1:
         check_divisible(plan, tp)
     modules = dict(twin.named_modules())
@@ -226,14 +299,20 @@ def _at_tp(copy: nn.Module, partition: Any, tp: int, seq_len: int, dtype: torch.
     for side, names in (("first", partition.pre), ("last", partition.post)):
         own = {id(p): p for m in names for p in modules[m].parameters() if id(p) not in inside}
         ends[side] = float(sum(p.numel() for p in own.values()))
+        ends[f"{side}_tensors"] = len(own)
+    ends["tensors"] = [len({id(p) for b in names for p in modules[b].parameters()}) for names in partition.members]
     pp_dims = MeshDims(1, 1, tp)
-    per_stage, saved, _, _ = activations_per_stage(copy, plan, partition, pp_dims, 1, seq_len, dtype, False, forward)
+    per_stage, saved, _, _ = activations_per_stage(copy, plan, partition, pp_dims, 1, seq_len, dtype, False, forward,
+                                                   ep)
     _, kept_saved, recompute, _ = activations_per_stage(copy, plan, partition, pp_dims, 1, seq_len, dtype, True,
-                                                        forward)
+                                                        forward, ep)
     n = partition.stages
     full = [float(recompute.get(i, 0)) for i in range(n)]  # each block's saved bytes, checkpointing off
     kept = [float(kept_saved.get(i, 0)) - (float(saved.get(i, 0)) - full[i]) for i in range(n)]
     ends["sent"] = float(per_stage.get(0, 0) - saved.get(0, 0)) if n > 1 else 0.0
+    banks = {layer.experts for layer in find_experts(twin)}
+    ends["experts"] = [float(sum(p.numel() for b in names for m, mod in modules.items() if m in banks
+                                 and _inside(m, b) for p in mod.parameters())) for names in partition.members]
     return (params, [float(saved.get(i, 0)) for i in range(n)], [max(k, 0.0) for k in kept], full, ends), plan
 
 
@@ -266,13 +345,32 @@ def _flops(copy: nn.Module, names: Sequence[str], seq_len: int, forward: Optiona
         originals[name] = block.forward
         block.forward = functools.partial(run, i, block, block.forward)
     try:
-        with counter, torch.no_grad():
+        with counter, torch.no_grad(), DataDependentOnMeta():  # routed layers: shapes only (see the module)
             (forward or _default_forward)(copy, ids)
     finally:
         for name, original in originals.items():
             modules[name].forward = original
     skipped = sum(per_block) - sum(_ran(done))
     return per_block, float(_total(counter) + skipped)
+
+
+def _routed(copy: nn.Module, layers: Sequence[MoELayer], names: Sequence[str]) -> tuple[RoutedLayer, ...]:
+    """The mixture-of-experts ``layers`` inside the blocks ``names`` (a layer whose top-k is not found counts one)."""
+    out = []
+    for layer in layers:
+        if not any(_inside(layer.experts, b) for b in names):
+            continue
+        bank = copy.get_submodule(layer.experts)
+        params = float(sum(p.numel() for p in bank.parameters()))
+        hidden = layer.bank.hidden if layer.bank is not None else _list_hidden(bank)
+        out.append(RoutedLayer(layer.experts, layer.kind, layer.count, top_k(copy, layer) or 1, hidden, params))
+    return tuple(out)
+
+
+def _list_hidden(experts: nn.Module) -> int:
+    """The input features of a list of experts (its first expert's first linear layer)."""
+    first = next(m for m in experts.modules() if isinstance(m, nn.Linear))
+    return int(first.in_features)
 
 
 def _ran(done: Mapping[Any, tuple[float, Any]]) -> list[float]:

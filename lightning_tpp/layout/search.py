@@ -5,6 +5,8 @@ Enumerated (all pure arithmetic on a :class:`ModelProfile`; nothing is allocated
     tp   divides the world, the node's devices, and every block's heads/features (the profile's tp_choices)
     pp   divides world / tp, at most one block per stage
     dp   world / (tp x pp)
+    ep   divisors of dp x tp where the model has experts (else 1); dropped with the reason where they do not divide
+         the experts or the experts are not a 3-D bank
     micro-batches   divisors of the per-process batch (1 without a pipeline), up to 4 x pp
     schedule        gpipe below pp micro-batches; else 1f1b, and zb-drain unless FSDP2 shards (as "auto" decides)
     activation checkpointing on / off;  dp sharding full_shard / shard_grad_op / no_shard (dp > 1)
@@ -111,7 +113,7 @@ def size(nbytes: float) -> str:
 
 def _parts(t: StepTime) -> str:
     return (f"pipeline {t.pipeline:.3g} s (bubble {t.bubble:.3g}), fsdp {t.fsdp:.3g}, dp {t.dp:.3g}, "
-            f"optimizer {t.optimizer:.3g}")
+            f"optimizer {t.optimizer:.3g}" + (f", experts {t.experts:.3g}" if t.experts else ""))
 
 
 def _divisors(n: int) -> list[int]:
@@ -121,8 +123,8 @@ def _divisors(n: int) -> list[int]:
 def enumerate_layouts(profile: ModelProfile, *, world: int, devices_per_node: int, batch: int,
                       tp: Optional[int] = None, pp: Optional[int] = None,
                       activation_checkpointing: Optional[bool] = None,
-                      shardings: Optional[Sequence[Sharding]] = None) -> list[Layout]:
-    """Every layout the search considers (``tp``/``pp``/``activation_checkpointing`` fixed where given)."""
+                      shardings: Optional[Sequence[Sharding]] = None, ep: Optional[int] = None) -> list[Layout]:
+    """Every layout the search considers (``tp``/``pp``/``activation_checkpointing``/``ep`` fixed where given)."""
     out = []
     tps = [t for t in profile.tp_choices if world % t == 0 and devices_per_node % t == 0] if tp is None else [tp]
     for t in tps:
@@ -130,13 +132,14 @@ def enumerate_layouts(profile: ModelProfile, *, world: int, devices_per_node: in
             if world % (t * p):
                 continue
             d = world // (t * p)
-            for m in _microbatches(p, batch):
+            eps = [e for e in _divisors(d * t) if profile.routed or e == 1] if ep is None else [ep]
+            for e, m in ((e, m) for e in eps for m in _microbatches(p, batch)):
                 for schedule in _schedules(p, m):
                     for ac in ((False, True) if activation_checkpointing is None else (activation_checkpointing,)):
                         for sharding in (("full_shard",) if d == 1 else tuple(shardings or SHARDINGS)):
                             if d > 1 and sharding != "no_shard" and schedule not in ("1f1b", "gpipe"):
                                 continue  # a split backward keeps FSDP2's units gathered ("auto" runs 1f1b)
-                            out.append(Layout(t, p, d, m, schedule, ac, sharding))
+                            out.append(Layout(t, p, d, m, schedule, ac, sharding, ep=e))
     return out
 
 
@@ -156,19 +159,25 @@ def search_layouts(profile: ModelProfile, *, world: int, device: DeviceSpec, tim
                    device_memory: Optional[float] = None, margin: float = 0.1, global_batch: Optional[int] = None,
                    tp: Optional[int] = None, pp: Optional[int] = None,
                    activation_checkpointing: Optional[bool] = None, shardings: Optional[Sequence[Sharding]] = None,
-                   optimizer: str = "adamw", backend: str = "nccl") -> Ranking:
+                   optimizer: str = "adamw", backend: str = "nccl", ep: Optional[int] = None) -> Ranking:
     """Rank every layout of ``world`` devices for per-process batches of ``batch`` sequences. A layout whose
     largest rank needs more than ``device_memory / (1 + margin)`` is dropped (``margin``: what the planner does not
     count, allocator and communication buffers)."""
     if batch < 1:
         raise ValueError(f"batch={batch} must be at least one sequence per process")
+    if ep is not None and ep > 1 and not profile.routed:
+        raise ValueError(f"ep={ep}: the model has no mixture-of-experts layer to split; use ep=1")
     if tp is not None and tp not in profile.tp_choices:
         raise ValueError(f"tp={tp} does not divide the model's blocks; choose tp in {list(profile.tp_choices)}")
     ranking = Ranking([], [], world, batch, device_memory, global_batch)
     states = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}[optimizer]
     for layout in enumerate_layouts(profile, world=world, devices_per_node=device.devices_per_node, batch=batch,
                                     tp=tp, pp=pp, activation_checkpointing=activation_checkpointing,
-                                    shardings=shardings):
+                                    shardings=shardings, ep=ep):
+        problem = _ep_problem(profile, layout)
+        if problem is not None:
+            ranking.dropped.append(Dropped(layout, problem))
+            continue
         if global_batch is not None:
             if global_batch % (layout.dp * batch):
                 ranking.dropped.append(Dropped(layout, f"global batch: {global_batch} is not a multiple of dp x "
@@ -188,6 +197,17 @@ def search_layouts(profile: ModelProfile, *, world: int, device: DeviceSpec, tim
     return ranking
 
 
+def _ep_problem(profile: ModelProfile, layout: Layout) -> Optional[str]:
+    """Why ``layout.ep`` cannot run (``"ep: ..."``), or None: it must divide dp x tp, every bank's experts, and the
+    experts must be 3-D banks (``experts.expert_parallel``)."""
+    if layout.ep == 1:
+        return None
+    if (layout.dp * layout.tp) % layout.ep:
+        return f"ep: ep={layout.ep} must divide dp*tp = {layout.dp * layout.tp}"
+    problem = profile.ep_problem(layout.ep)
+    return f"ep: {problem}" if problem else None
+
+
 def _simpler_first(ranked: list[Candidate]) -> list[Candidate]:
     """Within ``TIE`` of the fastest, the simplest layout first (fewer stages, no recompute, less sharding)."""
     if not ranked:
@@ -198,7 +218,7 @@ def _simpler_first(ranked: list[Candidate]) -> list[Candidate]:
 
     def complexity(c: Candidate) -> tuple:
         lay = c.layout
-        return (lay.pp, lay.activation_checkpointing, lay.tp, SHARDINGS[::-1].index(lay.dp_sharding)
+        return (lay.pp, lay.activation_checkpointing, lay.tp, lay.ep, SHARDINGS[::-1].index(lay.dp_sharding)
                 if lay.dp > 1 else 0, lay.microbatches, c.time.per_sample)
 
     return sorted(tied, key=complexity) + rest

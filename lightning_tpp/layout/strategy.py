@@ -2,8 +2,10 @@
 processes exist and before the mesh is built from tp, pp and dp.
 
     every rank: profile the model on meta (deterministic), measure the link (an all-reduce, every rank)
-    rank 0:     time one block of each kind per micro-batch size, search, log the top layouts and why
-    every rank: take rank 0's choice (one broadcast), set tp/pp/dp, micro-batches, schedule, checkpointing, sharding
+    rank 0:     time one block of each kind per micro-batch size and an optimizer step (on CPU every rank times
+                them at once: the cores are shared as in a step), search, log the top layouts and why
+    every rank: take rank 0's choice (one broadcast), set tp/pp/dp/ep, micro-batches, schedule, checkpointing,
+                sharding
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from lightning_tpp.layout.links import DEVICES, DeviceSpec, cpu_memory_share, cp
 from lightning_tpp.layout.plan import Layout
 from lightning_tpp.layout.profile import profile_model
 from lightning_tpp.layout.search import Ranking, search_layouts
-from lightning_tpp.layout.timing import time_blocks
+from lightning_tpp.layout.timing import time_blocks, time_optimizer
 
 AUTO = "auto"
 
@@ -42,12 +44,14 @@ class AutoRequest:
     device_memory: Optional[float]
     global_batch: Optional[int]
     margin: float = 0.1
+    ep: Optional[int] = None  # searched (layout="auto", where the model has experts), else the given one
 
 
 def auto_request(*, tp: Any, pp: Any, dp: Any, layout: Optional[str], device_memory: Optional[Union[float, str]],
-                 global_batch: Optional[int], activation_checkpointing: bool, dp_sharding: str
+                 global_batch: Optional[int], activation_checkpointing: bool, dp_sharding: str, ep: int = 1
                  ) -> Optional[AutoRequest]:
-    """The request the strategy's arguments make, or ``None`` when every degree is given (the search is off)."""
+    """The request the strategy's arguments make, or ``None`` when every degree is given (the search is off).
+    ``layout="auto"`` searches ep too; ``tp="auto"`` / ``pp="auto"`` keep the given ``ep``."""
     if layout not in (None, AUTO):
         raise AutoLayoutError(f"layout={layout!r} must be 'auto' or None (tp, pp and dp given)")
     if layout is None and AUTO not in (tp, pp):
@@ -63,7 +67,7 @@ def auto_request(*, tp: Any, pp: Any, dp: Any, layout: Optional[str], device_mem
     return AutoRequest(tp=None if whole or tp == AUTO else tp, pp=None if whole or pp == AUTO else pp,
                        activation_checkpointing=None if whole else activation_checkpointing,
                        dp_sharding=None if whole else dp_sharding, device_memory=_bytes(device_memory),
-                       global_batch=global_batch)
+                       global_batch=global_batch, ep=None if whole else ep)
 
 
 def _bytes(value: Optional[Union[float, str]]) -> Optional[float]:
@@ -103,12 +107,21 @@ def choose(module: nn.Module, request: AutoRequest, *, world: int, rank: int, lo
                               "LightningModule builds no layer in __init__ and none in configure_model")
     dtype = next(p.dtype for p in target.parameters())
     profile = profile_model(target, seq_len=seq, dtype=dtype)
-    link = measure_link()  # every rank: a collective
+    link = measure_link(large=link_size(profile))  # every rank: a collective
+    together = device.type == "cpu" and world > 1
     ranking = None
     chosen: list[Any] = [None]
+    if together and rank != 0:
+        try:
+            block_times(target, profile, batch, device=device, dtype=dtype, local_processes=local_processes,
+                        together=True)  # beside rank 0's timing: the cores shared as a step shares them
+        except ValueError:
+            pass  # rank 0 meets it too and reports it to every rank
     if rank == 0:
         try:
-            ranking = _rank(target, profile, request, device, link, local_processes, world, batch, dtype)
+            times = block_times(target, profile, batch, device=device, dtype=dtype, local_processes=local_processes,
+                                together=together)
+            ranking = _rank(profile, request, device, link, local_processes, world, batch, times)
             chosen = [ranking.best.layout]
             rank_zero_info(f"layout='auto':\n{ranking.table(top=5)}\n{ranking.why()}")
         except ValueError as err:  # every rank raises it, instead of waiting for a rank 0 that is gone
@@ -120,18 +133,33 @@ def choose(module: nn.Module, request: AutoRequest, *, world: int, rank: int, lo
     return chosen[0], ranking
 
 
-def _rank(target: nn.Module, profile: Any, request: AutoRequest, device: torch.device, link: Any,
-          local_processes: int, world: int, batch: int, dtype: torch.dtype) -> Ranking:
-    """Rank 0's search: the device's spec, one block of each kind timed per micro-batch size, the ranking."""
-    spec = _device(device, link, local_processes, request.device_memory)
+def link_size(profile: Any) -> int:
+    """Elements of the link's large all-reduce: the model's gradients (1 Mi to 16 Mi elements). Measured on this
+    machine's gloo: 4 MB fitted with 4 KB predicts a 14 MB all-reduce at half its time (caches), so the link is
+    fitted at the size that the dp all-reduce moves."""
+    return int(min(max(profile.whole_params, 1 << 20), 1 << 24))
+
+
+def block_times(target: nn.Module, profile: Any, batch: int, *, device: torch.device, dtype: torch.dtype,
+                local_processes: int, together: bool) -> BlockTimes:
+    """One block of each kind timed per micro-batch size of ``batch``, and an optimizer step. ``together``: every
+    process of the machine times at the same moment (CPU processes share its cores, and whatever else runs there:
+    what a step meets), taken as measured; else the time alone, scaled by processes per core."""
     sizes = sorted({batch // m for m in range(1, batch + 1) if batch % m == 0})
-    times = BlockTimes(time_blocks(target, profile, sizes, device=device, dtype=dtype),
-                       slowdown=_slowdown(device, local_processes))
+    return BlockTimes(time_blocks(target, profile, sizes, device=device, dtype=dtype, together=together),
+                      slowdown=1.0 if together else _slowdown(device, local_processes),
+                      optimizer=time_optimizer(target, profile, device=device, dtype=dtype, together=together))
+
+
+def _rank(profile: Any, request: AutoRequest, device: torch.device, link: Any, local_processes: int, world: int,
+          batch: int, times: BlockTimes) -> Ranking:
+    """Rank 0's search: the device's spec and the ranking."""
+    spec = _device(device, link, local_processes, request.device_memory)
     return search_layouts(profile, world=world, device=spec, times=times, batch=batch, device_memory=spec.memory,
                           margin=request.margin, global_batch=request.global_batch, tp=request.tp, pp=request.pp,
                           activation_checkpointing=request.activation_checkpointing,
                           shardings=(request.dp_sharding,) if request.dp_sharding else None,  # type: ignore[arg-type]
-                          backend="gloo" if device.type == "cpu" else "nccl")
+                          backend="gloo" if device.type == "cpu" else "nccl", ep=request.ep)
 
 
 def _device(device: torch.device, link: Any, local_processes: int, memory: Optional[float]) -> DeviceSpec:
@@ -198,7 +226,7 @@ class AutoLayout:
 
     def _apply_layout(self, layout: Layout, module: nn.Module) -> None:
         from lightning_tpp.pipeline.schedule import validate
-        self._tp, self._pp, self._dp_arg = layout.tp, layout.pp, layout.dp
+        self._tp, self._pp, self._dp_arg, self._ep = layout.tp, layout.pp, layout.dp, layout.ep
         self.microbatches, self.virtual_stages = layout.microbatches, 1
         if layout.pp > 1:
             validate(layout.schedule, layout.pp, layout.microbatches, 1)

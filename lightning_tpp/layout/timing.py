@@ -4,11 +4,13 @@ whole model.
 The block's inputs are captured on a meta copy (the model's forward stops at the block: nothing before it is
 computed for real), then the block alone is built on the device from the meta copy (its weights drawn at random:
 the values do not change the time), and its forward and backward are timed. Results are cached per model shape,
-micro-batch and device, so a second setup does not time again."""
+micro-batch and device, so a second setup does not time again. An optimizer step is timed too
+(:func:`time_optimizer`), on one block's parameter shapes."""
 
 from __future__ import annotations
 
 import copy
+import math
 import time
 import warnings
 from typing import Any, Mapping, Optional, Sequence
@@ -17,10 +19,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_tpp._compat import tree_map
+from lightning_tpp.core.meta_ops import DataDependentOnMeta
 from lightning_tpp.layout.profile import ModelProfile
 from lightning_tpp.memory.activations import ForwardFn, _default_forward, meta_copy
 
-_CACHE: dict[tuple, tuple[float, float]] = {}  # (model shape, kind, micro-batch, device, dtype) -> seconds
+_CACHE: dict[tuple, tuple[float, float]] = {}  # (model shape, kind, micro-batch, device, dtype, ...) -> seconds
 
 
 class _Captured(Exception):
@@ -28,20 +31,22 @@ class _Captured(Exception):
 
 
 def time_blocks(module: nn.Module, profile: ModelProfile, sizes: Sequence[int], *, device: torch.device,
-                dtype: torch.dtype = torch.float32, forward: Optional[ForwardFn] = None, repeats: int = 5
-                ) -> dict[tuple[str, int], tuple[float, float]]:
+                dtype: torch.dtype = torch.float32, forward: Optional[ForwardFn] = None, repeats: int = 5,
+                together: bool = False) -> dict[tuple[str, int], tuple[float, float]]:
     """(forward, backward) seconds of one block of each kind per micro-batch of ``sizes`` sequences, for
-    ``cost.BlockTimes``: the least of ``repeats`` after one warm-up."""
+    ``cost.BlockTimes``: the least of ``repeats`` after one warm-up; their median when every process of the
+    machine times at once (``together``: the cores as a step shares them, see ``layout.strategy``)."""
     kinds = {b.kind: b for b in profile.blocks}
     shape = tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
     out: dict[tuple[str, int], tuple[float, float]] = {}
     failed: dict[str, str] = {}
     for kind, block in kinds.items():
         for mb in sizes:
-            key = (hash(shape), kind, mb, str(device), dtype)
+            key = (hash(shape), kind, mb, str(device), dtype, together)
             if key not in _CACHE:
                 try:
-                    _CACHE[key] = _time_one(module, block.name, mb, profile.seq_len, device, dtype, forward, repeats)
+                    _CACHE[key] = _time_one(module, block.name, mb, profile.seq_len, device, dtype, forward, repeats,
+                                            together)
                 except (RuntimeError, TypeError, ValueError) as err:
                     failed[kind] = f"{type(err).__name__}: {str(err)[:200]}"
                     break
@@ -61,8 +66,36 @@ def time_blocks(module: nn.Module, profile: ModelProfile, sizes: Sequence[int], 
     return out
 
 
+def time_optimizer(module: nn.Module, profile: ModelProfile, *, device: torch.device,
+                   dtype: torch.dtype = torch.float32, repeats: int = 10, together: bool = False
+                   ) -> tuple[float, float]:
+    """(seconds per parameter tensor, seconds per element) of an AdamW step (torch's default, foreach) on this
+    device: timed on one block's parameters (real tensors of its shapes) and on one flat tensor of as many elements,
+    the least of ``repeats`` after one warm-up each (the median, ``together``). A step is not only bytes at memory bandwidth: on a CPU thread
+    its per-tensor work is most of it for small tensors."""
+    block = profile.blocks[0]
+    shapes = [tuple(p.shape) for p in meta_copy(module, dtype).get_submodule(block.name).parameters()]
+    elements = sum(math.prod(s) for s in shapes)
+    seconds = []
+    for group in (shapes, [(elements,)]):
+        params = [torch.zeros(s, dtype=dtype, device=device, requires_grad=True) for s in group]
+        for q in params:
+            q.grad = torch.randn_like(q)
+        optimizer = torch.optim.AdamW(params, lr=1e-4)
+        samples = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            optimizer.step()
+            _sync(device)
+            samples.append(time.perf_counter() - start)
+        seconds.append(_pick(samples[1:], together))
+    per_element = seconds[1] / max(elements, 1)
+    per_tensor = max(seconds[0] - seconds[1], 0.0) / max(len(shapes) - 1, 1)
+    return per_tensor, per_element
+
+
 def _time_one(module: nn.Module, name: str, mb: int, seq_len: int, device: torch.device, dtype: torch.dtype,
-              forward: Optional[ForwardFn], repeats: int) -> tuple[float, float]:
+              forward: Optional[ForwardFn], repeats: int, together: bool = False) -> tuple[float, float]:
     twin = meta_copy(module, dtype).train()  # as in training: no key/value cache carried between calls
     block = twin.get_submodule(name)
     captured: list[Any] = []
@@ -73,7 +106,8 @@ def _time_one(module: nn.Module, name: str, mb: int, seq_len: int, device: torch
 
     handle = block.register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        (forward or _default_forward)(twin, torch.zeros(mb, seq_len, dtype=torch.long, device="meta"))
+        with DataDependentOnMeta():  # routed layers before the block: shapes only (core.meta_ops)
+            (forward or _default_forward)(twin, torch.zeros(mb, seq_len, dtype=torch.long, device="meta"))
     except _Captured:
         pass
     finally:
@@ -104,7 +138,14 @@ def _time_one(module: nn.Module, name: str, mb: int, seq_len: int, device: torch
         _sync(device)
         forwards.append(middle - start)
         backwards.append(time.perf_counter() - middle)
-    return min(forwards[1:]), min(backwards[1:])  # the least: the work itself, not other processes on the cores
+    return _pick(forwards[1:], together), _pick(backwards[1:], together)
+
+
+def _pick(samples: Sequence[float], together: bool) -> float:
+    """The least sample (the work itself, timed alone), or the median (timed beside the other processes: the
+    sharing is part of what is measured, the least would be a moment when the others were idle)."""
+    ordered = sorted(samples)
+    return ordered[len(ordered) // 2] if together else ordered[0]
 
 
 def _real(t: Any, device: torch.device) -> Any:

@@ -226,6 +226,7 @@ def _gathered(cut: nn.Module, partition: Optional[Partition], splits_backward: b
     blocks = block_names(cut, partition)
     exchanged = candidates(cut, blocks) if exchanged_tokens else []
     rows = {id(p) for n in exchanged for p in cut.get_submodule(n).parameters()}
+    rows |= {id(p) for p in expert_parameters(cut)}  # split over ep: outside FSDP2's units, never gathered
     exchange = max((_exchange_bytes(cut.get_submodule(n), exchanged_tokens, dp) for n in exchanged), default=0)
     if splits_backward:
         return max(exchange, 2 * sum(p.numel() * p.element_size() for p in {id(p): p for p in cut.parameters()

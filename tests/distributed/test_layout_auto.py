@@ -54,3 +54,4 @@ def test_layout_auto_trains_at_parity_and_fits_a_budget_the_naive_layout_does_no
             ranks = [(d * chosen.pp + s) * chosen.tp + t for s in range(chosen.pp)]
             got = merge_stages([load_record(tmp_path / f"llama4.rank{r}.pt") for r in ranks])
             assert_parity(got, ref, where=f"layout='auto' chose {chosen.describe()}, ranks {ranks}")
+

@@ -84,11 +84,15 @@ def main() -> None:
     parser.add_argument("--device-memory", type=float, default=None)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--ep", type=int, default=None, help="tp='auto' with this ep (else layout='auto')")
     args = parser.parse_args()
     from lightning_tpp import TensorPipeStrategy
 
     rank = int(os.environ["LOCAL_RANK"])
-    strategy = TensorPipeStrategy(layout="auto", device_memory=args.device_memory, print_plan=False)
+    if args.ep is None:
+        strategy = TensorPipeStrategy(layout="auto", device_memory=args.device_memory, print_plan=False)
+    else:
+        strategy = TensorPipeStrategy(tp="auto", ep=args.ep, device_memory=args.device_memory, print_plan=False)
 
     def prepare(module: torch.nn.Module) -> None:
         module.example_input_array = torch.zeros(args.batch_size, SEQ, dtype=torch.long)
@@ -100,10 +104,12 @@ def main() -> None:
     torch.save(asdict(record), out / f"{args.model}.rank{rank}.pt")
     chosen = strategy.parallel_state.layout
     info = {"layout": asdict(chosen), "dims": [strategy.dims.dp, strategy.dims.pp, strategy.dims.tp],
-            "measured_peak": peak.peak}
+            "measured_peak": peak.peak,
+            "ep_group": strategy._ep_group.size if strategy._ep_group is not None else 1}
     if strategy.layout_ranking is not None:
         best = strategy.layout_ranking.best
         info.update(memory=best.memory.total, candidates=len(strategy.layout_ranking.ranked),
+                    ranked=[c.layout.describe() for c in strategy.layout_ranking.ranked],
                     dropped=[d.reason for d in strategy.layout_ranking.dropped])
     (out / f"layout.rank{rank}.json").write_text(json.dumps(info))
 

@@ -239,3 +239,157 @@ def test_a_forward_that_counts_its_blocks_is_profiled_whole() -> None:
     profile = profile_model(model, seq_len=SEQ)
     assert profile.n_blocks == 5 and profile.whole_params == sum(p.numel() for p in model.parameters())
     assert len(model.inner.layers) == 5  # the user's model is put back as it was
+
+
+# ---- expert parallelism in the search ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mixtral():
+    from models import HFMoE
+    torch.manual_seed(0)
+    model = HFMoE("mixtral")  # 2 layers, 4 experts (top-2) in 3-D banks
+    return model, profile_model(model, seq_len=SEQ)
+
+
+def test_the_profile_records_the_routed_layers(mixtral) -> None:
+    model, profile = mixtral
+    banks = [model.get_submodule(f"model.model.layers.{i}.mlp.experts") for i in range(2)]
+    assert [(r.name, r.kind, r.experts, r.top_k, r.hidden) for r in profile.routed] == [
+        (f"model.model.layers.{i}.mlp.experts", "bank", 4, 2, 32) for i in range(2)]
+    for block, bank in zip(profile.blocks, banks):
+        whole = sum(p.numel() for p in bank.parameters())
+        assert block.experts.whole == block.routed[0].params == whole and block.experts.at(2) == whole / 2
+        assert block.active == block.params.whole - whole / 2  # top-2 of 4: the partition's weight
+        assert block.exchange_saved > 0  # the exchange's rows held for backward, measured at ep = 2
+    # experts' FLOPs by arithmetic (none reach an expert on meta): 2 per parameter of one expert, per slot
+    assert all(b.flops.whole >= SEQ * 2 * (b.experts.whole / 4) * 2 for b in profile.blocks)
+
+
+def test_ep_is_enumerated_only_where_the_model_has_experts(llama4, mixtral) -> None:
+    assert {lay.ep for lay in enumerate_layouts(llama4[1], world=4, devices_per_node=4, batch=4)} == {1}
+    layouts = enumerate_layouts(mixtral[1], world=4, devices_per_node=4, batch=4)
+    assert {lay.ep for lay in layouts} == {1, 2, 4}
+    assert all((lay.dp * lay.tp) % lay.ep == 0 for lay in layouts)  # drawn from a stage's dp x tp ranks
+    assert {(lay.tp, lay.dp, lay.ep) for lay in layouts if lay.pp == 1} >= {(1, 4, 4), (2, 2, 4), (4, 1, 2)}
+    with pytest.raises(ValueError, match="ep=2: the model has no mixture-of-experts layer to split; use ep=1"):
+        search_layouts(llama4[1], world=4, device=CPU, times=BlockTimes(), batch=4, ep=2)
+
+
+def test_ep_that_cannot_split_the_experts_is_dropped_with_the_reason(mixtral) -> None:
+    from models import ListMoELM
+    ranking = search_layouts(mixtral[1], world=6, device=CPU, times=BlockTimes(), batch=4)
+    reasons = {d.layout.ep: d.reason for d in ranking.dropped}
+    assert reasons[3] == "ep: ep=3 must divide the 4 experts of model.model.layers.0.mlp.experts"
+    assert 6 in reasons and {c.layout.ep for c in ranking.ranked} == {1, 2}
+    listed = profile_model(ListMoELM(), seq_len=SEQ)  # experts as a list of modules: ep does not split them
+    ranking = search_layouts(listed, world=4, device=CPU, times=BlockTimes(), batch=4)
+    assert {c.layout.ep for c in ranking.ranked} == {1}
+    assert any(d.reason.startswith("ep: ep=2: the experts of blocks.0.moe.experts are a list of 4 modules")
+               for d in ranking.dropped)
+
+
+@pytest.mark.parametrize("layout", [Layout(1, 1, 4, ep=2), Layout(1, 1, 4, ep=4, dp_sharding="no_shard"),
+                                    Layout(2, 1, 2, ep=4), Layout(2, 1, 2, ep=2, dp_sharding="no_shard"),
+                                    Layout(1, 2, 2, 4, "1f1b", ep=2), Layout(1, 1, 4, ep=2, activation_checkpointing=True)],
+                         ids=lambda lay: lay.describe())
+def test_ep_memory_arithmetic_is_the_planners(mixtral, layout: Layout) -> None:
+    model, profile = mixtral
+    mine = layout_memory(profile, layout, batch=4, backend="gloo").total
+    planner = estimate_memory(model, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep,
+                              microbatches=layout.microbatches if layout.pp > 1 else None, batch_size=4 * layout.dp,
+                              seq_len=SEQ, schedule=layout.schedule, backend="gloo",
+                              activation_checkpointing=layout.activation_checkpointing,
+                              dp_shard=layout.sharded).largest.total
+    assert mine == pytest.approx(planner, rel=0.15), f"{layout.describe()}: {mine} vs the planner's {planner}"
+
+
+def test_memory_per_rank_shrinks_with_ep(mixtral) -> None:
+    _, profile = mixtral
+    states = [layout_memory(profile, Layout(1, 1, 4, ep=ep, dp_sharding="no_shard"), batch=4).states
+              for ep in (1, 2, 4)]
+    assert states[0] > states[1] > states[2]
+    experts = sum(b.experts.whole for b in profile.blocks) * 4 * 4  # fp32 parameter, gradient, AdamW's two states
+    assert states[0] - states[1] == pytest.approx(experts / 2) and states[1] - states[2] == pytest.approx(experts / 4)
+    sharded = [layout_memory(profile, Layout(1, 1, 4, ep=ep), batch=4).states for ep in (2, 4)]
+    assert sharded[0] > sharded[1]  # under FSDP2 too: experts are not sharded by it, ep divides them
+
+
+def test_ep_step_time_adds_the_all_to_alls_and_the_replicas_reduction(mixtral) -> None:
+    _, profile = mixtral
+    batch, elem = 4, 4
+    one = step_time(profile, Layout(1, 1, 4, dp_sharding="no_shard"), CPU, BlockTimes(), batch=batch)
+    two = step_time(profile, Layout(1, 1, 4, ep=2, dp_sharding="no_shard"), CPU, BlockTimes(), batch=batch)
+    rows = CPU.intra.all_to_all(batch * SEQ * 2 * 32 * elem, 2)  # tokens x top-2 rows of 32 fp32
+    counts = CPU.intra.all_to_all(4 * 8, 2)
+    assert two.pipeline - one.pipeline == pytest.approx(2 * (4 * rows + counts))  # 2 layers: 2 + 2 rows, counts
+    experts = sum(b.experts.whole for b in profile.blocks) * elem
+    assert two.experts == pytest.approx(CPU.intra.all_reduce(experts / 2, 2))  # over its 2 replicas
+    assert two.dp < one.dp  # the dense rest only
+
+
+def test_a_mixtral_shaped_model_ranks_on_paper() -> None:
+    """Mixtral-8x7B's shape (32 layers, 8 experts top-2, 32 heads / 8 kv) on 64 H100: profiled on meta, every
+    layout of ep ranked with the rest; ep spares the experts' memory, the chosen layout fits."""
+    cfg = transformers.MixtralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                                     num_experts_per_tok=2, vocab_size=32000)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    profile = profile_model(model, seq_len=4096, dtype=torch.bfloat16)
+    assert len(profile.routed) == 32 and profile.whole_params == pytest.approx(46.7e9, rel=0.01)
+    ranking = search_layouts(profile, world=64, device=device_spec("h100"), times=BlockTimes(), batch=2,
+                             device_memory=80e9)
+    best = ranking.best
+    assert best.memory.total * 1.1 <= 80e9 and {c.layout.ep for c in ranking.ranked} >= {1, 2, 8}
+    assert any(d.reason.startswith("ep: ep=16 must divide the 8 experts") for d in ranking.dropped)
+    assert any(d.reason.startswith("memory") for d in ranking.dropped)
+    replicated = [layout_memory(profile, Layout(1, 1, 64, ep=ep, dp_sharding="no_shard"), batch=2).states
+                  for ep in (1, 8)]
+    assert replicated[1] < replicated[0] / 2  # an eighth of the experts whole, against all of them on every rank
+    cut = [layout_memory(profile, Layout(8, 1, 8, ep=ep, dp_sharding="no_shard"), batch=2).states for ep in (1, 8)]
+    assert cut[1] == pytest.approx(cut[0])  # an eighth of the experts whole, or an eighth of every expert (tp)
+    assert "ep=" in ranking.table(top=len(ranking.ranked))
+
+
+def test_plan_auto_on_a_mixture_of_experts_config(tmp_path, capsys) -> None:
+    from lightning_tpp.__main__ import main
+    cfg = transformers.MixtralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                     num_attention_heads=8, num_key_value_heads=4, num_local_experts=8,
+                                     num_experts_per_tok=2, vocab_size=1024)
+    (tmp_path / "config.json").write_text(cfg.to_json_string())
+    assert main(["plan", str(tmp_path / "config.json"), "--auto", "--devices", "16", "--devices-per-node", "8",
+                 "--device-memory", "80GB", "--device", "h100", "--batch-size", "4", "--seq-len", "128",
+                 "--dtype", "bfloat16", "--top", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "Layouts of 16 devices" in out and "chosen tp=" in out and " ep=" in out
+    assert "dropped:" in out and "x ep" in out  # ep=16 does not divide the 8 experts
+
+
+def test_the_optimizer_step_is_timed_per_tensor_and_per_element(llama4) -> None:
+    """On the device (here the CPU), an AdamW step costs per tensor as well as per byte: timed on one block's shapes
+    and one flat tensor; the cost model charges each rank its own tensors and elements (FSDP2 shards the elements,
+    not the tensor count)."""
+    from lightning_tpp.layout.timing import time_optimizer
+    model, profile = llama4
+    per_tensor, per_element = time_optimizer(model, profile, device=torch.device("cpu"))
+    assert per_tensor >= 0 and per_element > 0
+    assert sum(b.tensors for b in profile.blocks) + sum(profile.end_tensors) == len(list(model.parameters()))
+    times = BlockTimes(optimizer=(1e-4, 1e-8))
+    whole = step_time(profile, Layout(1, 1, 4, dp_sharding="no_shard"), CPU, times, batch=4).optimizer
+    sharded = step_time(profile, Layout(1, 1, 4), CPU, times, batch=4).optimizer
+    tensors = len(list(model.parameters()))
+    assert whole == pytest.approx(1e-4 * tensors + 1e-8 * profile.whole_params)
+    assert sharded == pytest.approx(1e-4 * tensors + 1e-8 * profile.whole_params / 4)
+
+
+def test_block_times_timed_together_are_taken_as_measured(llama4) -> None:
+    """On CPU every process times at once (the cores shared as in a step): the median, unscaled; alone, the least,
+    scaled by processes per core."""
+    import os
+    from lightning_tpp.layout.strategy import block_times
+    model, profile = llama4
+    kwargs = dict(device=torch.device("cpu"), dtype=torch.float32, local_processes=4)
+    together = block_times(model, profile, 2, together=True, **kwargs)
+    alone = block_times(model, profile, 2, together=False, **kwargs)
+    assert set(together.measured) == set(alone.measured) == {("layers", 1), ("layers", 2)}
+    assert together.slowdown == 1.0 and together.optimizer is not None
+    assert alone.slowdown == max(1.0, 4 / len(os.sched_getaffinity(0)))
