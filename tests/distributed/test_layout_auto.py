@@ -1,7 +1,10 @@
 """``TensorPipeStrategy(layout="auto")`` at 4 processes: it trains at parity with one process whatever it chose,
 and with ``device_memory`` below what the naive layout (pp only, nothing sharded) needs, the choice fits the budget
 (the memory planner's full estimate of the chosen layout, not only the search's arithmetic, and the tensor bytes
-each rank measured at its peak: parameters, gradients, optimizer state and the activations saved for backward)."""
+each rank measured at its peak: parameters, gradients, optimizer state and the activations saved for backward).
+A mixture of experts with ``tp="auto"`` and ``ep=2``: the searched layout carries ep into the strategy's groups and
+trains at parity (each replica's batch a batch of its own in the reference: the load-balancing loss is not a mean
+over samples)."""
 
 from __future__ import annotations
 
@@ -55,3 +58,19 @@ def test_layout_auto_trains_at_parity_and_fits_a_budget_the_naive_layout_does_no
             got = merge_stages([load_record(tmp_path / f"llama4.rank{r}.pt") for r in ranks])
             assert_parity(got, ref, where=f"layout='auto' chose {chosen.describe()}, ranks {ranks}")
 
+
+def test_tp_auto_with_ep_on_a_mixture_of_experts_trains_at_parity(tmp_path: Path) -> None:
+    name = "hf_mixtral_labels"
+    args = ["--model", name, "--out", str(tmp_path), "--batch-size", str(BATCH), "--ep", "2"]
+    run_ranks(ROOT / "tests" / "distributed" / "worker_layout.py", 4, args, timeout=300).check()
+    infos = [json.loads((tmp_path / f"layout.rank{r}.json").read_text()) for r in range(4)]
+    assert all(i["layout"] == infos[0]["layout"] for i in infos), f"ranks chose differently: {infos}"
+    chosen = Layout(**infos[0]["layout"])
+    assert chosen.ep == 2 and chosen.pp == 1 and all(i["ep_group"] == 2 for i in infos), infos
+    assert all(" ep=2 " in r for r in infos[0]["ranked"]) and len(infos[0]["ranked"]) > 1  # tp (and dp) searched
+    ref = train(name, dp=chosen.dp, replicas_apart=True, accumulate=chosen.dp, batch_size=BATCH, steps=3)
+    ref.losses = torch.tensor(ref.losses).view(-1, chosen.dp).sum(dim=1).tolist()  # each replica's loss / dp
+    ref.buffers = ref.buffers[chosen.dp - 1::chosen.dp]
+    for r in range(4):
+        assert_parity(load_record(tmp_path / f"{name}.rank{r}.pt"), ref,
+                      where=f"tp='auto' ep=2 chose {chosen.describe()}, rank {r}")
