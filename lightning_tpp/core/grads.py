@@ -107,8 +107,10 @@ def global_grad_norm(params: Iterable[nn.Parameter], *, sharded: Container[Tenso
     """Norm of all gradients of the whole (unsharded) model; every rank gets the same value. A shard's gradient counts
     on every tp rank, a replicated one on tp rank 0 only; a gradient sharded over dp (FSDP2) counts each dp rank's
     part, summed over ``dp_group``."""
+    params = list(params)
+    # the parameters' device even where no gradient is left (a step dropped everywhere): NCCL takes no CPU tensor
+    device = local(params[0]).device if params else torch.device("cpu")
     params = [p for p in params if p.grad is not None]
-    device = local(params[0].grad).device if params else torch.device("cpu")
     spec_of = getattr(sharded, "spec", lambda p: None)
     experts = [p for p in params if (s := spec_of(p)) is not None and s.over is not None]
     params = [p for p in params if (s := spec_of(p)) is None or s.over is None]
