@@ -179,15 +179,20 @@ def test_70b_on_1024_devices_on_paper_in_seconds_allocating_nothing() -> None:
     assert any(d.reason.startswith("memory") for d in ranking.dropped)  # tp=1 pp=1 cannot hold 70B
 
 
-def test_plan_auto_prints_the_ranked_table(tmp_path, capsys) -> None:
+def _plan_auto(tmp_path, capsys, cfg: transformers.PretrainedConfig, top: int) -> str:
+    """``lightning-tpp plan config.json --auto`` on 16 H100s (8 per node) with ``cfg``: what it prints."""
     from lightning_tpp.__main__ import main
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                                   num_key_value_heads=4, vocab_size=1024)
     (tmp_path / "config.json").write_text(cfg.to_json_string())
     assert main(["plan", str(tmp_path / "config.json"), "--auto", "--devices", "16", "--devices-per-node", "8",
                  "--device-memory", "80GB", "--device", "h100", "--batch-size", "4", "--seq-len", "128",
-                 "--dtype", "bfloat16", "--top", "3"]) == 0
-    out = capsys.readouterr().out
+                 "--dtype", "bfloat16", "--top", str(top)]) == 0
+    return capsys.readouterr().out
+
+
+def test_plan_auto_prints_the_ranked_table(tmp_path, capsys) -> None:
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                                   num_key_value_heads=4, vocab_size=1024)
+    out = _plan_auto(tmp_path, capsys, cfg, top=3)
     assert "Layouts of 16 devices (4 sequences per process; 74.51 GiB)" in out and "chosen tp=" in out
     assert " 1 tp=" in out and " 4 tp=" not in out  # --top 3
 
@@ -351,15 +356,10 @@ def test_a_mixtral_shaped_model_ranks_on_paper() -> None:
 
 
 def test_plan_auto_on_a_mixture_of_experts_config(tmp_path, capsys) -> None:
-    from lightning_tpp.__main__ import main
     cfg = transformers.MixtralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                                      num_attention_heads=8, num_key_value_heads=4, num_local_experts=8,
                                      num_experts_per_tok=2, vocab_size=1024)
-    (tmp_path / "config.json").write_text(cfg.to_json_string())
-    assert main(["plan", str(tmp_path / "config.json"), "--auto", "--devices", "16", "--devices-per-node", "8",
-                 "--device-memory", "80GB", "--device", "h100", "--batch-size", "4", "--seq-len", "128",
-                 "--dtype", "bfloat16", "--top", "40"]) == 0
-    out = capsys.readouterr().out
+    out = _plan_auto(tmp_path, capsys, cfg, top=40)
     assert "Layouts of 16 devices" in out and "chosen tp=" in out and " ep=" in out
     assert "dropped:" in out and "x ep" in out  # ep=16 does not divide the 8 experts
 
