@@ -101,7 +101,7 @@ def choose(module: nn.Module, request: AutoRequest, *, world: int, rank: int, lo
     """Rank 0's choice on every rank (its ranking, on rank 0 only). ``module`` carries the batch shape; ``model``
     (default ``module``) is what is profiled."""
     batch, seq = batch_shape(module)
-    target = module if model is None else model
+    target = _profiled(module) if model is None else model
     if not any(True for _ in target.parameters()):
         raise AutoLayoutError("layout='auto' profiles the model at setup and found no parameters: the "
                               "LightningModule builds no layer in __init__ and none in configure_model")
@@ -131,6 +131,18 @@ def choose(module: nn.Module, request: AutoRequest, *, world: int, rank: int, lo
     if isinstance(chosen[0], str):
         raise AutoLayoutError(f"layout='auto' found no layout (rank 0's search): {chosen[0]}")
     return chosen[0], ranking
+
+
+def _profiled(module: nn.Module) -> nn.Module:
+    """What the profile runs: the module, or where it has no ``forward`` of its own (a LightningModule that calls its
+    model in ``training_step``), its child holding the most parameters."""
+    import lightning as L
+    if type(module).forward not in (L.LightningModule.forward, nn.Module.forward):
+        return module
+    children = [c for c in module.children() if any(True for _ in c.parameters())]
+    if not children:
+        return module
+    return max(children, key=lambda c: sum(p.numel() for p in c.parameters()))
 
 
 def link_size(profile: Any) -> int:

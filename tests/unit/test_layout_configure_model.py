@@ -10,7 +10,7 @@ import torch
 
 from lightning_tpp import TensorPipeStrategy
 from lightning_tpp.layout.strategy import AutoLayoutError
-from models import SEQ, LitLM, token_dataset
+from models import SEQ, VOCAB, LitLM, token_dataset
 
 
 def _fit(module: L.LightningModule, steps: int = 1) -> L.Trainer:
@@ -54,3 +54,31 @@ def test_a_configure_model_that_needs_the_mesh_is_named() -> None:
 
     with pytest.raises(AutoLayoutError, match=r"configure_model failed there: TypeError: 'NoneType' object is not subscriptable.*give tp, pp and dp"):
         _fit(NeedsMesh("llama", build_in_configure_model=True))
+
+
+def test_a_module_without_forward_is_searched_by_its_model() -> None:
+    """A LightningModule that calls its Hugging Face model in training_step (no forward of its own), built in
+    configure_model: the search profiles the child holding the parameters (a Qwen2 it has not seen)."""
+    import transformers
+
+    class NoForward(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = None
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB)
+                self.model = transformers.Qwen2ForCausalLM(cfg)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = NoForward()
+    trainer = _fit(module, steps=2)
+    assert trainer.global_step == 2 and trainer.strategy.layout_ranking is not None
+    assert not any(p.is_meta for p in module.parameters())
