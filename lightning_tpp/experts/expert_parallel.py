@@ -21,13 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tpp.core.comm import TPGroup, all_reduce_flag
-from lightning_tpp.core.grads import all_reduce_coalesced, present_gradients
+from lightning_tpp.core.grads import reduce_gradients
 from lightning_tpp.core.params import ShardIndex, ShardInfo
 from lightning_tpp.core.reference import TensorParallelMismatchError, against_reference, first_difference, isolated
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
@@ -200,8 +199,4 @@ def reduce_expert_grads(params: list[nn.Parameter], group: ExpertGroup) -> None:
     """Each expert's gradient summed over its replicas and divided by dp: the average over every replica's batch,
     as the other parameters get. A bank whose parameter got no gradient on a rank (frozen, or no MoE call) gets
     zeros there when another rank has one."""
-    grads = present_gradients([p for p in params if p.requires_grad], group.replicas)
-    if group.replicas is not None and dist.get_world_size(group.replicas) > 1:
-        all_reduce_coalesced(grads, group.replicas, average=False)
-    for g in grads:
-        g.div_(group.dp)
+    reduce_gradients([p for p in params if p.requires_grad], group.replicas, divisor=group.dp)
