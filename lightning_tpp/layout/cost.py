@@ -12,7 +12,10 @@ What it adds up (per pipeline rank; a step is ``accumulate`` pipeline runs of ``
     FSDP2 (dp sharded)    per micro-batch: all-gather of the stage's parameters for forward (again for backward
                           under full_shard), reduce-scatter of its gradients; ``overlap`` of it hidden by compute
     dp all-reduce         (no_shard) the stage's gradients once per step, after backward (the strategy averages
-                          them in the optimizer's closure, ``core.grads``): not overlapped
+                          them in the optimizer's closure, ``core.grads``): not overlapped; with the two host
+                          copies around it (into the flat bucket, back divided by dp)
+    loss check            (dp > 1) per training_step, the replicas' non-finite flags gathered (fail-fast,
+                          ``reliability.nonfinite``): one small all-gather, a synchronisation point
     optimizer             AdamW timed on the device (per parameter tensor + per element, on one block's shapes),
                           else the rank's parameters and states read and written once, at memory bandwidth
 
@@ -55,6 +58,13 @@ class BlockTimes:
     measured: Mapping[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
     slowdown: float = 1.0
     optimizer: Optional[tuple[float, float]] = None  # AdamW step: (seconds per tensor, per element), timed
+    copy: Optional[float] = None  # seconds per byte of a host copy (read and written), timed beside the others
+
+    def copies(self, nbytes: float, passes: int, device: DeviceSpec) -> float:
+        """Seconds of ``passes`` copies of ``nbytes`` (each read and written once): timed, else at memory
+        bandwidth."""
+        per_byte = self.copy if self.copy is not None else 2.0 / device.memory_bandwidth
+        return passes * nbytes * per_byte
 
     def optimizer_step(self, tensors: int, elements: float, elem: int, states: int, device: DeviceSpec) -> float:
         """Seconds of the optimizer step of a rank holding ``tensors`` parameter tensors of ``elements`` in all:
@@ -173,13 +183,16 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
         gathers = 2 if layout.dp_sharding == "full_shard" else 1
         per_mb = (gathers + 1) * dp_link.gather(largest, layout.dp)  # all-gathers + the reduce-scatter
         fsdp = _exposed(per_mb * m * layout.accumulate, compute, device.overlap)
-    elif layout.dp > 1:
-        dp = dp_link.all_reduce(largest, layout.dp)  # after backward: nothing left to hide it behind
+    elif layout.dp > 1:  # after backward: nothing left to hide it behind
+        dp = dp_link.all_reduce(largest, layout.dp) + times.copies(largest, 2, device)
+    if layout.dp > 1:
+        dp += dp_link.gather(4.0 * layout.dp, layout.dp) * layout.accumulate  # the loss check's flags
     shard = layout.dp if layout.sharded else 1
     optimizer = max(times.optimizer_step(n, (d / shard + e) / profile.dtype_bytes, profile.dtype_bytes,
                                          optimizer_states, device)
                     for n, d, e in zip(stage_tensors, stage_dense, stage_experts))
-    experts = dp_link.all_reduce(max(stage_experts), layout.dp * tp // layout.ep) if layout.ep > 1 else 0.0
+    experts = dp_link.all_reduce(max(stage_experts), layout.dp * tp // layout.ep) + \
+        times.copies(max(stage_experts), 2, device) if layout.ep > 1 else 0.0
     samples = batch * layout.dp * layout.accumulate
     return StepTime(run * layout.accumulate, (run - busy) * layout.accumulate, fsdp, dp, optimizer, samples,
                     experts)

@@ -13,7 +13,7 @@ import copy
 import math
 import time
 import warnings
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -32,16 +32,25 @@ class _Captured(Exception):
 
 def time_blocks(module: nn.Module, profile: ModelProfile, sizes: Sequence[int], *, device: torch.device,
                 dtype: torch.dtype = torch.float32, forward: Optional[ForwardFn] = None, repeats: int = 5,
-                together: bool = False) -> dict[tuple[str, int], tuple[float, float]]:
+                together: bool = False, sync: Optional[Callable[[], None]] = None
+                ) -> dict[tuple[str, int], tuple[float, float]]:
     """(forward, backward) seconds of one block of each kind per micro-batch of ``sizes`` sequences, for
     ``cost.BlockTimes``: the least of ``repeats`` after one warm-up; their median when every process of the
-    machine times at once (``together``: the cores as a step shares them, see ``layout.strategy``)."""
+    machine times at once (``together``: the cores as a step shares them, see ``layout.strategy``). ``sync`` (a
+    barrier of those processes) is called before each kind and size, on every rank the same number of times
+    whatever fails or is cached, so that the processes time the same work at the same moment: unsynchronised, the
+    first to finish left the cores to the others, whose blocks then ran faster than in a step (measured: T5's
+    blocks 15-35% under their time in the step, 4 processes on 2 cores)."""
     kinds = {b.kind: b for b in profile.blocks}
     shape = tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
     out: dict[tuple[str, int], tuple[float, float]] = {}
     failed: dict[str, str] = {}
     for kind, block in kinds.items():
         for mb in sizes:
+            if sync is not None:
+                sync()
+            if kind in failed:
+                continue
             key = (hash(shape), kind, mb, str(device), dtype, together)
             if key not in _CACHE:
                 try:
@@ -49,7 +58,7 @@ def time_blocks(module: nn.Module, profile: ModelProfile, sizes: Sequence[int], 
                                             together)
                 except (RuntimeError, TypeError, ValueError) as err:
                     failed[kind] = f"{type(err).__name__}: {str(err)[:200]}"
-                    break
+                    continue
             out[(kind, mb)] = _CACHE[key]
     timed = [k for k in kinds if k not in failed]
     if not timed:
@@ -67,8 +76,8 @@ def time_blocks(module: nn.Module, profile: ModelProfile, sizes: Sequence[int], 
 
 
 def time_optimizer(module: nn.Module, profile: ModelProfile, *, device: torch.device,
-                   dtype: torch.dtype = torch.float32, repeats: int = 10, together: bool = False
-                   ) -> tuple[float, float]:
+                   dtype: torch.dtype = torch.float32, repeats: int = 10, together: bool = False,
+                   sync: Optional[Callable[[], None]] = None) -> tuple[float, float]:
     """(seconds per parameter tensor, seconds per element) of an AdamW step (torch's default, foreach) on this
     device: timed on one block's parameters (real tensors of its shapes) and on one flat tensor of as many elements,
     the least of ``repeats`` after one warm-up each (the median, ``together``). A step is not only bytes at memory bandwidth: on a CPU thread
@@ -78,6 +87,8 @@ def time_optimizer(module: nn.Module, profile: ModelProfile, *, device: torch.de
     elements = sum(math.prod(s) for s in shapes)
     seconds = []
     for group in (shapes, [(elements,)]):
+        if sync is not None:
+            sync()  # as in time_blocks
         params = [torch.zeros(s, dtype=dtype, device=device, requires_grad=True) for s in group]
         for q in params:
             q.grad = torch.randn_like(q)
@@ -92,6 +103,23 @@ def time_optimizer(module: nn.Module, profile: ModelProfile, *, device: torch.de
     per_element = seconds[1] / max(elements, 1)
     per_tensor = max(seconds[0] - seconds[1], 0.0) / max(len(shapes) - 1, 1)
     return per_tensor, per_element
+
+
+def time_copy(elements: int, *, device: torch.device, dtype: torch.dtype = torch.float32, repeats: int = 10,
+              together: bool = False, sync: Optional[Callable[[], None]] = None) -> float:
+    """Seconds per byte of a copy of ``elements`` (read and written once): the host copies around the gradient
+    reduction (``core.grads``) cost this per pass. Least of ``repeats``, or median ``together`` (as above)."""
+    x = torch.ones(max(elements, 1), dtype=dtype, device=device)
+    y = torch.empty_like(x)
+    if sync is not None:
+        sync()
+    samples = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        y.copy_(x)
+        _sync(device)
+        samples.append(time.perf_counter() - start)
+    return _pick(samples[1:], together) / (x.numel() * x.element_size())
 
 
 def _time_one(module: nn.Module, name: str, mb: int, seq_len: int, device: torch.device, dtype: torch.dtype,

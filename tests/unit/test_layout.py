@@ -84,6 +84,14 @@ def test_step_time_parts(llama4) -> None:
     sharded = step_time(profile, Layout(1, 1, 4), CPU, times, batch=8)
     replicated = step_time(profile, Layout(1, 1, 4, dp_sharding="no_shard"), CPU, times, batch=8)
     assert sharded.fsdp > 0 and replicated.dp > 0 and sharded.samples == 32
+    grads = (sum(b.params.whole for b in profile.blocks) + profile.first_params.whole + profile.last_params.whole) * 4
+    check = CPU.intra.gather(4 * 4, 4)  # the loss check's flags, once per training_step
+    assert replicated.dp == pytest.approx(CPU.intra.all_reduce(grads, 4) + times.copies(grads, 2, CPU) + check)
+    assert sharded.dp == pytest.approx(check)
+    accumulating = step_time(profile, Layout(1, 1, 4, dp_sharding="no_shard", accumulate=3), CPU, times, batch=8)
+    assert accumulating.dp - replicated.dp == pytest.approx(2 * check)  # the reduction once, the check per batch
+    assert BlockTimes(copy=1e-9).copies(1e6, 2, CPU) == pytest.approx(2e-3)  # timed per byte, else bandwidth
+    assert times.copies(1e6, 2, CPU) == pytest.approx(2 * 2e6 / CPU.memory_bandwidth)
 
 
 def test_timed_blocks_scale_with_the_micro_batch(llama4) -> None:
@@ -327,7 +335,8 @@ def test_ep_step_time_adds_the_all_to_alls_and_the_replicas_reduction(mixtral) -
     counts = CPU.intra.all_to_all(4 * 8, 2)
     assert two.pipeline - one.pipeline == pytest.approx(2 * (4 * rows + counts))  # 2 layers: 2 + 2 rows, counts
     experts = sum(b.experts.whole for b in profile.blocks) * elem
-    assert two.experts == pytest.approx(CPU.intra.all_reduce(experts / 2, 2))  # over its 2 replicas
+    assert two.experts == pytest.approx(CPU.intra.all_reduce(experts / 2, 2)  # over its 2 replicas, with the copies
+                                        + BlockTimes().copies(experts / 2, 2, CPU))
     assert two.dp < one.dp  # the dense rest only
 
 
@@ -393,3 +402,26 @@ def test_block_times_timed_together_are_taken_as_measured(llama4) -> None:
     assert set(together.measured) == set(alone.measured) == {("layers", 1), ("layers", 2)}
     assert together.slowdown == 1.0 and together.optimizer is not None
     assert alone.slowdown == max(1.0, 4 / len(os.sched_getaffinity(0)))
+    assert together.copy is not None and together.copy > 0  # the reduction's host copies, seconds per byte
+
+
+def test_processes_timing_together_meet_before_each_block_size_even_where_one_fails(llama4) -> None:
+    """Every process times the same block at the same moment (a barrier before each kind and size, and before the
+    optimizer's and the copy's timing): called as often whatever fails or is cached, or the ranks' barriers would
+    pair with different work, or hang."""
+    from lightning_tpp.layout.timing import time_blocks, time_copy, time_optimizer
+    model, profile = llama4
+    met: list[int] = []
+    sync = lambda: met.append(1)  # noqa: E731
+    cpu = torch.device("cpu")
+    time_blocks(model, profile, [1, 2], device=cpu, together=True, sync=sync)
+    assert len(met) == 2  # one kind of block, two sizes
+    time_blocks(model, profile, [1, 2], device=cpu, together=True, sync=sync)  # cached: met as often
+    assert len(met) == 4
+    failing = lambda model, ids: (_ for _ in ()).throw(RuntimeError("no forward here"))  # noqa: E731
+    with pytest.raises(ValueError, match="no block of the model could be timed"):
+        time_blocks(model, profile, [3, 5], device=cpu, together=True, sync=sync, forward=failing)  # not cached
+    assert len(met) == 6  # the failed kind's other size still met
+    time_optimizer(model, profile, device=cpu, together=True, sync=sync)
+    assert time_copy(1 << 16, device=cpu, together=True, sync=sync) > 0
+    assert len(met) == 9  # two optimizer groups, one copy
