@@ -101,7 +101,8 @@ def role_measure(args: argparse.Namespace) -> None:
                                  activation_checkpointing=False, shardings=shardings)
         runs = [c for c in ranking.ranked if c.layout.schedule == "1f1b" and c.layout.microbatches in (1, BATCH)
                 and c.layout.tp <= MAX_TP.get(args.model, 8)]
-        rows = [[(c.layout.__dict__, c.time.per_sample, i == 0, c.time.__dict__) for i, c in enumerate(runs)]]
+        rows = [[(c.layout.__dict__, c.time.per_sample, i == 0, {**c.time.__dict__, "straggle": times.straggle})
+                 for i, c in enumerate(runs)]]
     dist.broadcast_object_list(rows, src=0)  # the process group stays: every Trainer below joins it
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1024, (BATCH * world * (args.steps + 1), SEQ), generator=g)
@@ -220,7 +221,8 @@ def report(model: str, results: list[dict]) -> None:
         print(f"  chosen step, ms: predicted pipeline {fmt(p['pipeline'])} dp {fmt(p['dp'])} fsdp {fmt(p['fsdp'])} "
               f"optimizer {fmt(p['optimizer'])} experts {fmt(p.get('experts', 0.0))} = {fmt(p['pipeline'] + p['dp'] + p['fsdp'] + p['optimizer'] + p.get('experts', 0.0))}; "
               f"measured forward {fmt(ph['forward'])} backward {fmt(ph['backward'])} after backward {fmt(ph['reduce'])} "
-              f"optimizer {fmt(ph['optimizer'])} = step {fmt(c['step'])}")
+              f"optimizer {fmt(ph['optimizer'])} = step {fmt(c['step'])}; the wait for the slowest process measured at "
+              f"setup: {p.get('straggle', 0.0):.3f} s per s of compute")
     rho = spearman([r["predicted"] for r in results], [r["measured"] for r in results])
     print(f"  rank correlation {rho:.2f}; chosen / best measured {chosen['measured'] / best:.2f} (goal <= 1.10); "
           f"chosen predicted / measured {chosen['predicted'] / chosen['measured']:.2f} (goal 0.8-1.2)")

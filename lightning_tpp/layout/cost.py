@@ -28,6 +28,10 @@ the same work that expert tp gives it (1/tp of every expert for all its tokens).
 replicas (dp x tp / ep ranks) once per step, not overlapped (``StepTime.experts``); FSDP2 and the dp all-reduce carry
 only the dense rest.
 
+Processes that share cores (CPU) wait for the slowest at each synchronisation point: the compute is scaled by
+``1 + BlockTimes.straggle``, the wait measured at the barriers of the block timing (``timing.Meeting``); 0 on GPUs
+(a device per process: timed alone), where stragglers are not modelled.
+
 Assumptions: tp all-reduces and pipeline sends are not overlapped with compute (Megatron's defaults, and gloo's);
 FSDP2's collectives overlap by ``DeviceSpec.overlap`` (0 for gloo, which runs on the compute cores) of what they
 share with compute (``overlap x min(communication, compute)`` is hidden); the dp all-reduce and the experts'
@@ -59,6 +63,7 @@ class BlockTimes:
     slowdown: float = 1.0
     optimizer: Optional[tuple[float, float]] = None  # AdamW step: (seconds per tensor, per element), timed
     copy: Optional[float] = None  # seconds per byte of a host copy (read and written), timed beside the others
+    straggle: float = 0.0  # processes sharing cores: wait for the slowest per second of compute (timing.Meeting)
 
     def copies(self, nbytes: float, passes: int, device: DeviceSpec) -> float:
         """Seconds of ``passes`` copies of ``nbytes`` (each read and written once): timed, else at memory
@@ -176,6 +181,8 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
         stage_tensors.append(sum(x.tensors for x in profile.blocks[a:b]) + (profile.end_tensors[0] if r == 0 else 0)
                              + (profile.end_tensors[1] if r == pp - 1 else 0))
     run, busy = _pipeline(layout.schedule, pp, m, tuple(per_rank))
+    if layout.world > 1:  # every layout of more than one process meets the others in its step: the slowest sets the pace
+        run, busy = run * (1 + times.straggle), busy * (1 + times.straggle)
     compute = max(m * (f + b) for f, b in per_rank) * layout.accumulate  # what FSDP2/dp traffic can hide behind
     largest = max(stage_dense)
     fsdp = dp = 0.0

@@ -105,6 +105,37 @@ def time_optimizer(module: nn.Module, profile: ModelProfile, *, device: torch.de
     return per_tensor, per_element
 
 
+class Meeting:
+    """The barrier of processes that time together (``time_blocks``' ``sync``), which also records how long this
+    process waited at it for the others to finish the same work: :attr:`straggle`, the wait beyond the barrier's own
+    latency per second of work between meetings. A step of processes that share cores pays it at each of its
+    synchronisation points (the slowest process sets the pace); measured here, on the work the cost model times."""
+
+    def __init__(self, barrier: Optional[Callable[[], Any]] = None) -> None:
+        import torch.distributed as dist
+        self.barrier = barrier or dist.barrier  # the default group's
+        self.waits: list[float] = []
+        self.work: list[float] = []
+        self._left: Optional[float] = None
+
+    def __call__(self) -> None:
+        arrived = time.perf_counter()
+        self.barrier()
+        left = time.perf_counter()
+        if self._left is not None:  # the first meeting waits for whatever came before the timing
+            self.work.append(arrived - self._left)
+            self.waits.append(left - arrived)
+        self._left = left
+
+    @property
+    def straggle(self) -> float:
+        """Wait per second of work (the least wait, when this process came last, is the barrier itself)."""
+        if not self.waits or sum(self.work) <= 0:
+            return 0.0
+        floor = min(self.waits)
+        return sum(w - floor for w in self.waits) / sum(self.work)
+
+
 def time_copy(elements: int, *, device: torch.device, dtype: torch.dtype = torch.float32, repeats: int = 10,
               together: bool = False, sync: Optional[Callable[[], None]] = None) -> float:
     """Seconds per byte of a copy of ``elements`` (read and written once): the host copies around the gradient

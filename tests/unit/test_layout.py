@@ -425,3 +425,35 @@ def test_processes_timing_together_meet_before_each_block_size_even_where_one_fa
     time_optimizer(model, profile, device=cpu, together=True, sync=sync)
     assert time_copy(1 << 16, device=cpu, together=True, sync=sync) > 0
     assert len(met) == 9  # two optimizer groups, one copy
+
+
+def test_the_wait_for_the_slowest_process_is_measured_at_the_timing_barriers(llama4) -> None:
+    """``Meeting`` records the wait at each barrier beyond the least one (the barrier itself) per second of work
+    between meetings; the cost model scales the compute of a layout of several processes by it."""
+    import time as clock
+    from lightning_tpp.layout.timing import Meeting
+    waits = iter([0.5, 0.01, 0.03, 0.01])  # the first meeting's wait (before the timing) is not counted
+    meeting = Meeting(barrier=lambda: clock.sleep(next(waits)))
+    for _ in range(4):
+        meeting()
+        clock.sleep(0.1)  # the work between meetings
+    assert meeting.straggle == pytest.approx(0.02 / 0.3, rel=0.3)  # 0.02 s beyond the floor over 0.3 s of work
+    _, profile = llama4
+    times = BlockTimes({("layers", 8): (1e-3, 2e-3)})
+    slow = BlockTimes({("layers", 8): (1e-3, 2e-3)}, straggle=0.25)
+    for layout in (Layout(1, 1, 4, dp_sharding="no_shard"), Layout(2, 2, 1, 8, "1f1b")):
+        assert step_time(profile, layout, CPU, slow, batch=8).pipeline == pytest.approx(
+            1.25 * step_time(profile, layout, CPU, times, batch=8).pipeline)
+    alone = Layout(1, 1, 1)
+    assert step_time(profile, alone, CPU, slow, batch=8).pipeline == step_time(profile, alone, CPU, times, batch=8).pipeline
+
+
+def test_a_block_unlike_its_stack_is_timed_as_its_own_kind(llama4) -> None:
+    """T5's first block of each stack holds the relative position bias (and computes it for the others): timed apart
+    from the blocks after it; a stack of alike blocks is one kind."""
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=3,
+                                num_decoder_layers=2, decoder_start_token_id=0, pad_token_id=0)
+    profile = profile_model(transformers.T5ForConditionalGeneration(cfg), seq_len=SEQ)
+    assert [b.kind for b in profile.blocks] == ["encoder.block.0", "encoder.block", "encoder.block",
+                                                "decoder.block.0", "decoder.block"]
+    assert {b.kind for b in llama4[1].blocks} == {"layers"}
