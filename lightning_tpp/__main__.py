@@ -7,7 +7,6 @@ import argparse
 import importlib
 import json
 import os
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +18,7 @@ from torch import nn
 from lightning_tpp.checkpoint.dcp import consolidate, is_sharded_checkpoint
 from lightning_tpp.checkpoint.safe_load import load_or_explain
 from lightning_tpp.core.optional import MissingDependencyError, require
+from lightning_tpp.layout.search import parse_bytes
 from lightning_tpp.memory import GiB, MemoryReport, estimate_memory
 from lightning_tpp.pipeline.build import format_partition
 
@@ -67,16 +67,6 @@ def build_on_meta(target: str, init_args: Optional[dict[str, Any]] = None) -> nn
         if callable(getattr(model, "configure_model", None)):
             model.configure_model()
     return model
-
-
-def parse_bytes(text: str) -> float:
-    """``80GB`` -> 80e9, ``80GiB`` -> 80 * 2**30 (also MB/MiB/TB/TiB, or a plain number of bytes)."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B)?\s*", text, flags=re.IGNORECASE)
-    if not match:
-        raise ValueError(f"--device-memory {text!r} must look like 80GB, 80GiB or a number of bytes")
-    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-    power = " KMGT".index(unit[0]) if unit != "B" else 0
-    return number * ((1024 if "I" in unit else 1000) ** power)
 
 
 def _init_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from lightning_tpp.layout.cost import BlockTimes
 from lightning_tpp.layout.links import DEVICES, DeviceSpec, cpu_memory_share, cpu_spec, measure_link
 from lightning_tpp.layout.plan import Layout
 from lightning_tpp.layout.profile import profile_model
-from lightning_tpp.layout.search import Ranking, search_layouts
+from lightning_tpp.layout.search import Ranking, parse_bytes, search_layouts
 from lightning_tpp.layout.timing import Meeting, time_blocks, time_copy, time_optimizer
 
 AUTO = "auto"
@@ -73,13 +73,10 @@ def auto_request(*, tp: Any, pp: Any, dp: Any, layout: Optional[str], device_mem
 def _bytes(value: Optional[Union[float, str]]) -> Optional[float]:
     if value is None or isinstance(value, (int, float)):
         return None if value is None else float(value)
-    import re
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B)?\s*", value, flags=re.IGNORECASE)
-    if not match:
-        raise AutoLayoutError(f"device_memory={value!r} must be bytes or look like '80GB' / '80GiB'")
-    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-    power = " KMGT".index(unit[0]) if unit != "B" else 0
-    return number * ((1024 if "I" in unit else 1000) ** power)
+    try:
+        return parse_bytes(value, name="device_memory=")
+    except ValueError as err:
+        raise AutoLayoutError(f"{err} (or bytes as a number)") from None
 
 
 def batch_shape(module: nn.Module) -> tuple[int, int]:
