@@ -10,7 +10,8 @@ What it adds up (per pipeline rank; a step is ``accumulate`` pipeline runs of ``
     pipeline run          the schedule simulator (``pipeline.schedule.simulate``) on those per-rank costs: the
                           bubble comes from the schedule's own action lists
     FSDP2 (dp sharded)    per micro-batch: all-gather of the stage's parameters for forward (again for backward
-                          under full_shard), reduce-scatter of its gradients; ``overlap`` of it hidden by compute
+                          under full_shard), reduce-scatter of its gradients (each at its measured bandwidth, with
+                          one host copy of the stage's bytes around it); ``overlap`` of it hidden by compute
     dp all-reduce         (no_shard) the stage's gradients once per step, after backward (the strategy averages
                           them in the optimizer's closure, ``core.grads``): not overlapped; with the two host
                           copies around it (into the flat bucket, back divided by dp)
@@ -188,7 +189,8 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
     fsdp = dp = 0.0
     if layout.sharded:
         gathers = 2 if layout.dp_sharding == "full_shard" else 1
-        per_mb = (gathers + 1) * dp_link.gather(largest, layout.dp)  # all-gathers + the reduce-scatter
+        per_mb = gathers * dp_link.gather(largest, layout.dp) + dp_link.reduce_scatter(largest, layout.dp) + \
+            times.copies(largest, gathers + 1, device)  # FSDP2's copy-in / copy-out around each collective
         fsdp = _exposed(per_mb * m * layout.accumulate, compute, device.overlap)
     elif layout.dp > 1:  # after backward: nothing left to hide it behind
         dp = dp_link.all_reduce(largest, layout.dp) + times.copies(largest, 2, device)

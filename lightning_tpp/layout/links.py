@@ -30,6 +30,8 @@ class Link:
 
     bandwidth: float
     latency: float
+    gather_factor: float = 1.0  # measured all-gather bandwidth term over the ring model's (gloo's is not a ring)
+    scatter_factor: float = 1.0  # the same for reduce-scatter
 
     def p2p(self, nbytes: float) -> float:
         """One send of ``nbytes`` (a pipeline activation or its gradient)."""
@@ -47,11 +49,17 @@ class Link:
             return 0.0
         return (ranks - 1) * self.latency + (ranks - 1) / ranks * nbytes / self.bandwidth
 
-    def gather(self, nbytes: float, ranks: int) -> float:
-        """Ring all-gather (or reduce-scatter) whose whole result is ``nbytes``: (k-1)/k of it crosses each link."""
+    def gather(self, nbytes: float, ranks: int, factor: Optional[float] = None) -> float:
+        """Ring all-gather whose whole result is ``nbytes``: (k-1)/k of it crosses each link (its bandwidth term
+        times ``gather_factor``, measured)."""
         if ranks <= 1 or nbytes <= 0:
             return 0.0
-        return (ranks - 1) * self.latency + (ranks - 1) / ranks * nbytes / self.bandwidth
+        factor = self.gather_factor if factor is None else factor
+        return (ranks - 1) * self.latency + factor * (ranks - 1) / ranks * nbytes / self.bandwidth
+
+    def reduce_scatter(self, nbytes: float, ranks: int) -> float:
+        """Reduce-scatter of a ``nbytes`` tensor: as an all-gather of it, times ``scatter_factor``."""
+        return self.gather(nbytes, ranks, self.scatter_factor)
 
 
 @dataclass(frozen=True)
@@ -122,7 +130,25 @@ def measure_link(group: Optional[dist.ProcessGroup] = None, *, small: int = 1024
     factor = 2 * (ranks - 1) / ranks if ranks > 1 else 1.0
     per_byte = max((times[1] - times[0]) / ((large - small) * 4 * factor), 1e-12)
     latency = max(times[0] - small * 4 * factor * per_byte, 1e-7) / max(2 * (ranks - 1), 1)
-    return Link(bandwidth=1.0 / per_byte, latency=latency)
+    link = Link(bandwidth=1.0 / per_byte, latency=latency)
+    if ranks <= 1:
+        return link
+    # FSDP2's collectives, at the large size: measured, not assumed ring-efficient (on this machine's gloo the
+    # all-gather took 1.5x and the reduce-scatter 2-3x the ring model's time at 4-16 MB)
+    n = large // ranks * ranks
+    whole, shard = torch.ones(n), torch.ones(n // ranks)
+    ring = (ranks - 1) / ranks * n * 4 / link.bandwidth
+    measured = []
+    for run in (lambda: dist.all_gather_into_tensor(whole, shard, group=group),
+                lambda: dist.reduce_scatter_tensor(shard, whole, group=group)):
+        run()  # warm
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            samples.append(time.perf_counter() - start)
+        measured.append(max(sorted(samples)[repeats // 2] - (ranks - 1) * latency, 0.0) / ring)
+    return replace(link, gather_factor=max(measured[0], 1.0), scatter_factor=max(measured[1], 1.0))
 
 
 def cpu_spec(link: Link, *, memory: float, processes: int) -> DeviceSpec:

@@ -457,3 +457,21 @@ def test_a_block_unlike_its_stack_is_timed_as_its_own_kind(llama4) -> None:
     assert [b.kind for b in profile.blocks] == ["encoder.block.0", "encoder.block", "encoder.block",
                                                 "decoder.block.0", "decoder.block"]
     assert {b.kind for b in llama4[1].blocks} == {"layers"}
+
+
+def test_fsdp_collectives_at_their_measured_bandwidth(llama4) -> None:
+    """All-gather and reduce-scatter cost their ring time with the bandwidth term scaled by the factor measured at
+    setup (gloo's are not rings), plus FSDP2's copy around each."""
+    link = Link(1e9, 1e-5, gather_factor=1.5, scatter_factor=3.0)
+    assert link.gather(4e6, 4) == pytest.approx(3e-5 + 1.5 * 0.75 * 4e6 / 1e9)
+    assert link.reduce_scatter(4e6, 4) == pytest.approx(3e-5 + 3.0 * 0.75 * 4e6 / 1e9)
+    _, profile = llama4
+    times = BlockTimes(copy=1e-9)
+    plain = DeviceSpec("t", flops=1e12, efficiency=0.5, memory=1e12, memory_bandwidth=1e10, intra=Link(1e9, 1e-5),
+                       inter=Link(1e9, 1e-5))
+    measured = DeviceSpec("t", flops=1e12, efficiency=0.5, memory=1e12, memory_bandwidth=1e10, intra=link, inter=link)
+    layout = Layout(1, 1, 4)  # full_shard: two all-gathers and a reduce-scatter per micro-batch
+    grads = (sum(b.params.whole for b in profile.blocks) + profile.first_params.whole + profile.last_params.whole) * 4
+    extra = step_time(profile, layout, measured, times, batch=8).fsdp - step_time(profile, layout, plain, times,
+                                                                                  batch=8).fsdp
+    assert extra == pytest.approx((2 * 0.5 + 2.0) * 0.75 * grads / 1e9)
