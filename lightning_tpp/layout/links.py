@@ -139,8 +139,8 @@ def measure_link(group: Optional[dist.ProcessGroup] = None, *, small: int = 1024
     whole, shard = torch.ones(n), torch.ones(n // ranks)
     ring = (ranks - 1) / ranks * n * 4 / link.bandwidth
     measured = []
-    for run in (lambda: dist.all_gather_into_tensor(whole, shard, group=group),
-                lambda: dist.reduce_scatter_tensor(shard, whole, group=group)):
+    for run in (lambda: dist.all_gather_single(whole, shard, group=group),
+                lambda: dist.reduce_scatter_single(shard, whole, group=group)):
         run()  # warm
         samples = []
         for _ in range(repeats):

@@ -38,9 +38,9 @@ def time_blocks(module: nn.Module, profile: ModelProfile, sizes: Sequence[int], 
     ``cost.BlockTimes``: the least of ``repeats`` after one warm-up; their median when every process of the
     machine times at once (``together``: the cores as a step shares them, see ``layout.strategy``). ``sync`` (a
     barrier of those processes) is called before each kind and size, on every rank the same number of times
-    whatever fails or is cached, so that the processes time the same work at the same moment: unsynchronised, the
-    first to finish left the cores to the others, whose blocks then ran faster than in a step (measured: T5's
-    blocks 15-35% under their time in the step, 4 processes on 2 cores)."""
+    whatever fails or is cached, so that the processes time the same work at the same moment (unsynchronised, the
+    first to finish leaves the cores to the others, as no step does) and their waits are measured
+    (:class:`Meeting`)."""
     kinds = {b.kind: b for b in profile.blocks}
     shape = tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
     out: dict[tuple[str, int], tuple[float, float]] = {}
