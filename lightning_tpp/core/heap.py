@@ -8,6 +8,14 @@ docs/memory.md). A fixed threshold turns the dynamic one off: blocks of 64 KiB a
 and unmapped on free, so resident memory follows what tensors hold. It is what ``MALLOC_MMAP_THRESHOLD_=65536``
 does; the strategy sets it on CPU ranks so that users need not know.
 
+The price is speed on CPU: a block mapped on allocation is faulted in page by page and unmapped on free, every
+time. Measured in one process (OMP_NUM_THREADS=1, 12 steps, benchmarks/layout.py's models), a step took 1.5-1.7x as
+long at 64 KiB as at 4 MiB or more (T5 190 ms against 125, a Llama 397 against 240, a GPT-2 363 against 219; page
+faults 3x), and larger thresholds keep more in the heap: the 154 M Llama at tp2 x pp2 x dp2 (checkpointing off)
+peaks at 1.56-1.69x the ideal share at 1 MiB, 1.77-1.95x at 4 MiB, 2.4-2.8x with glibc's default and
+``malloc_trim`` after every step (1.35x at 64 KiB; issue #30 asks for at most 1.5x; docs/memory.md). A user who prefers the speed sets ``MALLOC_MMAP_THRESHOLD_``
+(e.g. 4194304): theirs wins. The layout search times its blocks under the same setting (it runs after it).
+
 A no-op outside Linux/glibc (macOS, Windows, musl), and when the user set ``MALLOC_MMAP_THRESHOLD_`` (glibc read
 their value at start-up: theirs wins). Set once per process (the setting is the process's, as the allocator is).
 """
