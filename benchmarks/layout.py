@@ -89,7 +89,10 @@ def role_measure(args: argparse.Namespace) -> None:
     from lightning_tpp.layout.cost import step_time
     from lightning_tpp.layout.strategy import _device, block_times, link_size
 
+    from lightning_tpp.core.heap import return_freed_blocks
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return_freed_blocks()  # the allocator the steps run under, as the strategy's setup fixes it before it times
     dist.init_process_group("gloo")
     module = lit(args.model)
     profile = profile_model(module, seq_len=SEQ)

@@ -3,8 +3,9 @@
 What it adds up (per pipeline rank; a step is ``accumulate`` pipeline runs of ``microbatches`` micro-batches)::
 
     action F of a stage   its blocks' forward (timed on the device at tp = 1, divided by tp for the FLOPs the plan
-                          cuts) + the ends' (their FLOPs at the blocks' measured rate) + tp all-reduces of the
-                          residual stream (2 per block: attention, MLP) + the send to the next stage
+                          cuts) + on the last stage the ends' (embeddings, head, loss: timed with every block
+                          standing in, ``timing.time_ends``; else their FLOPs at the blocks' rate) + tp all-reduces
+                          of the residual stream (2 per block: attention, MLP) + the send to the next stage
     action B              twice the forward's compute (timed), as many all-reduces, one more forward with
                           activation checkpointing (recompute), the send back
     pipeline run          the schedule simulator (``pipeline.schedule.simulate``) on those per-rank costs: the
@@ -65,6 +66,8 @@ class BlockTimes:
     optimizer: Optional[tuple[float, float]] = None  # AdamW step: (seconds per tensor, per element), timed
     copy: Optional[float] = None  # seconds per byte of a host copy (read and written), timed beside the others
     straggle: float = 0.0  # processes sharing cores: wait for the slowest per second of compute (timing.Meeting)
+    ends: Mapping[int, tuple[float, float]] = field(default_factory=dict)  # sequences -> (forward, backward) outside
+    # the blocks, timed (timing.time_ends); empty: their FLOPs at the blocks' rate
 
     def copies(self, nbytes: float, passes: int, device: DeviceSpec) -> float:
         """Seconds of ``passes`` copies of ``nbytes`` (each read and written once): timed, else at memory
@@ -89,8 +92,22 @@ class BlockTimes:
         f = block.flops.at(tp) * mb / (device.flops * device.efficiency)
         return f, 2 * f
 
+    def ends_time(self, profile: ModelProfile, mb: float, tp: int, device: DeviceSpec) -> tuple[float, float]:
+        """(forward, backward) seconds of what lies outside the blocks for a micro-batch of ``mb`` sequences: timed
+        (``ends``, ``timing.time_ends``; the share tp cuts by the FLOPs it cuts), else their FLOPs at the blocks'
+        rate (backward twice the forward)."""
+        whole = profile.end_flops.whole
+        share = profile.end_flops.at(tp) / whole if whole else 1.0
+        if self.ends:
+            size = max([s for s in self.ends if s <= mb] or [min(self.ends)])
+            f, b = self.ends[size]
+            return f * mb / size * share * self.slowdown, b * mb / size * share * self.slowdown
+        f = profile.end_flops.at(tp) * mb / self.rate(profile, device)
+        return f, 2 * f
+
     def rate(self, profile: ModelProfile, device: DeviceSpec) -> float:
-        """FLOPs per second the timed blocks reached (the ends are timed at it), else the device's assumed rate."""
+        """FLOPs per second the timed blocks reached (untimed ends are charged at it), else the device's assumed
+        rate."""
         for block in profile.blocks:
             timed = self._timed(block.kind, 1)
             if timed is not None and timed[0] > 0:
@@ -159,7 +176,6 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
     hidden = profile.sent * mb  # the residual stream of a micro-batch, in bytes
     reduce = tp_link.all_reduce(hidden, tp)
     send = pp_link.p2p(hidden) if pp > 1 else 0.0
-    rate = times.rate(profile, device)
     costs = tuple(b.active for b in profile.blocks)
     bounds = stage_blocks(costs, pp, profile.first_params.whole, profile.last_params.whole) if pp > 1 else \
         ((0, profile.n_blocks),)
@@ -173,9 +189,10 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
             f += bf + comm + xf
             bwd += bb + comm + xb + (bf + comm + xf if layout.activation_checkpointing else 0.0)
         dense, experts, _ = stage_params(profile, layout, r, a, b)
-        if r == pp - 1:
-            ends = profile.end_flops.at(tp) * mb / rate + profile.vocab_reductions * reduce
-            f, bwd = f + ends, bwd + 2 * ends
+        if r == pp - 1:  # the ends, the embeddings' share included (small beside the head and loss)
+            ef, eb = times.ends_time(profile, mb, tp, device)
+            comm = profile.vocab_reductions * reduce
+            f, bwd = f + ef + comm, bwd + eb + comm
         per_rank.append((f + send, bwd + send))
         stage_dense.append(dense * profile.dtype_bytes)
         stage_experts.append(experts * profile.dtype_bytes)

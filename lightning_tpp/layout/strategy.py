@@ -24,7 +24,7 @@ from lightning_tpp.layout.links import DEVICES, DeviceSpec, cpu_memory_share, cp
 from lightning_tpp.layout.plan import Layout
 from lightning_tpp.layout.profile import profile_model
 from lightning_tpp.layout.search import Ranking, parse_bytes, search_layouts
-from lightning_tpp.layout.timing import Meeting, time_blocks, time_copy, time_optimizer
+from lightning_tpp.layout.timing import Meeting, time_blocks, time_copy, time_ends, time_optimizer
 
 AUTO = "auto"
 
@@ -151,19 +151,20 @@ def link_size(profile: Any) -> int:
 
 def block_times(target: nn.Module, profile: Any, batch: int, *, device: torch.device, dtype: torch.dtype,
                 local_processes: int, together: bool) -> BlockTimes:
-    """One block of each kind timed per micro-batch size of ``batch``, an optimizer step and a copy. ``together``:
+    """One block of each kind timed per micro-batch size of ``batch``, the ends, an optimizer step and a copy. ``together``:
     every process of the machine times at the same moment, meeting at a barrier before each (CPU processes share
     its cores, and whatever else runs there: what a step meets), taken as measured, with the waits at those
     barriers (``Meeting.straggle``); else the time alone, scaled by processes per core."""
     sizes = sorted({batch // m for m in range(1, batch + 1) if batch % m == 0})
     sync = Meeting() if together and dist.is_initialized() and dist.get_world_size() > 1 else None
     measured = time_blocks(target, profile, sizes, device=device, dtype=dtype, together=together, sync=sync)
+    ends = time_ends(target, profile, sizes, device=device, dtype=dtype, together=together, sync=sync)
     optimizer = time_optimizer(target, profile, device=device, dtype=dtype, together=together, sync=sync)
     copy = time_copy(link_size(profile), device=device, dtype=dtype, together=together, sync=sync)
     if sync is not None:
         sync()  # closes the copy's work
     return BlockTimes(measured, slowdown=1.0 if together else _slowdown(device, local_processes), optimizer=optimizer,
-                      copy=copy, straggle=sync.straggle if sync is not None else 0.0)
+                      copy=copy, straggle=sync.straggle if sync is not None else 0.0, ends=ends)
 
 
 def _rank(profile: Any, request: AutoRequest, device: torch.device, link: Any, local_processes: int, world: int,

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_tpp._compat import tree_map
+from lightning_tpp._compat import tree_flatten, tree_map
 from lightning_tpp.core.meta_ops import DataDependentOnMeta
 from lightning_tpp.layout.profile import ModelProfile
 from lightning_tpp.memory.activations import ForwardFn, _default_forward, meta_copy
@@ -73,6 +73,94 @@ def time_blocks(module: nn.Module, profile: ModelProfile, sizes: Sequence[int], 
             f, b = out[(timed[0], mb)]
             out[(kind, mb)] = (f * ratio, b * ratio)
     return out
+
+
+def time_ends(module: nn.Module, profile: ModelProfile, sizes: Sequence[int], *, device: torch.device,
+              dtype: torch.dtype = torch.float32, forward: Optional[ForwardFn] = None, repeats: int = 5,
+              together: bool = False, sync: Optional[Callable[[], None]] = None) -> dict[int, tuple[float, float]]:
+    """(forward, backward) seconds of what lies outside the blocks (embeddings, head, loss, masks, final norms) per
+    micro-batch of ``sizes`` sequences: the model's forward and backward on the device with each block of
+    ``profile`` replaced by a stand-in (:class:`_StandIn`), its parameters only built there. Least of ``repeats``
+    after a warm-up, or median ``together`` (as :func:`time_blocks`, whose ``sync`` it shares: called once, on every
+    rank). Empty, with a warning, where the model does not run that way: the cost model then charges the ends at
+    the blocks' FLOP rate."""
+    if sync is not None:
+        sync()
+    shape = tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
+    key = (hash(shape), "<ends>", tuple(sizes), str(device), dtype, together)
+    if key in _CACHE:
+        return dict(_CACHE[key])  # type: ignore[arg-type]
+    try:
+        twin = meta_copy(module, dtype).train()
+        for block in profile.blocks:
+            parent, _, leaf = block.name.rpartition(".")
+            owner = twin.get_submodule(parent) if parent else twin
+            setattr(owner, leaf, _StandIn(getattr(owner, leaf), device))
+        twin = twin.to_empty(device=device)
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.normal_(0.0, 0.02) if p.is_floating_point() else p.zero_()
+        out = {}
+        for mb in sizes:
+            forwards, backwards = [], []
+            for _ in range(repeats + 1):
+                ids = torch.zeros(mb, profile.seq_len, dtype=torch.long, device=device)
+                start = time.perf_counter()
+                result = (forward or _default_forward)(twin, ids)
+                _sync(device)
+                middle = time.perf_counter()
+                loss = sum(t.float().sum() for t in _tensors(result) if t.requires_grad)
+                if isinstance(loss, Tensor):
+                    loss.backward()
+                _sync(device)
+                forwards.append(middle - start)
+                backwards.append(time.perf_counter() - middle)
+                twin.zero_grad(set_to_none=True)
+            out[mb] = (_pick(forwards[1:], together), _pick(backwards[1:], together))
+    except (RuntimeError, TypeError, ValueError, AttributeError, IndexError) as err:
+        warnings.warn(f"layout search: the model did not run with its blocks standing in ({type(err).__name__}: "
+                      f"{str(err)[:200]}); the time outside the blocks (embeddings, head, loss) is their FLOPs at "
+                      f"the blocks' rate")
+        return {}
+    _CACHE[key] = tuple(out.items())  # type: ignore[assignment]
+    return out
+
+
+class _StandIn(nn.Module):
+    """A block of the model while its ends are timed: no parameters and no compute. Its output has the structure the
+    block's own returns (the block run once on meta per input shape), the input's hidden state passed through in
+    the place of the block's (so that the head's gradient reaches the embeddings) and zeros elsewhere (a position
+    bias, attention weights)."""
+
+    def __init__(self, block: nn.Module, device: torch.device) -> None:
+        super().__init__()
+        object.__setattr__(self, "_block", block)  # on meta, not a submodule: nothing of it is built
+        self._device = device
+        self._outputs: dict[tuple, Any] = {}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        flat = [t for t in _leaves((args, kwargs)) if isinstance(t, Tensor)]
+        key = tuple((tuple(t.shape), t.dtype) for t in flat)
+        if key not in self._outputs:
+            on_meta = tree_map(lambda t: t.detach().to("meta") if isinstance(t, Tensor) else t, (args, kwargs))
+            with torch.no_grad(), DataDependentOnMeta():
+                self._outputs[key] = self._block(*on_meta[0], **on_meta[1])
+        hidden = next((t for t in flat if t.is_floating_point()), None)
+        passed = [False]
+
+        def fill(t: Any) -> Any:
+            if not isinstance(t, Tensor):
+                return t
+            if hidden is not None and not passed[0] and t.shape == hidden.shape and t.dtype == hidden.dtype:
+                passed[0] = True
+                return hidden.view_as(hidden)
+            return torch.zeros(t.shape, dtype=t.dtype, device=self._device)
+
+        return tree_map(fill, self._outputs[key])
+
+
+def _leaves(value: Any) -> list[Any]:
+    return tree_flatten(value)[0]
 
 
 def time_optimizer(module: nn.Module, profile: ModelProfile, *, device: torch.device,

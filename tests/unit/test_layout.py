@@ -3,6 +3,7 @@ cost model's parts, the search's drops and ranking, the errors, and a 70B-shaped
 
 from __future__ import annotations
 
+import copy
 import time
 import tracemalloc
 
@@ -475,3 +476,82 @@ def test_fsdp_collectives_at_their_measured_bandwidth(llama4) -> None:
     extra = step_time(profile, layout, measured, times, batch=8).fsdp - step_time(profile, layout, plain, times,
                                                                                   batch=8).fsdp
     assert extra == pytest.approx((2 * 0.5 + 2.0) * 0.75 * grads / 1e9)
+
+
+def _t5() -> transformers.T5ForConditionalGeneration:
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+                                num_decoder_layers=2, decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+def test_a_stand_in_block_passes_the_hidden_state_through_in_the_blocks_own_output_structure() -> None:
+    """T5's first encoder block returns (hidden, position bias): the stand-in returns the same structure, the input
+    passed through (so the head's gradient reaches the embeddings), zeros in the bias's place, computing nothing."""
+    from lightning_tpp.layout.timing import _StandIn
+    model = _t5()
+    block = model.encoder.block[0]
+    x = torch.randn(2, SEQ, 32, requires_grad=True)
+    mask = torch.zeros(2, 1, 1, SEQ)
+    real = block(x, attention_mask=mask)
+    stand = _StandIn(copy.deepcopy(block).to("meta"), torch.device("cpu"))
+    out = stand(x, attention_mask=mask)
+    assert type(out) is type(real) and len(out) == len(real) == 3
+    shapes = lambda o: [None if t is None else tuple(t.shape) for t in o]  # noqa: E731
+    assert shapes(out) == shapes(real) and out[2] is None
+    assert out[0].data_ptr() == x.data_ptr() and not out[1].any()
+    assert not list(stand.parameters())  # nothing of the block is built on the device
+    out[0].sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+@pytest.mark.parametrize("name", ["llama", "t5", "gpt2"])
+def test_the_ends_are_timed_with_every_block_standing_in(llama4, name: str) -> None:
+    """Embeddings, head and loss (and whatever else lies outside the blocks) timed per micro-batch size, on models
+    whose blocks return a tensor (TinyLlama), a tuple with a bias the next block takes (T5, encoder and decoder) or
+    a tuple (GPT-2), without a warning."""
+    import warnings
+    from lightning_tpp.layout.timing import time_ends
+    if name == "llama":
+        model, profile = llama4
+    else:
+        model = _t5() if name == "t5" else transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=SEQ))
+        profile = profile_model(model, seq_len=SEQ)
+    met: list[int] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ends = time_ends(model, profile, [1, 2], device=torch.device("cpu"), sync=lambda: met.append(1))
+    assert set(ends) == {1, 2} and all(f > 0 and b > 0 for f, b in ends.values())
+    assert met == [1]  # one meeting, before the timing
+
+
+def test_ends_that_do_not_run_fall_back_to_their_flops_with_a_warning(llama4) -> None:
+    from lightning_tpp.layout.timing import time_ends
+    model, profile = llama4
+    failing = lambda model, ids: (_ for _ in ()).throw(RuntimeError("no forward here"))  # noqa: E731
+    met: list[int] = []
+    with pytest.warns(UserWarning, match="did not run with its blocks standing in"):
+        assert time_ends(model, profile, [3], device=torch.device("cpu"), forward=failing,
+                         sync=lambda: met.append(1)) == {}
+    assert met == [1]  # met all the same
+    blocks = {("layers", 8): (1e-3, 2e-3)}
+    flops = step_time(profile, Layout(1, 1, 1), CPU, BlockTimes(blocks), batch=8).pipeline
+    ends = profile.end_flops.whole * 8 / BlockTimes(blocks).rate(profile, CPU)
+    assert flops == pytest.approx(4 * 3e-3 + 3 * ends)
+
+
+def test_timed_ends_are_charged_to_the_last_stage_and_cut_by_tp(llama4) -> None:
+    _, profile = llama4
+    blocks = {("layers", 8): (1e-3, 2e-3), ("layers", 4): (0.5e-3, 1e-3)}
+    none = BlockTimes(blocks, ends={8: (0.0, 0.0), 4: (0.0, 0.0)})
+    timed = BlockTimes(blocks, ends={8: (4e-3, 6e-3), 4: (2e-3, 3e-3)})
+    one = Layout(1, 1, 1)
+    assert step_time(profile, one, CPU, timed, batch=8).pipeline - step_time(profile, one, CPU, none, batch=8).pipeline \
+        == pytest.approx(10e-3)
+    share = profile.end_flops.at(2) / profile.end_flops.whole
+    assert 0 < share < 1  # the head is cut by tp
+    assert timed.ends_time(profile, 8, 2, CPU) == pytest.approx((4e-3 * share, 6e-3 * share))
+    assert timed.ends_time(profile, 6, 1, CPU) == pytest.approx((3e-3, 4.5e-3))  # from the largest size below
+    pipe = Layout(1, 2, 1, 2, "gpipe")  # two micro-batches of 4: each F and B of the last stage carries the ends
+    last = step_time(profile, pipe, CPU, timed, batch=8).pipeline - step_time(profile, pipe, CPU, none, batch=8).pipeline
+    assert last == pytest.approx(2 * 5e-3, rel=0.05)
