@@ -555,3 +555,33 @@ def test_timed_ends_are_charged_to_the_last_stage_and_cut_by_tp(llama4) -> None:
     pipe = Layout(1, 2, 1, 2, "gpipe")  # two micro-batches of 4: each F and B of the last stage carries the ends
     last = step_time(profile, pipe, CPU, timed, batch=8).pipeline - step_time(profile, pipe, CPU, none, batch=8).pipeline
     assert last == pytest.approx(2 * 5e-3, rel=0.05)
+
+
+def test_on_gloo_a_layout_within_5_percent_of_the_fastest_loses_to_a_simpler_one() -> None:
+    """gloo's collectives run on the cores that compute, and each waits for the slowest process: where the cost
+    model is that far apart, the layout with fewer synchronisation points (no ep, smaller tp, fewer stages) ranks
+    first; elsewhere (NCCL) within 1%."""
+    from types import SimpleNamespace
+    from lightning_tpp.layout.cost import StepTime
+    from lightning_tpp.layout.search import TIE, TIE_GLOO, Candidate, Ranking, _simpler_first
+
+    def cand(layout: Layout, ms: float) -> Candidate:
+        return Candidate(layout, StepTime(ms * 8e-3, 0.0, 0.0, 0.0, 0.0, 8), SimpleNamespace(total=1e9))
+
+    ep2, plain, tp2 = (cand(Layout(1, 1, 4, ep=2, dp_sharding="no_shard"), 17.40),
+                       cand(Layout(1, 1, 4, dp_sharding="no_shard"), 17.83), cand(Layout(2, 1, 2), 17.50))
+    assert (TIE, TIE_GLOO) == (0.01, 0.05)
+    assert [c.layout for c in _simpler_first([ep2, tp2, plain], TIE_GLOO)] == [plain.layout, ep2.layout, tp2.layout]
+    assert [c.layout for c in _simpler_first([ep2, tp2, plain], TIE)] == [ep2.layout, tp2.layout, plain.layout]
+    ranking = Ranking(_simpler_first([ep2, tp2, plain], TIE_GLOO), [], 4, 8, None, tie=TIE_GLOO)
+    why = ranking.why()
+    assert "chosen tp=1 pp=1 dp=4 no_shard" in why and "within the 5% tie that the simpler layout wins" in why
+
+
+def test_the_search_takes_the_tie_of_its_backend(llama4) -> None:
+    _, profile = llama4
+    times = BlockTimes({("layers", 8): (1e-3, 2e-3)})
+    for backend, tie in (("gloo", 0.05), ("nccl", 0.01)):
+        ranking = search_layouts(profile, world=4, device=CPU, times=times, batch=8, backend=backend)
+        best = min(c.time.per_sample for c in ranking.ranked)
+        assert ranking.tie == tie and ranking.best.time.per_sample <= best * (1 + tie)
