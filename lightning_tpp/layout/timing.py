@@ -139,7 +139,7 @@ class _StandIn(nn.Module):
         self._outputs: dict[tuple, Any] = {}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        flat = [t for t in _leaves((args, kwargs)) if isinstance(t, Tensor)]
+        flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         key = tuple((tuple(t.shape), t.dtype) for t in flat)
         if key not in self._outputs:
             on_meta = tree_map(lambda t: t.detach().to("meta") if isinstance(t, Tensor) else t, (args, kwargs))
@@ -157,10 +157,6 @@ class _StandIn(nn.Module):
             return torch.zeros(t.shape, dtype=t.dtype, device=self._device)
 
         return tree_map(fill, self._outputs[key])
-
-
-def _leaves(value: Any) -> list[Any]:
-    return tree_flatten(value)[0]
 
 
 def time_optimizer(module: nn.Module, profile: ModelProfile, *, device: torch.device,
