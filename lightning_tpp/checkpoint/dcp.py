@@ -36,6 +36,7 @@ from lightning_tpp.checkpoint.safe_load import CheckpointMismatchError, SafeFile
 from lightning_tpp.checkpoint.state import check_state_layout, cut_like_param, indexed_optimizer_state
 from lightning_tpp.core.comm import TPGroup, gather_with_spec
 from lightning_tpp.core.dp_shard import gather_dp, shard_dp_like
+from lightning_tpp.core.mesh import reused
 from lightning_tpp.core.params import ParamNames, ShardIndex, params_by_index
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
 
@@ -128,7 +129,9 @@ def tp_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The ``(tp, dp)`` mesh (tp outermost) of this rank's pipeline stage: a ``("dp", "pp", "tp")`` mesh cannot be
     sliced out of order, so a ``("pp", "tp", "dp")`` one is built over the same ranks (collective: every rank calls)."""
     order = [mesh.mesh_dim_names.index(a) for a in ("pp", "tp", "dp")]
-    return DeviceMesh(mesh.device_type, mesh.mesh.permute(*order), mesh_dim_names=("pp", "tp", "dp"))["tp", "dp"]
+    grid = mesh.mesh.permute(*order)
+    return reused(("pp-tp-dp", mesh.device_type, tuple(grid.shape), tuple(grid.flatten().tolist())),
+                  lambda: DeviceMesh(mesh.device_type, grid, mesh_dim_names=("pp", "tp", "dp")))["tp", "dp"]
 
 
 def _as_part(part: Tensor, like: Tensor) -> Tensor:

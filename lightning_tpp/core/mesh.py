@@ -10,13 +10,18 @@ Rank layout (tp innermost, so that a tensor-parallel group sits on one node's fa
     dp replica:   ------ 0 -----  ------ 1 -----
 
 The pure part (:func:`resolve_dims`, :meth:`MeshDims.coords`, :meth:`MeshDims.group_ranks`) takes plain integers and is
-tested in one process; :func:`build_mesh` is the only function here that touches ``torch.distributed``.
+tested in one process; :func:`build_mesh` and :func:`reused` touch ``torch.distributed``.
+
+Every ``fit``, ``validate``, ``test`` and ``predict`` sets the strategy up again; the process groups of a layout are
+built once per process and default process group and reused (:func:`reused`): built anew each time, the earlier ones
+were never destroyed (gloo keeps threads and sockets per group, NCCL a communicator and its device buffers), and a
+process that ran many of them timed differently from a fresh one (docs/layout.md, fourth run).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Any, Callable, Hashable, Literal, TypeVar, Union
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -90,4 +95,23 @@ def build_mesh(dims: MeshDims, device_type: str) -> DeviceMesh:
     world = torch.distributed.get_world_size()
     if world != dims.world_size:
         raise ValueError(f"mesh {dims} needs {dims.world_size} processes but the process group has {world}")
-    return init_device_mesh(device_type, (dims.dp, dims.pp, dims.tp), mesh_dim_names=AXES)
+    return reused(("mesh", dims, device_type),
+                  lambda: init_device_mesh(device_type, (dims.dp, dims.pp, dims.tp), mesh_dim_names=AXES))
+
+
+T = TypeVar("T")
+_BUILT: dict[Hashable, Any] = {}  # key -> process group or mesh, for the default group in _WORLD
+_WORLD: list[Any] = [None]
+
+
+def reused(key: Hashable, build: Callable[[], T]) -> T:
+    """What ``build()`` (a collective that creates process groups: a mesh, ``new_group``) returned for ``key`` earlier
+    in this process, while the default process group is still the one it was built under; else ``build()``. Every
+    rank calls it with the same keys in the same order (as it would call ``build``), so they all build or all reuse."""
+    world = torch.distributed.group.WORLD
+    if _WORLD[0] is not world:  # a new default group (destroyed and initialised again): the old groups are gone
+        _BUILT.clear()
+        _WORLD[0] = world
+    if key not in _BUILT:
+        _BUILT[key] = build()
+    return _BUILT[key]

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tpp.core.comm import TPGroup, all_reduce_flag
 from lightning_tpp.core.grads import reduce_gradients
+from lightning_tpp.core.mesh import reused
 from lightning_tpp.core.params import ShardIndex, ShardInfo
 from lightning_tpp.core.reference import TensorParallelMismatchError, against_reference, first_difference, isolated
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
@@ -70,7 +71,8 @@ def ep_grid(ranks: Tensor, ep: int) -> Tensor:
 def expert_group(mesh: DeviceMesh, ep: int, *, rank: int, dp: int) -> ExpertGroup:
     """This rank's :class:`ExpertGroup` out of the ``("dp", "pp", "tp")`` mesh (collective: every rank calls it)."""
     grid = ep_grid(mesh.mesh, ep)
-    experts = DeviceMesh(mesh.device_type, grid, mesh_dim_names=("pp", "edp", "ep"))
+    experts = reused(("experts", mesh.device_type, tuple(grid.shape), tuple(grid.flatten().tolist())),
+                     lambda: DeviceMesh(mesh.device_type, grid, mesh_dim_names=("pp", "edp", "ep")))
     where = (grid == rank).nonzero()[0].tolist()
     return ExpertGroup(experts.get_group("ep"), where[2], ep, replicas=experts.get_group("edp"),
                        mesh=experts["edp", "ep"], dp=dp)

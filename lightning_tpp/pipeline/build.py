@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from lightning_tpp._compat import tree_flatten
-from lightning_tpp.core.mesh import MeshDims
+from lightning_tpp.core.mesh import MeshDims, reused
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.partition import (
     Partition,
@@ -232,7 +232,7 @@ def _tied_groups(module: nn.Module, prepared: PreparedStages, dims: MeshDims, co
         for dp in range(dims.dp):
             for tp in range(dims.tp):
                 ranks = sorted({dims.rank_of(dp=dp, pp=s % dims.pp, tp=tp) for s in stages})
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                group = reused(("tied", tuple(ranks)), lambda: dist.new_group(ranks)) if len(ranks) > 1 else None
                 if (dp, tp) == (coords["dp"], coords["tp"]):
                     groups[stages] = group
     return [(p, group) for stages, group in groups.items() if group is not None

@@ -1,9 +1,10 @@
 """A module meets a second Trainer: the new strategy adopts the parallel state the first one built (the model is
-already cut) and trains, validates, tests and predicts at parity with one process doing the same; other arguments are
-refused with a clear error."""
+already cut) and trains, validates, tests and predicts at parity with one process doing the same, without building
+process groups again; other arguments are refused with a clear error."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from launch import ROOT, run_ranks
@@ -20,6 +21,8 @@ def test_second_trainer_adopts_the_parallel_state(tmp_path: Path) -> None:
     assert not result.timed_out
     for rank, out in enumerate(result.outputs):
         assert "adopted True" in out, f"rank {rank}:\n{out[-3000:]}"
+        built = re.search(r"process groups after the first fit (\d+), after four more set-ups (\d+)", out)
+        assert built and int(built[1]) == int(built[2]) > 1, f"rank {rank}: {built and built.group(0)}"
         assert "already parallelised by a TensorPipeStrategy with other arguments microbatches: 2 (then) vs 4 (now)" \
             in out, f"rank {rank}:\n{out[-3000:]}"
         assert result.returncodes[rank] != 0  # the third Trainer was refused on every rank

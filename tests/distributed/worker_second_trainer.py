@@ -1,5 +1,6 @@
 """One model, two Trainers: the second adopts the parallel state the first built (pipeline and tensor parallel layers
-stay cut as they are) and trains on; a third with other arguments is refused. See test_second_trainer.py.
+stay cut as they are) and trains on; a third with other arguments is refused. The set-ups after the first build no
+process group: the layout's are reused. See test_second_trainer.py.
 
     python worker_second_trainer.py OUT TP PP     # TP = PP = 0: one process, no strategy (the reference)
 """
@@ -33,12 +34,19 @@ def _trainer(tp: int, pp: int, recorder: Recorder, microbatches: int = 2) -> L.T
                      use_distributed_sampler=False, callbacks=[recorder])
 
 
+def _groups() -> int:
+    """Process groups alive in this process (the default one included)."""
+    import torch.distributed.distributed_c10d as c10d
+    return len(c10d._world.pg_map)
+
+
 def main() -> None:
     out, tp, pp = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     L.seed_everything(0, verbose=False)
     module = Lit("nanogpt4", lr=0.05, optimizer="sgdm")
     loader = torch.utils.data.DataLoader(token_dataset(8), batch_size=4, shuffle=False)
     _trainer(tp, pp, Recorder()).fit(module, loader)
+    groups = _groups()  # the process groups of the layout, built by the first fit
     second = Recorder()
     trainer = _trainer(tp, pp, second)
     trainer.fit(module, loader)  # a new Trainer and strategy, the same (already parallel) module
@@ -50,6 +58,7 @@ def main() -> None:
     torch.save(asdict(second.record), out / f"second.rank{trainer.global_rank}.pt")
     if tp * pp:
         print("adopted", trainer.strategy.parallel_state is not None, flush=True)
+        print(f"process groups after the first fit {groups}, after four more set-ups {_groups()}", flush=True)
         _trainer(tp, pp, Recorder(), microbatches=4).validate(module, loader, verbose=False)  # refused
 
 

@@ -1,4 +1,4 @@
-"""Single-process tests of the pure mesh arithmetic in ``lightning_tpp.core.mesh``."""
+"""Single-process tests of the pure mesh arithmetic in ``lightning_tpp.core.mesh``, and of its reuse of process groups."""
 
 from __future__ import annotations
 
@@ -148,3 +148,27 @@ def test_meshdims_frozen() -> None:
     dims = MeshDims(1, 1, 2)
     with pytest.raises(AttributeError):
         dims.tp = 4  # type: ignore[misc]
+
+
+def test_groups_are_built_once_per_default_process_group(tmp_path) -> None:
+    """``reused``: what a collective built for a key is returned again while the default process group is the same
+    one (a second fit, validate or test of the layout); a new default group builds again."""
+    import torch.distributed as dist
+    from lightning_tpp.core.mesh import reused
+
+    built: list[object] = []
+
+    def build() -> object:
+        built.append(object())
+        return built[-1]
+
+    firsts = []
+    for run in ("a", "b"):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / run}", rank=0, world_size=1)
+        try:
+            first = reused(("layout", 2), build)
+            assert reused(("layout", 2), build) is first and reused(("other",), build) is not first
+            firsts.append(first)
+        finally:
+            dist.destroy_process_group()
+    assert len(built) == 4 and firsts[0] is not firsts[1]
