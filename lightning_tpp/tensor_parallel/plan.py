@@ -515,11 +515,27 @@ def overlay(model: nn.Module, plan: TPPlan, overrides: Mapping[str, str], *, sou
                     style = None
                 entries.append((name, raw, style))
     # a block with one style we do not model keeps the automatic plan (checked numerically at its first call) for
-    # all its layers: half of a foreign plan (a gathered qkv with our row-parallel output) would not fit together
-    foreign = {plan.block_of(n) or n for n, _, style in entries if style is None}
+    # all its layers: half of a foreign plan (a gathered qkv with our row-parallel output) would not fit together.
+    # A layer of no planned block goes with the module holding it, unless that holds blocks (a model): DeepSeek-V3's
+    # attention (transformers 5.25) has q_b_proj / kv_b_proj colwise and o_proj rowwise around kv_a_proj_with_mqa's
+    # "mla_kv_a_proj"; the three alone leave the rope key's gradient summed over one rank's heads only
+    def unit(name: str) -> str:
+        block = plan.block_of(name)
+        if block is not None:
+            return block
+        parent = name.rpartition(".")[0]
+        holder = modules.get(parent)
+        holds = holder is None or any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in holder.modules())
+        return name if holds else parent
+
+    foreign = {unit(n) for n, _, style in entries if style is None}
     for name, raw, style in entries:
-        if style is None or (plan.block_of(name) or name) in foreign:
+        if style is None:
             plan.notes.append(f"{name}: Hugging Face style {raw!r} is not supported here; left as planned")
+            continue
+        if unit(name) in foreign:
+            plan.notes.append(f"{name}: Hugging Face style {raw!r} not applied: a layer of {unit(name)} has a style "
+                              f"not supported here, and half of a plan does not fit together; left as planned")
             continue
         _set_style(plan, name, modules[name], style, source)
 

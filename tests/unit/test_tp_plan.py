@@ -829,3 +829,46 @@ def test_small_embedding_is_not_a_vocabulary() -> None:
 
     assert "emb" not in detect(Tiny(16), 2).styles
     assert detect(Tiny(64), 2).styles == {"emb": "vocab", "head": "colwise_gather"}
+
+
+class _MLA(nn.Module):
+    """DeepSeek-V3's attention shape: a shared low-rank key/value projection whose rope part every head uses."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q_b_proj = nn.Linear(dim, dim)
+        self.kv_a_proj_with_mqa = nn.Linear(dim, 8 + 4)
+        self.kv_b_proj = nn.Linear(8, 2 * dim)
+        self.o_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kv, k_pe = self.kv_a_proj_with_mqa(x).split([8, 4], dim=-1)
+        q = self.q_b_proj(x)
+        k, v = self.kv_b_proj(kv).chunk(2, dim=-1)
+        return self.o_proj(torch.softmax((q + k) * k_pe.sum(-1, keepdim=True), dim=-1) * v)
+
+
+class _MLAModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList([nn.ModuleDict({"self_attn": _MLA()}) for _ in range(2)])
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 32)
+
+
+def test_a_foreign_style_keeps_its_siblings_out_where_no_block_is_planned() -> None:
+    """transformers 5.25's DeepSeek-V3 plan: q_b_proj / kv_b_proj colwise and o_proj rowwise around
+    kv_a_proj_with_mqa's 'mla_kv_a_proj'. Applied without it, the rope key's gradient would be one rank's heads' only:
+    none of them is applied (a note for each); an unsupported style on a module of the model itself (a norm's sequence
+    parallelism) does not keep the model's other entries out."""
+    model = _MLAModel()
+    plan = TPPlan()
+    overlay(model, plan, {"layers.*.self_attn.q_b_proj": "colwise", "layers.*.self_attn.kv_b_proj": "colwise",
+                          "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+                          "layers.*.self_attn.o_proj": "rowwise", "norm": "sequence_parallel", "head": "colwise"},
+            source="Hugging Face tp plan", strict=False)
+    assert not any("self_attn" in name for name in plan.styles)
+    assert plan.styles.get("head") == "colwise"
+    assert sum("not applied: a layer of layers.0.self_attn" in note for note in plan.notes) == 3
