@@ -533,7 +533,8 @@ def overlay(model: nn.Module, plan: TPPlan, overrides: Mapping[str, str], *, sou
         if style is None:
             plan.notes.append(f"{name}: Hugging Face style {raw!r} is not supported here; left as planned")
             continue
-        if unit(name) in foreign:
+        split = style in ("colwise", "rowwise") or plan.block_of(name) is not None  # a layer whole on its own
+        if split and unit(name) in foreign:  # (a gathered output, a vocabulary) is applied as before
             plan.notes.append(f"{name}: Hugging Face style {raw!r} not applied: a layer of {unit(name)} has a style "
                               f"not supported here, and half of a plan does not fit together; left as planned")
             continue
