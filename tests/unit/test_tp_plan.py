@@ -872,3 +872,14 @@ def test_a_foreign_style_keeps_its_siblings_out_where_no_block_is_planned() -> N
     assert not any("self_attn" in name for name in plan.styles)
     assert plan.styles.get("head") == "colwise"
     assert sum("not applied: a layer of layers.0.self_attn" in note for note in plan.notes) == 3
+
+
+def test_a_gathered_layer_beside_an_unsupported_sibling_is_applied_on_its_own() -> None:
+    """Phi-3's plan: qkv_proj colwise_gather_output beside o_proj rowwise_split_input. A gathered output is whole on
+    its own (sequence parallelism needs the attention planned): applied; the unsupported one is left out."""
+    model = _MLAModel()
+    plan = TPPlan()
+    overlay(model, plan, {"layers.*.self_attn.q_b_proj": "colwise_gather_output",
+                          "layers.*.self_attn.o_proj": "rowwise_split_input"}, source="Hugging Face tp plan", strict=False)
+    assert plan.styles.get("layers.0.self_attn.q_b_proj") == "colwise_gather"
+    assert "layers.0.self_attn.o_proj" not in plan.styles
