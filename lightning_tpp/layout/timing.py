@@ -102,21 +102,9 @@ def time_ends(module: nn.Module, profile: ModelProfile, sizes: Sequence[int], *,
                 p.normal_(0.0, 0.02) if p.is_floating_point() else p.zero_()
         out = {}
         for mb in sizes:
-            forwards, backwards = [], []
-            for _ in range(repeats + 1):
-                ids = torch.zeros(mb, profile.seq_len, dtype=torch.long, device=device)
-                start = time.perf_counter()
-                result = (forward or _default_forward)(twin, ids)
-                _sync(device)
-                middle = time.perf_counter()
-                loss = sum(t.float().sum() for t in _tensors(result) if t.requires_grad)
-                if isinstance(loss, Tensor):
-                    loss.backward()
-                _sync(device)
-                forwards.append(middle - start)
-                backwards.append(time.perf_counter() - middle)
-                twin.zero_grad(set_to_none=True)
-            out[mb] = (_pick(forwards[1:], together), _pick(backwards[1:], together))
+            ids = lambda: ((twin, torch.zeros(mb, profile.seq_len, dtype=torch.long, device=device)), {})  # noqa: E731
+            out[mb] = _passes(forward or _default_forward, ids, device, repeats, together,
+                              after=lambda: twin.zero_grad(set_to_none=True))
     except (RuntimeError, TypeError, ValueError, AttributeError, IndexError) as err:
         warnings.warn(f"layout search: the model did not run with its blocks standing in ({type(err).__name__}: "
                       f"{str(err)[:200]}); the time outside the blocks (embeddings, head, loss) is their FLOPs at "
@@ -268,11 +256,19 @@ def _time_one(module: nn.Module, name: str, mb: int, seq_len: int, device: torch
     args = tuple(None if "Cache" in type(v).__name__ else v for v in args)
     kwargs = {k: None if "Cache" in type(v).__name__ else False if k == "use_cache" else v for k, v in kwargs.items()}
     captured[0] = (args, kwargs)  # a key/value cache (Hugging Face) would carry one run's graph into the next
+    # fresh leaves each pass: nothing kept between runs
+    return _passes(real, lambda: tree_map(lambda t: _real(t, device), captured[0]), device, repeats, together)
+
+
+def _passes(run: Callable[..., Any], inputs: Callable[[], tuple[tuple, dict]], device: torch.device, repeats: int,
+            together: bool, after: Optional[Callable[[], Any]] = None) -> tuple[float, float]:
+    """(forward, backward) seconds of ``run(*args, **kwargs)`` on fresh ``inputs()`` and a backward of its floating
+    outputs' sum: ``_pick`` of ``repeats`` after one warm-up; ``after`` runs between passes, untimed."""
     forwards, backwards = [], []
     for _ in range(repeats + 1):
-        args, kwargs = tree_map(lambda t: _real(t, device), captured[0])  # fresh leaves: nothing kept between runs
+        args, kwargs = inputs()
         start = time.perf_counter()
-        result = real(*args, **kwargs)
+        result = run(*args, **kwargs)
         _sync(device)
         middle = time.perf_counter()
         loss = sum(t.float().sum() for t in _tensors(result) if t.requires_grad)
@@ -281,6 +277,8 @@ def _time_one(module: nn.Module, name: str, mb: int, seq_len: int, device: torch
         _sync(device)
         forwards.append(middle - start)
         backwards.append(time.perf_counter() - middle)
+        if after is not None:
+            after()
     return _pick(forwards[1:], together), _pick(backwards[1:], together)
 
 
