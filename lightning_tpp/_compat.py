@@ -84,6 +84,23 @@ def enclosing_saved_tensors_hooks() -> Optional[tuple[Any, Any]]:
 
 
 @contextlib.contextmanager
+def outside_saved_tensors_hooks() -> Iterator[None]:
+    """Run without the ``saved_tensors_hooks`` in effect around the caller (activation checkpointing's, which would
+    drop what a first-call check saves for its own backward, or recompute the step's instead); put back after.
+    torch has no public way to leave them: its default-hooks stack, popped and pushed back."""
+    hooks = torch._C._autograd
+    popped = []
+    while (top := hooks._top_saved_tensors_default_hooks(False)) is not None:
+        popped.append(top)
+        hooks._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(popped):
+            hooks._push_saved_tensors_default_hooks(pack, unpack)
+
+
+@contextlib.contextmanager
 def outside_function_modes() -> Iterator[None]:
     """Run without the torch-function modes entered around the caller (the zero-bubble split's weight-gradient
     store, which would keep a check's weight gradients for the schedule's ``W``); modes entered inside still apply.

@@ -39,6 +39,7 @@ from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.partition import PipelinePartitionError, block_modules, describe, find_block_sequences
 from lightning_tpp.pipeline.auto import settle_auto
 from lightning_tpp.pipeline.stage import end_stage_forward_last
+from lightning_tpp.tensor_parallel.apply import BlockState, block_states
 from lightning_tpp.tensor_parallel.sequence import ElementState, apply_sequence_parallel
 from lightning_tpp.tensor_parallel import (
     TensorParallelConfigError,
@@ -79,6 +80,7 @@ class ParallelState:
     recomputed: tuple[str, ...] = ()  # blocks whose activations are recomputed in backward (activation checkpointing)
     dp: Optional[DPShards] = None  # what FSDP2 sharded over dp (None: replicated)
     sequence: list[ElementState] = field(default_factory=list)  # blocks run on sequence shards (sequence_parallel)
+    tp_blocks: list[BlockState] = field(default_factory=list)  # this rank's tensor-parallel blocks
     experts: list[MoELayer] = field(default_factory=list)  # the mixture-of-experts layers of this rank
     config: dict[str, str] = field(default_factory=dict)
     layout: Optional[Any] = None  # layout="auto": the chosen lightning_tpp.layout.Layout
@@ -168,6 +170,7 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
     state.stages, state.plan, state.shards = cut(module, config, dims, pp_rank=coords["pp"], device=device,
                                                  tp_group=groups.tp, ep_group=groups.ep)
     state.experts = find_experts(module)
+    state.tp_blocks = block_states(module) if config.tp > 1 else []
     if not config.loss_parallel:
         _no_loss_parallel(module)
     if config.sequence_parallel and config.tp > 1:

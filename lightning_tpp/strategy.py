@@ -42,6 +42,7 @@ from lightning_tpp.checkpoint.weights import covered_names, load_weights
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.dp_shard import DPSharding, normalize_sharding
 from lightning_tpp.core.grads import average_gradients, broadcast_module
+from lightning_tpp.tensor_parallel.apply import sum_block_partials
 from lightning_tpp.tensor_parallel.sequence import sum_partial_gradients
 from lightning_tpp.core.materialize import has_meta, move_real
 from lightning_tpp.core.mesh import MeshDims, resolve_dims
@@ -561,6 +562,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         assert self.lightning_module is not None
         if self._state is not None:
             sum_partial_gradients(self._state.sequence)  # sequence parallelism: each tp rank saw part of the tokens
+            sum_block_partials(self._state.tp_blocks)  # replicated parameters used on this rank's heads only
         experts = expert_parameters(self.lightning_module)  # averaged over their replicas only
         split = {id(p) for p in experts}
         params = [p for p in self.lightning_module.parameters() if p.requires_grad and id(p) not in split]

@@ -368,7 +368,8 @@ class HFCausalLM(nn.Module):
 
 class HFCausalLMFamily(nn.Module):
     """Other Hugging Face decoder-only families, tiny random configs: fused per-head qkv (GPT-NeoX), fused qkv and
-    gate/up projections (Phi-3), GQA with rotary and qkv biases (Qwen2), tied and scaled embeddings (Gemma); and an
+    gate/up projections (Phi-3), GQA with rotary and qkv biases (Qwen2), per-head query/key norms (Qwen3), norms over
+    all query/key features (OLMo-2), tied and scaled embeddings (Gemma); and an
     encoder-only masked LM (BERT), trained here on the same next-token targets."""
 
     def __init__(self, kind: str) -> None:
@@ -391,6 +392,13 @@ class HFCausalLMFamily(nn.Module):
         elif kind == "phi3":
             cfg = transformers.Phi3Config(**common, num_key_value_heads=2, pad_token_id=0)
             self.model = transformers.Phi3ForCausalLM(cfg)
+        elif kind == "qwen3":  # an RMSNorm over head_dim on each query and key head: replicated, used on local heads
+            cfg = transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=DIM // HEADS)
+            self.model = transformers.Qwen3ForCausalLM(cfg)
+        elif kind == "olmo2":  # an RMSNorm over all query (key) features: needs every head at once
+            cfg = transformers.Olmo2Config(**common, num_key_value_heads=HEADS, pad_token_id=0, eos_token_id=1,
+                                           bos_token_id=None)
+            self.model = transformers.Olmo2ForCausalLM(cfg)
         else:
             cfg = transformers.Qwen2Config(**common, num_key_value_heads=2)
             self.model = transformers.Qwen2ForCausalLM(cfg)
@@ -398,6 +406,32 @@ class HFCausalLMFamily(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=idx).logits
+
+
+class PostNormBlock(nn.Module):
+    """An MLP block that normalises its own output. Under sequence parallelism the norm runs on the row layer's
+    reduce-scattered shard, inside the tensor-parallel block, so its gradient on each rank is a part: the forward
+    check cannot see that, the gradient check finds it (the parts sum to the whole) and training sums it over tp."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim), nn.LayerNorm(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+class PostNormLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, DIM), nn.Linear(DIM, VOCAB)
+        self.blocks = nn.ModuleList([PostNormBlock() for _ in range(LAYERS)])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
 
 
 class HFViT(nn.Module):
@@ -717,6 +751,9 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "hf_neox": lambda: HFCausalLMFamily("neox"),
     "hf_phi3": lambda: HFCausalLMFamily("phi3"),
     "hf_qwen2": lambda: HFCausalLMFamily("qwen2"),
+    "hf_qwen3": lambda: HFCausalLMFamily("qwen3"),
+    "hf_olmo2": lambda: HFCausalLMFamily("olmo2"),
+    "post_norm": PostNormLM,
     "hf_gemma": lambda: HFCausalLMFamily("gemma"),
     "hf_bert": lambda: HFCausalLMFamily("bert"),
     "nanogpt4": lambda: NanoGPT(n_layer=4),

@@ -25,9 +25,10 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_tpp._compat import MHA_FAST_PATH_FLAG
+from lightning_tpp._compat import MHA_FAST_PATH_FLAG, outside_function_modes, outside_saved_tensors_hooks, tree_flatten
 from lightning_tpp.core.dp_shard import local, shard_dp_like
 from lightning_tpp.core.comm import TPGroup, TPScope, all_reduce_flag, gather_with_spec
+from lightning_tpp.core.grads import all_reduce_coalesced
 from lightning_tpp.core.params import ShardIndex, ShardInfo
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
 from lightning_tpp.core.swap import original_class, set_local_attr, swap_class
@@ -49,7 +50,7 @@ from lightning_tpp.tensor_parallel.layers import (
 )
 from lightning_tpp.tensor_parallel.heads import WholeHeads, to_local_heads
 from lightning_tpp.tensor_parallel.rng import following
-from lightning_tpp.tensor_parallel.sequence import block_inputs, block_output, saved_as_shards
+from lightning_tpp.tensor_parallel.sequence import block_inputs, block_output, in_sequence_region, saved_as_shards
 from lightning_tpp.tensor_parallel.plan import (
     GROUP_NAMES,
     HEAD_DIM_NAMES,
@@ -140,6 +141,9 @@ class BlockState:
     shards: ShardIndex
     shapes: Optional[frozenset[int]] = None
     draws: Optional[bool] = None  # whether its training forward drew dropout (None: not run in training yet)
+    grads_pending: bool = True  # the gradient check, at the first call that trains (see verify_block_gradients)
+    partial: list[tuple[nn.Module, str]] = dataclasses.field(default_factory=list)  # replicated parameters used on
+    # this rank's heads (a per-head norm): each rank's gradient is a part, summed over tp before the optimizer steps
 
     def shape_mode(self) -> contextlib.AbstractContextManager:
         if not self.shapes:
@@ -158,6 +162,11 @@ class _TPBlock:
         if st.verify_pending:
             st.verify_pending = False
             verify_block(self, args, kwargs)  # type: ignore[arg-type]
+        if st.grads_pending and self.training and torch.is_grad_enabled() and not VERIFYING.get() \
+                and not in_sequence_region():  # type: ignore[attr-defined]  (sequence parallelism checks its own)
+            st.grads_pending = False
+            with outside_function_modes(), outside_saved_tensors_hooks():  # a check of its own, not the step's
+                verify_block_gradients(self, args, kwargs)  # type: ignore[arg-type]
         st.scope.enter()
         try:
             if not (self.training and st.draws is not False) or VERIFYING.get():  # type: ignore[attr-defined]
@@ -222,7 +231,8 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
     scopes: dict[str, TPScope] = {}
     for bname, info in plan.blocks.items():
         block = modules[bname]
-        state = BlockState(bname, info, TPScope(group), {n: modules[n] for n in info.layers}, verify, shards)
+        state = BlockState(bname, info, TPScope(group), {n: modules[n] for n in info.layers}, verify, shards,
+                           grads_pending=verify)
         scopes.update({n: state.scope for n in info.layers})
         if info.kind in ("attention", "mha"):
             _localize_attrs(block, info, group.size)
@@ -320,6 +330,105 @@ def layer_check(name: str, shards: ShardIndex) -> Any:
                 f"pass verify=False to skip this check")
 
     return check
+
+
+def verify_block_gradients(block: nn.Module, args: tuple, kwargs: dict) -> None:
+    """At the block's first training call: the gradients of its inputs and parameters (shards gathered) against the
+    original block's on the same inputs, for one random output gradient (the same on every tp rank), both in eval
+    mode. Catches what the forward check cannot (a backward that loses or doubles a part). A replicated parameter
+    whose gradient here is one part of the original's, summed over tp (a norm applied to each of this rank's heads:
+    Qwen3's ``q_norm``), goes in ``partial``: training sums it over tp before the optimizer steps
+    (:func:`sum_block_partials`); one that matches neither way is a mismatch."""
+    st: BlockState = block._tpp_block  # type: ignore[assignment]
+    group = st.scope.group
+    problem = None
+
+    def leaves(a: tuple, k: dict) -> tuple[tuple, dict, list[Tensor]]:
+        a, k = isolated(a, k)
+        made: list[Tensor] = []
+
+        def leaf(t: Any) -> Any:
+            if not isinstance(t, Tensor) or not t.is_floating_point() or not t.requires_grad:
+                return t
+            made.append(t.detach().requires_grad_(True))
+            return made[-1]
+
+        return tuple(leaf(x) for x in a), {n: leaf(v) for n, v in k.items()}, made
+
+    def first(out: Any) -> Optional[Tensor]:
+        return next((t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.requires_grad), None)
+
+    token = VERIFYING.set(True)
+    try:
+        with against_reference(block, group, st.shards) as ref:
+            ref_params = dict(ref.named_parameters())
+            named = [(n, q) for n, q in block.named_parameters() if q.requires_grad and n in ref_params]
+            for n, _ in named:  # the gathered copies of shards (replicated parameters are the block's own)
+                ref_params[n].requires_grad_(True)
+            a, k, inputs = leaves(args, kwargs)
+            if not inputs and not named:
+                return  # nothing of it trains
+            got = first(block.forward(*a, **k))
+            a, k, ref_inputs = leaves(args, kwargs)
+            with WholeHeads(st.info.heads, group) if st.info.kind == "attention" else contextlib.nullcontext():
+                want = first(ref.forward(*a, **k))
+            if got is None or want is None or got.shape != want.shape:
+                return  # nothing to differentiate, or a per-head output: the forward check has compared it
+            gen = torch.Generator(device="cpu").manual_seed(20261)
+            cotangent = torch.randn(want.shape, generator=gen, dtype=torch.float32).to(want)
+            mine = torch.autograd.grad(got, inputs + [q for _, q in named], cotangent, allow_unused=True)
+            theirs = torch.autograd.grad(want, ref_inputs + [ref_params[n] for n, _ in named], cotangent,
+                                         allow_unused=True)
+            for i, (g, w) in enumerate(zip(mine[:len(inputs)], theirs[:len(inputs)])):
+                if g is not None and w is not None:
+                    problem = problem or first_difference(g, w, group, f"gradient of input {i}")
+            modules = dict(block.named_modules())
+            for (name, q), g, w in zip(named, mine[len(inputs):], theirs[len(inputs):]):
+                if g is None or w is None:
+                    if (g is None) != (w is None):
+                        problem = problem or f"gradient of {name!r}: {'none' if g is None else 'one'} on this rank, " \
+                                             f"{'none' if w is None else 'one'} in the original"
+                    continue
+                info = st.shards.get(q)
+                if info is not None:
+                    problem = problem or first_difference(gather_with_spec(g, info.spec, group), w, group,
+                                                          f"gradient of {name!r}")
+                    continue
+                whole = first_difference(g, w, group, f"gradient of {name!r}") is None
+                summed = g.clone()
+                torch.distributed.all_reduce(summed, group=group.group)
+                part = first_difference(summed, w, group, f"gradient of {name!r}")
+                if all_reduce_flag(whole, group.group):
+                    continue
+                if all_reduce_flag(part is None, group.group):
+                    owner, _, attr = name.rpartition(".")
+                    st.partial.append((modules[owner], attr))
+                    continue
+                problem = problem or part
+    except Exception as err:  # noqa: BLE001 - any error of the parallel backward is a mismatch
+        problem = f"its backward raised {type(err).__name__}: {err}"
+    finally:
+        VERIFYING.reset(token)
+    if not all_reduce_flag(problem is None, group.group):
+        raise TensorParallelMismatchError(
+            f"tensor-parallel {st.info.kind} block {st.name!r} ({type(block).__name__}) computes the right outputs "
+            f"but not the original model's gradients on this rank: {problem or 'another tp rank differs'}. Its "
+            f"backward probably depends on something the automatic plan does not model; keep it replicated with "
+            f"tp_plan={{'{st.name}': 'replicate'}}, or pass verify=False to skip this check")
+
+
+def block_states(model: nn.Module) -> list[BlockState]:
+    """The tensor-parallel blocks' states of ``model`` (after :func:`apply_plan`)."""
+    return [st for m in model.modules() if isinstance(st := getattr(m, "_tpp_block", None), BlockState)]
+
+
+def sum_block_partials(states: list[BlockState]) -> None:
+    """Add up over tp the gradients of the replicated parameters each rank used on its own heads only
+    (``BlockState.partial``, found by the gradient check)."""
+    grads = [local(q.grad) for st in states for o, a in st.partial if (q := getattr(o, a, None)) is not None
+             and q.grad is not None]
+    if grads:
+        all_reduce_coalesced(grads, states[0].scope.group.group, average=False)
 
 
 def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -25,8 +25,10 @@ blocks compute from them whole (the same on every rank) enters that sum divided 
 The first call of each block checks it numerically: its sequence-parallel output against the original block (whole
 weights, whole sequence) on the same inputs, so that a block whose own code reads the sequence length, or an
 attention left whole, fails with a message instead of training on the wrong values; its first training call
-checks the gradients of its inputs and parameters the same way (a norm inside an MLP block, after its row layer,
-would otherwise get each rank's part of its gradient).
+checks the gradients of its inputs and parameters the same way. A parameter inside a tensor-parallel block whose
+gradient there is each rank's part of the original's (a norm after an MLP's row layer, which runs on the
+reduce-scattered shard; a per-head norm) is added to the element's ``partial`` parameters, summed over tp like the
+rest; one that matches neither way is an error.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from torch import Tensor, nn
 from lightning_tpp._compat import (
     enclosing_saved_tensors_hooks,
     outside_function_modes,
+    outside_saved_tensors_hooks,
     tree_flatten,
     tree_map,
     tree_unflatten,
@@ -193,9 +196,8 @@ class _SequenceElement:
             _verify(self, args, kwargs, where)  # type: ignore[arg-type]
         if st.grads_pending and self.training and torch.is_grad_enabled() and not st.flat:  # type: ignore[attr-defined]
             st.grads_pending = False
-            if not st.recomputed:  # under activation checkpointing the forward is itself being recorded
-                with outside_function_modes():
-                    _verify_gradients(self, args, kwargs, where)  # type: ignore[arg-type]
+            with outside_function_modes(), outside_saved_tensors_hooks():  # a check of its own, not the step's
+                _verify_gradients(self, args, kwargs, where)  # type: ignore[arg-type]
         return self._sp_forward(args, kwargs, where)
 
     def _sp_forward(self, args: tuple, kwargs: dict, where: tuple[str, Any]) -> Any:
@@ -217,6 +219,11 @@ class _SequenceElement:
         finally:
             _REGION.reset(token)
         return _map_first_tensor(out, lambda t: gather_seq(t, st.group)) if st.last else out
+
+
+def in_sequence_region() -> bool:
+    """Whether a block runs inside the sequence-parallel region (its element checks the gradients there)."""
+    return _REGION.get() is not None
 
 
 def block_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -416,6 +423,15 @@ def _verify_gradients(element: nn.Module, args: tuple, kwargs: dict, where: tupl
                 elif id(q) in partial or id(st.shards.stored(q)) in partial:
                     g = g.clone()
                     torch.distributed.all_reduce(g, group=group.group)
+                else:  # inside a tensor-parallel block: whole, or used on this rank's heads only (a per-head norm)
+                    whole = first_difference(g, w, group) is None
+                    summed = g.clone()
+                    torch.distributed.all_reduce(summed, group=group.group)
+                    if not all_reduce_flag(whole, group.group) and \
+                            all_reduce_flag(first_difference(summed, w, group) is None, group.group):
+                        owner, _, attr = name.rpartition(".")
+                        st.partial.append((element.get_submodule(owner), attr))
+                        continue
                 problem = problem or first_difference(g, w, group, f"gradient of {name!r}")
         except Exception as err:  # noqa: BLE001 - any error of the sequence-parallel backward is a mismatch
             problem = f"its backward raised {type(err).__name__}: {err}"

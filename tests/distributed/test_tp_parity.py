@@ -18,6 +18,7 @@ ALL = ["nanogpt", "llama", "fused_gqa", "encoder", "seq2seq", "hf_gpt2", "hf_lla
        "hf_gemma", "hf_bert", "litgpt", "mlp", "hf_vit", "dit_noisy",
        "mqa_llama", "mqa_fused", "hf_falcon", "hf_falcon_new", "hf_llama_mqa",  # fewer K/V heads than tp (#30)
        "hf_t5",  # a per-head position bias made whole, read by this rank's heads
+       "hf_qwen3",  # per-head query/key norms: replicated weights used on this rank's heads, gradients summed over tp
        "dit"]  # adaLN-Zero blocks: forward(x, c), modulation cut by columns and gathered
 
 
@@ -49,7 +50,8 @@ def test_parity_fp32(tmp_path: Path, tp: int, dp: int, models: list[str]) -> Non
 
 
 SEQUENCE_PARALLEL = ["nanogpt", "llama", "hf_llama", "hf_gpt2", "flat_gpt", "split_gpt", "encoder", "seq2seq",
-                     "hf_gemma", "hf_bert", "litgpt", "hf_phi3", "hf_neox", "conditioned", "nested_lists"]
+                     "hf_gemma", "hf_bert", "litgpt", "hf_phi3", "hf_neox", "conditioned", "nested_lists", "hf_qwen3",
+                     "post_norm"]
 
 
 def test_parity_sequence_parallel(tmp_path: Path) -> None:
@@ -57,7 +59,9 @@ def test_parity_sequence_parallel(tmp_path: Path) -> None:
     sequence shards, norms' and row biases' gradients summed over tp), blocks that hold their projections
     (gathered whole at entry), nn.MultiheadAttention, an encoder-decoder (two stacks), Hugging Face families
     (Phi-3's gathered fused qkv runs its layer whole), a conditioning vector read by every block (its gradient
-    summed over the shards), a list of [attention, feed-forward] lists unpacked by the model's loop."""
+    summed over the shards), a list of [attention, feed-forward] lists unpacked by the model's loop, Qwen3's per-head
+    query/key norms and a norm after an MLP's row layer (each rank's gradient a part, found by the gradient check and
+    summed over tp)."""
     _run(tmp_path, SEQUENCE_PARALLEL, 2, 1, ["--sequence-parallel"])
     for name in SEQUENCE_PARALLEL:
         ref = reference(name, 1)
@@ -71,11 +75,14 @@ def test_parity_sequence_parallel_fsdp_checkpointing(tmp_path: Path) -> None:
     summed partial gradients counted once) and 2 accumulated micro-batches (summed once, at the step). AdamW
     tolerance as in test_parity_clipping_accumulation."""
     opts = dict(accumulate=2, clip=0.1, optimizer="adamw", steps=3, lr=0.01)
-    _run(tmp_path, ["llama"], 2, 2, ["--sequence-parallel", "--activation-checkpointing", "--accumulate", "2",
-                                     "--clip", "0.1", "--optimizer", "adamw", "--steps", "3", "--lr", "0.01"])
-    ref = train("llama", dp=2, **opts)
-    for rank in range(4):
-        assert_parity(load_record(tmp_path / f"llama.rank{rank}.pt"), ref, param_atol=1e-4, where=f"llama rank {rank}")
+    models = ["llama", "hf_qwen3"]  # Qwen3: the gradient check finds its per-head norms under the checkpoint too
+    _run(tmp_path, models, 2, 2, ["--sequence-parallel", "--activation-checkpointing", "--accumulate", "2",
+                                  "--clip", "0.1", "--optimizer", "adamw", "--steps", "3", "--lr", "0.01"])
+    for name in models:
+        ref = train(name, dp=2, **opts)
+        for rank in range(4):
+            assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), ref, param_atol=1e-4,
+                          where=f"{name} rank {rank}")
 
 
 def test_parity_sequence_parallel_fsdp(tmp_path: Path) -> None:

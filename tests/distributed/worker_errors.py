@@ -27,6 +27,21 @@ class ShuffledMLP(nn.Module):
         return self.fc2(h[..., self.order[: h.shape[-1]]])
 
 
+class HookedMLP(nn.Module):
+    """fc1 -> GELU -> fc2, with a gradient hook on fc1's output that reads its width (a user's rescaling): under tp
+    the forward is the original's, the backward is not. The forward check cannot see that; the gradient check must."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if h.requires_grad:
+            h.register_hook(lambda g, width=h.shape[-1]: g * width / 64)
+        return self.fc2(nn.functional.gelu(h))
+
+
 class MeanShiftedEmbedding(nn.Embedding):
     """An embedding subclass whose forward reads its whole table beyond the lookup (the mean over the vocabulary)."""
 
@@ -104,31 +119,6 @@ class BypassLM(nn.Module):
         return self.head(x)
 
 
-class PostNormBlock(nn.Module):
-    """An MLP block that normalises its own output: under sequence parallelism the norm runs on the row layer's
-    reduce-scattered shard, inside the tensor-parallel block, so its gradient is each rank's part. The forward check
-    cannot see that; the gradient check must."""
-
-    def __init__(self, dim: int = 32) -> None:
-        super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim), nn.LayerNorm(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(x)
-
-
-class PostNormLM(BypassLM):
-    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
-        super().__init__(vocab, dim)
-        self.blocks = nn.ModuleList([PostNormBlock(dim), PostNormBlock(dim)])
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 class Scenario(LitLM):
     def __init__(self, scenario: str) -> None:
         super().__init__("llama" if scenario in ("heads", "embedding") else "nanogpt")
@@ -136,12 +126,12 @@ class Scenario(LitLM):
             self.model = type(self.model)(n_heads=3, n_kv_heads=3, dim=48)
         if scenario == "mismatch":
             self.model.transformer.h[0].mlp = ShuffledMLP()
+        if scenario == "backward":
+            self.model.transformer.h[0].mlp = HookedMLP()
         if scenario == "embedding":
             self.model.tok_embeddings = MeanShiftedEmbedding(64, 32)
         if scenario == "sp_bypassed":
             self.model = BypassLM()
-        if scenario == "sp_post_norm":
-            self.model = PostNormLM()
         if scenario == "sp_positions":
             h = self.model.transformer.h
             for i in range(len(h)):
@@ -152,10 +142,10 @@ SCENARIOS = {  # name -> (module, strategy kwargs, batch size)
     "heads": (lambda: Scenario("heads"), dict(tp=2), 4),
     "mismatch": (lambda: Scenario("mismatch"), dict(tp=2), 4),
     "embedding": (lambda: Scenario("embedding"), dict(tp=2), 4),
+    "backward": (lambda: Scenario("backward"), dict(tp=2), 4),
     "world": (lambda: Scenario("world"), dict(tp=2), 4),
     "sp_positions": (lambda: Scenario("sp_positions"), dict(tp=2, sequence_parallel=True), 4),
     "sp_bypassed": (lambda: Scenario("sp_bypassed"), dict(tp=2, sequence_parallel=True), 4),
-    "sp_post_norm": (lambda: Scenario("sp_post_norm"), dict(tp=2, sequence_parallel=True), 4),
     "sp_odd_length": (lambda: LitLM("hf_vit"), dict(tp=2, sequence_parallel=True), 4),
     "pp_stages": (lambda: LitLM("nanogpt"), dict(pp=2, virtual_stages=2, schedule="interleaved-1f1b",
                                                   microbatches=2), 4),
