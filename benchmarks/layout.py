@@ -102,6 +102,7 @@ def role_measure(args: argparse.Namespace) -> None:
     link = measure_link(large=link_size(profile))
     times = block_times(module, profile, BATCH, device=cpu, dtype=torch.float32, local_processes=world, together=True)
     rows: list = [None]
+    why = ""
     if rank == 0:
         spec = _device(cpu, link, world, None)
         shardings = ("full_shard",) if args.quick else ("full_shard", "no_shard")
@@ -110,6 +111,7 @@ def role_measure(args: argparse.Namespace) -> None:
         runs = [c for c in ranking.ranked if c.layout.schedule == "1f1b" and c.layout.microbatches in (1, BATCH)
                 and c.layout.tp <= MAX_TP.get(args.model, 8)]
         runs = runs[:1] if args.chosen_only else runs
+        why = f"{ranking.table(top=5)}\n{ranking.why()}"  # what layout="auto" logs: the search's own top and reason
         rows = [[(c.layout.__dict__, c.time.per_sample, i == 0, {**c.time.__dict__, "straggle": times.straggle})
                  for i, c in enumerate(runs)]]
     dist.broadcast_object_list(rows, src=0)  # the process group stays: every Trainer below joins it
@@ -122,7 +124,7 @@ def role_measure(args: argparse.Namespace) -> None:
         results.append({"layout": layout, "predicted": predicted, "measured": measured, "chosen": chosen,
                         "parts": parts, "phases": phases, "step": step})
     if rank == 0:
-        (Path(args.out) / f"{args.model}.json").write_text(json.dumps({"layouts": results}))
+        (Path(args.out) / f"{args.model}.json").write_text(json.dumps({"layouts": results, "why": why}))
 
 
 def _train(args: argparse.Namespace, layout: dict, data, world: int) -> tuple[float, dict, float]:
@@ -238,6 +240,7 @@ def report(model: str, measured: dict) -> None:
         print(f"  {describe(r['layout']):<44} {r['predicted'] * 1e3:10.2f} {r['measured'] * 1e3:10.2f}{mark}")
     c = chosen
     print(f"  chosen step, ms: {_parts(c)}")
+    print("  the search's log:\n" + "\n".join(f"    {line}" for line in measured.get("why", "").splitlines()))
     rho = spearman([r["predicted"] for r in results], [r["measured"] for r in results])
     print(f"  rank correlation {rho:.2f}; chosen / best measured {chosen['measured'] / best:.2f} (goal <= 1.10); "
           f"chosen predicted / measured {chosen['predicted'] / chosen['measured']:.2f} (goal 0.8-1.2)")
@@ -247,6 +250,8 @@ def report(model: str, measured: dict) -> None:
               + "; ".join(f"{describe(r['layout'])} {r['predicted'] * 1e3:.2f}/{r['measured'] * 1e3:.2f} ms/sample "
                           f"(step {_parts(r)})" for r in rounds)
               + "; predicted / measured " + ", ".join(f"{x:.2f}" for x in ratios) + " (goal 0.8-1.2)")
+        for i, r in enumerate(rounds):
+            print(f"  launch {i + 1}'s search:\n" + "\n".join(f"    {line}" for line in r.get("why", "").splitlines()))
 
 
 def _parts(r: dict) -> str:
@@ -281,7 +286,8 @@ def main() -> None:
         for model in args.models.split(","):
             measured = _launch(model, Path(tmp), args)
             again = argparse.Namespace(**{**vars(args), "chosen_only": True})
-            measured["rounds"] = [_launch(model, Path(tmp), again)["layouts"][0] for _ in range(args.rounds)]
+            rounds = [_launch(model, Path(tmp), again) for _ in range(args.rounds)]
+            measured["rounds"] = [{**r["layouts"][0], "why": r["why"]} for r in rounds]
             report(model, measured)
 
 
