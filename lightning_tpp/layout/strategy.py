@@ -3,7 +3,8 @@ processes exist and before the mesh is built from tp, pp and dp.
 
     every rank: profile the model on meta (deterministic), measure the link (an all-reduce, every rank)
     rank 0:     time one block of each kind per micro-batch size and an optimizer step (on CPU every rank times
-                them at once: the cores are shared as in a step), search, log the top layouts and why
+                them at once: the cores are shared as in a step; each figure the median over the ranks), search,
+                log the top layouts and why
     every rank: take rank 0's choice (one broadcast), set tp/pp/dp/ep, micro-batches, schedule, checkpointing,
                 sharding
 """
@@ -154,17 +155,43 @@ def block_times(target: nn.Module, profile: Any, batch: int, *, device: torch.de
     """One block of each kind timed per micro-batch size of ``batch``, the ends, an optimizer step and a copy. ``together``:
     every process of the machine times at the same moment, meeting at a barrier before each (CPU processes share
     its cores, and whatever else runs there: what a step meets), taken as measured, with the waits at those
-    barriers (``Meeting.straggle``); else the time alone, scaled by processes per core."""
+    barriers (``Meeting.straggle``), each figure the median over the processes (:func:`pooled`); else the time
+    alone, scaled by processes per core."""
     sizes = sorted({batch // m for m in range(1, batch + 1) if batch % m == 0})
     sync = Meeting() if together and dist.is_initialized() and dist.get_world_size() > 1 else None
     measured = time_blocks(target, profile, sizes, device=device, dtype=dtype, together=together, sync=sync)
     ends = time_ends(target, profile, sizes, device=device, dtype=dtype, together=together, sync=sync)
     optimizer = time_optimizer(target, profile, device=device, dtype=dtype, together=together, sync=sync)
     copy = time_copy(link_size(profile), device=device, dtype=dtype, together=together, sync=sync)
+    straggle = 0.0
     if sync is not None:
         sync()  # closes the copy's work
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (measured, ends, optimizer, copy, sync.straggle))
+        measured, ends, optimizer, copy, straggle = pooled(every)
     return BlockTimes(measured, slowdown=1.0 if together else _slowdown(device, local_processes), optimizer=optimizer,
-                      copy=copy, straggle=sync.straggle if sync is not None else 0.0, ends=ends)
+                      copy=copy, straggle=straggle, ends=ends)
+
+
+def pooled(every: list[tuple]) -> tuple:
+    """Every process's timing figures (``measured``, ``ends``, ``optimizer``, ``copy``, ``straggle``), each the median
+    over the processes. Processes that share cores do not share them evenly over a few milliseconds: the same block
+    timed at the same moment took 11 ms on two of four processes and 25 ms on the other two (T5, 4 processes on 2
+    cores; the whole model's blocks and ends added up differed by up to 10% between processes). A step's pace is all
+    of theirs, so rank 0 does not decide from its own figures alone."""
+    def median(values: list[float]) -> float:
+        ordered, n = sorted(values), len(values)
+        return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+    def table(tables: list[dict]) -> dict:  # each entry over the processes that have it
+        keys = set().union(*tables)
+        return {k: (median([t[k][0] for t in tables if k in t]), median([t[k][1] for t in tables if k in t]))
+                for k in keys}
+
+    measured, ends, optimizer, copy, straggle = zip(*every)
+    return (table(list(measured)), table(list(ends)),
+            (median([o[0] for o in optimizer]), median([o[1] for o in optimizer])), median(list(copy)),
+            median(list(straggle)))
 
 
 def _rank(profile: Any, request: AutoRequest, device: torch.device, link: Any, local_processes: int, world: int,

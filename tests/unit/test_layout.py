@@ -406,6 +406,26 @@ def test_block_times_timed_together_are_taken_as_measured(llama4) -> None:
     assert together.copy is not None and together.copy > 0  # the reduction's host copies, seconds per byte
 
 
+def test_figures_timed_together_are_the_median_over_the_processes() -> None:
+    """Rank 0 ranks from every process's figures, each the median over them: one process that had the cores to
+    itself for a block (11 ms where the others took 25) or whose optimizer step was hit by something else does not
+    set the prediction; an entry that only some processes have is the median over those."""
+    from lightning_tpp.layout.strategy import pooled
+
+    def rank(block: float, optimizer: float, straggle: float, extra: bool = False) -> tuple:
+        measured = {("layers", 8): (block, 2 * block)}
+        if extra:
+            measured[("first", 8)] = (1.0, 2.0)
+        return measured, {8: (0.002, 0.004)}, (optimizer, 1e-9), 1e-10, straggle
+
+    measured, ends, optimizer, copy, straggle = pooled([rank(0.011, 4e-4, 0.1, extra=True), rank(0.025, 1e-4, 0.0),
+                                                        rank(0.025, 1e-4, 0.2), rank(0.024, 1e-4, 0.1)])
+    assert measured == {("layers", 8): (pytest.approx(0.0245), pytest.approx(0.049)), ("first", 8): (1.0, 2.0)}
+    assert ends == {8: (pytest.approx(0.002), pytest.approx(0.004))}
+    assert optimizer == (pytest.approx(1e-4), pytest.approx(1e-9)) and copy == pytest.approx(1e-10)
+    assert straggle == pytest.approx(0.1)
+
+
 def test_processes_timing_together_meet_before_each_block_size_even_where_one_fails(llama4) -> None:
     """Every process times the same block at the same moment (a barrier before each kind and size, and before the
     optimizer's and the copy's timing): called as often whatever fails or is cached, or the ranks' barriers would
