@@ -11,7 +11,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_tpp.core.comm import TPGroup, gather_with_spec
+from lightning_tpp.core.comm import TPGroup, all_reduce_flag, gather_with_spec
 from lightning_tpp.core.dp_shard import fsdp_classes_hidden, gather_dp, is_dp_sharded
 from lightning_tpp.core.params import ShardIndex
 from lightning_tpp.core.swap import slots, unswap
@@ -110,3 +110,16 @@ def first_difference(got: Any, want: Any, group: TPGroup, path: str = "output") 
             if r:
                 return r
     return None
+
+
+def whole_or_part(got: Tensor, want: Tensor, group: TPGroup) -> Optional[str]:
+    """How a replicated parameter's gradient on this rank stands to the original's, decided by every rank of ``group``
+    together: ``"whole"`` (it is the original's), ``"part"`` (the ranks' gradients sum to it: the parameter was used
+    on this rank's share only, a per-head norm), or None (neither: a mismatch)."""
+    whole = first_difference(got, want, group) is None
+    summed = got.clone()
+    torch.distributed.all_reduce(summed, group=group.group)
+    part = first_difference(summed, want, group) is None
+    if all_reduce_flag(whole, group.group):
+        return "whole"
+    return "part" if all_reduce_flag(part, group.group) else None

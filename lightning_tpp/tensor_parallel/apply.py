@@ -38,6 +38,7 @@ from lightning_tpp.core.reference import (
     first_difference,
     isolated,
     reference_copy,
+    whole_or_part,
 )
 from lightning_tpp.core.walk import VERIFYING
 from lightning_tpp.tensor_parallel.layers import (
@@ -394,17 +395,12 @@ def verify_block_gradients(block: nn.Module, args: tuple, kwargs: dict) -> None:
                     problem = problem or first_difference(gather_with_spec(g, info.spec, group), w, group,
                                                           f"gradient of {name!r}")
                     continue
-                whole = first_difference(g, w, group, f"gradient of {name!r}") is None
-                summed = g.clone()
-                torch.distributed.all_reduce(summed, group=group.group)
-                part = first_difference(summed, w, group, f"gradient of {name!r}")
-                if all_reduce_flag(whole, group.group):
-                    continue
-                if all_reduce_flag(part is None, group.group):
+                how = whole_or_part(g, w, group)
+                if how == "part":
                     owner, _, attr = name.rpartition(".")
                     st.partial.append((modules[owner], attr))
-                    continue
-                problem = problem or part
+                elif how is None:
+                    problem = problem or first_difference(g, w, group, f"gradient of {name!r}")
     except Exception as err:  # noqa: BLE001 - any error of the parallel backward is a mismatch
         problem = f"its backward raised {type(err).__name__}: {err}"
     finally:

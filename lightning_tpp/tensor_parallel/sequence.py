@@ -358,7 +358,7 @@ def _verify_gradients(element: nn.Module, args: tuple, kwargs: dict, where: tupl
     sequence, for one random output gradient. Catches what the forward check cannot: a replicated value used on
     shards inside an attention or MLP block whose gradient would not be summed."""
     from lightning_tpp.core.comm import gather_with_spec
-    from lightning_tpp.core.reference import against_reference, first_difference, isolated
+    from lightning_tpp.core.reference import against_reference, first_difference, isolated, whole_or_part
 
     st: ElementState = element._tpp_sp  # type: ignore[assignment]
     group = st.group
@@ -423,15 +423,10 @@ def _verify_gradients(element: nn.Module, args: tuple, kwargs: dict, where: tupl
                 elif id(q) in partial or id(st.shards.stored(q)) in partial:
                     g = g.clone()
                     torch.distributed.all_reduce(g, group=group.group)
-                else:  # inside a tensor-parallel block: whole, or used on this rank's heads only (a per-head norm)
-                    whole = first_difference(g, w, group) is None
-                    summed = g.clone()
-                    torch.distributed.all_reduce(summed, group=group.group)
-                    if not all_reduce_flag(whole, group.group) and \
-                            all_reduce_flag(first_difference(summed, w, group) is None, group.group):
-                        owner, _, attr = name.rpartition(".")
-                        st.partial.append((element.get_submodule(owner), attr))
-                        continue
+                elif whole_or_part(g, w, group) == "part":  # inside a tensor-parallel block, used on this rank's
+                    owner, _, attr = name.rpartition(".")  # heads (a per-head norm) or sequence shard only
+                    st.partial.append((element.get_submodule(owner), attr))
+                    continue
                 problem = problem or first_difference(g, w, group, f"gradient of {name!r}")
         except Exception as err:  # noqa: BLE001 - any error of the sequence-parallel backward is a mismatch
             problem = f"its backward raised {type(err).__name__}: {err}"
