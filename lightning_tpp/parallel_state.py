@@ -39,7 +39,7 @@ from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.partition import PipelinePartitionError, block_modules, describe, find_block_sequences
 from lightning_tpp.pipeline.auto import settle_auto
 from lightning_tpp.pipeline.stage import end_stage_forward_last
-from lightning_tpp.tensor_parallel.apply import BlockState, block_states
+from lightning_tpp.tensor_parallel.apply import BlockState, block_states, unchecked_replicated
 from lightning_tpp.tensor_parallel.sequence import ElementState, apply_sequence_parallel
 from lightning_tpp.tensor_parallel import (
     TensorParallelConfigError,
@@ -237,6 +237,15 @@ def cut(module: nn.Module, config: ParallelConfig, dims: MeshDims, *, pp_rank: i
                     remote=remote)
         check_divisible(plan, config.tp)
         shards = apply_plan(module, plan, tp_group, verify=config.verify)
+        unchecked = [] if config.verify else unchecked_replicated(module)
+        if unchecked:
+            rank_zero_warn(
+                f"verify=False: the gradient check is off, so nothing finds which replicated parameters inside "
+                f"tensor-parallel attention blocks are applied to this rank's heads only (a per-head norm, a "
+                f"per-head bias table): each rank's gradient of such a parameter is a part, to be summed over tp. "
+                f"These {len(unchecked)} train as if every rank's gradient were whole: {unchecked[:6]}"
+                f"{' ...' if len(unchecked) > 6 else ''}. Leave verify=True (the default) to have them found at the "
+                f"first training step, or keep such a block whole with tp_plan={{'<block>': 'replicate'}}")
         if config.ep == 1:
             _shard_experts(module, plan, config, tp_group, shards)
     if config.ep > 1:

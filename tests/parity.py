@@ -206,6 +206,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     parser.add_argument("--no-vocab-exchange", dest="vocab_exchange", action="store_false",
                         help="FSDP2 gathers the embedding and head too (vocab_exchange=False)")
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--no-verify", dest="verify", action="store_false", help="verify=False: no first-call checks")
     parser.add_argument("--seed-by-rank", action="store_true", help="each rank builds its model from seed = rank")
     args = parser.parse_args()
     from lightning_tpp import TensorPipeStrategy
@@ -226,7 +227,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
                                           virtual_stages=virtual, blocks=args.blocks,
                                           activation_checkpointing=args.activation_checkpointing,
                                           dp_sharding=args.dp_sharding, vocab_exchange=args.vocab_exchange,
-                                          sequence_parallel=args.sequence_parallel,
+                                          sequence_parallel=args.sequence_parallel, verify=args.verify,
                                           print_plan=rank == 0 and name == "nanogpt")
             record = train(name, strategy=strategy, devices=args.tp * args.dp * args.pp, dp=args.dp,
                            steps=args.steps, batch_size=args.batch_size, accumulate=args.accumulate, clip=args.clip,

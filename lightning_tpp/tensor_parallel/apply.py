@@ -230,10 +230,11 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
     done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     shards = ShardIndex()
     scopes: dict[str, TPScope] = {}
+    states: dict[str, BlockState] = {}
     for bname, info in plan.blocks.items():
         block = modules[bname]
-        state = BlockState(bname, info, TPScope(group), {n: modules[n] for n in info.layers}, verify, shards,
-                           grads_pending=verify)
+        state = states[bname] = BlockState(bname, info, TPScope(group), {n: modules[n] for n in info.layers}, verify,
+                                           shards, grads_pending=verify)
         scopes.update({n: state.scope for n in info.layers})
         if info.kind in ("attention", "mha"):
             _localize_attrs(block, info, group.size)
@@ -250,6 +251,7 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
             swap_class(block, _TPMultiheadAttentionBlock)
         else:
             swap_class(block, _TPBlock)
+    _declared_partials(plan, states, modules)
     for name, style in plan.styles.items():
         if style in ("mha", "replicate"):
             continue
@@ -288,6 +290,39 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
             if p is not None and id(p) in done and done[id(p)][0] is p:
                 module._parameters[attr] = done[id(p)][1]
     return shards
+
+
+def _declared_partials(plan: TPPlan, states: dict[str, BlockState], modules: dict[str, nn.Module]) -> None:
+    """The parameters of ``plan.grad_allreduce`` (Hugging Face's ``replicated_with_grad_allreduce``) inside a planned
+    block go in its ``partial`` now, so that they are summed over tp even with ``verify=False``; the gradient check
+    (:func:`verify_block_gradients`) confirms or corrects each. Outside a planned block (its attention left whole)
+    such a parameter sees every head and stays as it is."""
+    for name in plan.grad_allreduce:
+        owner = max((b for b in states if name.startswith(f"{b}.")), key=len, default=None)
+        if owner is None or name not in modules:
+            continue
+        partial = states[owner].partial
+        partial.extend((modules[name], a) for a, q in modules[name].named_parameters(recurse=False)
+                       if q.requires_grad and (modules[name], a) not in partial)
+
+
+def unchecked_replicated(model: nn.Module) -> list[str]:
+    """Names of the replicated parameters inside tensor-parallel attention blocks, outside their parallel layers,
+    that no plan declared partial: with ``verify=False`` nothing tells whether each is applied to every head (its
+    gradient whole on each rank) or to this rank's heads only (a per-head norm: a part, to be summed over tp)."""
+    out = []
+    for bname, block in model.named_modules():
+        st = getattr(block, "_tpp_block", None)
+        if not isinstance(st, BlockState) or st.info.kind != "attention":
+            continue
+        layers = {id(m) for m in st.layers.values()}
+        partial = {id(getattr(m, a)) for m, a in st.partial if getattr(m, a, None) is not None}
+        for mname, m in block.named_modules():
+            if id(m) in layers:
+                continue
+            out.extend(f"{bname}.{mname}.{a}".replace("..", ".") for a, q in m.named_parameters(recurse=False)
+                       if q.requires_grad and st.shards.get(q) is None and id(q) not in partial)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -395,10 +430,14 @@ def verify_block_gradients(block: nn.Module, args: tuple, kwargs: dict) -> None:
                     problem = problem or first_difference(gather_with_spec(g, info.spec, group), w, group,
                                                           f"gradient of {name!r}")
                     continue
+                owner, _, attr = name.rpartition(".")
+                entry = (modules[owner], attr)
+                declared = entry in st.partial  # by a Hugging Face plan (``_declared_partials``)
                 how = whole_or_part(g, w, group)
-                if how == "part":
-                    owner, _, attr = name.rpartition(".")
-                    st.partial.append((modules[owner], attr))
+                if how == "part" and not declared:
+                    st.partial.append(entry)
+                elif how == "whole" and declared:  # measured whole on every rank: a sum over tp would multiply it
+                    st.partial.remove(entry)
                 elif how is None:
                     problem = problem or first_difference(g, w, group, f"gradient of {name!r}")
     except Exception as err:  # noqa: BLE001 - any error of the parallel backward is a mismatch

@@ -76,6 +76,9 @@ class TPPlan:
     blocks: dict[str, BlockInfo] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     whole: dict[str, str] = field(default_factory=dict)  # module with linear layers left whole -> why
+    # modules a Hugging Face plan marks "replicated_with_grad_allreduce" (Qwen3's per-head q_norm / k_norm): whole on
+    # every rank, each rank's gradient a part (its heads), summed over tp inside a planned block
+    grad_allreduce: list[str] = field(default_factory=list)
 
     def block_of(self, layer: str) -> Optional[str]:
         for name, block in self.blocks.items():
@@ -514,6 +517,8 @@ def overlay(model: nn.Module, plan: TPPlan, overrides: Mapping[str, str], *, sou
                                                         f"{STYLES}")
                     style = None
                 entries.append((name, raw, style))
+                if raw == "replicated_with_grad_allreduce" and not strict and name not in plan.grad_allreduce:
+                    plan.grad_allreduce.append(name)
     # a block with one style we do not model keeps the automatic plan (checked numerically at its first call) for
     # all its layers: half of a foreign plan (a gathered qkv with our row-parallel output) would not fit together.
     # A layer of no planned block goes with the module holding it, unless that holds blocks (a model): DeepSeek-V3's

@@ -405,7 +405,9 @@ def _verify_gradients(element: nn.Module, args: tuple, kwargs: dict, where: tupl
             mine = torch.autograd.grad(got, [t for _, t in inputs] + [q for _, q in named], part, allow_unused=True)
             theirs = torch.autograd.grad(want, [t for _, t in ref_inputs] + [ref_params[n] for n, _ in named],
                                          cotangent, allow_unused=True)
-            partial = {id(getattr(m, attr)) for m, attr in st.partial if getattr(m, attr, None) is not None}
+            declared = [e for b in element.modules() if (bs := getattr(b, "_tpp_block", None)) is not None
+                        for e in bs.partial]  # its tp blocks' (a Hugging Face plan's, summed by sum_block_partials)
+            partial = {id(getattr(m, attr)) for m, attr in st.partial + declared if getattr(m, attr, None) is not None}
             for i, ((key, _), g) in enumerate(zip(inputs, mine)):
                 if key != where and g is not None:  # a side input: each rank's part of its gradient
                     g = g.clone()

@@ -7,6 +7,7 @@ process references run here, in the test process.
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,22 @@ def test_parity_fp32(tmp_path: Path, tp: int, dp: int, models: list[str]) -> Non
             assert record.rng == ref.rng, f"{name} rank {rank}: the user's random stream moved differently"
             if dp == 1:  # sharded, not run whole on every rank
                 assert record.local_fraction <= 0.65, (name, record.local_fraction)
+
+
+def test_parity_no_verify_declared_partials(tmp_path: Path) -> None:
+    """verify=False turns the gradient check off, the one that finds Qwen3's per-head q_norm / k_norm (each rank's
+    gradient a part). Hugging Face's plan marks them ``replicated_with_grad_allreduce``, so they are summed over tp
+    without the check: training stays at parity with one process (before, each rank stepped its own part). T5's
+    position-bias table, read on this rank's heads and declared by no plan, is named by the verify=False warning."""
+    args = ["--models", "hf_qwen3,hf_t5", "--tp", "2", "--out", str(tmp_path), "--no-verify"]
+    result = run_ranks(ROOT / "tests" / "parity.py", 2, args, timeout=400).check()
+    for rank in range(2):
+        assert_parity(load_record(tmp_path / f"hf_qwen3.rank{rank}.pt"), reference("hf_qwen3", 1),
+                      where=f"hf_qwen3 verify=False rank {rank}")
+    warned = re.findall(r"verify=False: the gradient check is off.*?train as if every rank's gradient were whole: "
+                        r"(\[.*?\])", " ".join(result.outputs[0].split()))
+    assert len(warned) == 1 and "relative_attention_bias.weight" in warned[0], warned
+    assert "norm" not in warned[0], warned  # Qwen3's norms were declared: not listed
 
 
 SEQUENCE_PARALLEL = ["nanogpt", "llama", "hf_llama", "hf_gpt2", "flat_gpt", "split_gpt", "encoder", "seq2seq",

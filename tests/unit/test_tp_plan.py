@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from models import MODELS, EncoderLM, FusedGQAModel, HFCausalLM, NanoGPT, TinyLlama
+from models import MODELS, EncoderLM, FusedGQAModel, HFCausalLM, HFCausalLMFamily, NanoGPT, TinyLlama
 from torch import nn
 
 from lightning_tpp.core.sharding import ShardSpec
@@ -883,3 +883,45 @@ def test_a_gathered_layer_beside_an_unsupported_sibling_is_applied_on_its_own() 
                           "layers.*.self_attn.o_proj": "rowwise_split_input"}, source="Hugging Face tp plan", strict=False)
     assert plan.styles.get("layers.0.self_attn.q_b_proj") == "colwise_gather"
     assert "layers.0.self_attn.o_proj" not in plan.styles
+
+
+# ---- replicated parameters used on this rank's heads (Qwen3's q_norm / k_norm) -----------------------------------
+def _qwen3_applied(with_hf_plan: bool) -> tuple[nn.Module, TPPlan]:
+    from lightning_tpp.core.comm import TPGroup
+    from lightning_tpp.tensor_parallel.apply import apply_plan
+
+    model = HFCausalLMFamily("qwen3")
+    plan = detect(model, 2)
+    if with_hf_plan:
+        overlay(model, plan, hf_plan(model), source="Hugging Face tp plan", strict=False)
+    apply_plan(model, plan, TPGroup(None, 0, 2), verify=False)
+    return model, plan
+
+
+def test_hf_grad_allreduce_declared_partial_without_the_check() -> None:
+    """Hugging Face's ``replicated_with_grad_allreduce`` (Qwen3's per-head norms) puts those parameters in their
+    attention block's ``partial`` at apply time, so they are summed over tp with verify=False too, and nothing is
+    left for the verify=False warning."""
+    from lightning_tpp.tensor_parallel.apply import block_states, unchecked_replicated
+
+    model, plan = _qwen3_applied(with_hf_plan=True)
+    assert "model.model.layers.0.self_attn.q_norm" in plan.grad_allreduce
+    named = {id(getattr(m, a)): n for n, m in model.named_modules() for a, _ in m.named_parameters(recurse=False)
+             for n in [f"{n}.{a}"]}
+    partial = sorted(named[id(getattr(m, a))] for st in block_states(model) for m, a in st.partial)
+    layers = sorted({n.split(".")[3] for n in partial})
+    assert layers == ["0", "1"] and len(partial) == 4, partial
+    assert all(n.endswith(("q_norm.weight", "k_norm.weight")) for n in partial), partial
+    assert unchecked_replicated(model) == []
+
+
+def test_unchecked_replicated_names_undeclared_per_head_parameters() -> None:
+    """Without a plan that declares them, the same norms are what a verify=False run cannot classify: listed by name
+    (the strategy warns with them); the parallel layers' own parameters are not."""
+    from lightning_tpp.tensor_parallel.apply import unchecked_replicated
+
+    model, _ = _qwen3_applied(with_hf_plan=False)
+    names = unchecked_replicated(model)
+    assert sorted(names) == sorted(f"model.model.layers.{i}.self_attn.{n}_norm.weight" for i in (0, 1)
+                                   for n in ("q", "k")), names
+    assert unchecked_replicated(TinyLlama()) == []  # nothing planned, nothing listed
