@@ -320,7 +320,7 @@ def unchecked_replicated(model: nn.Module) -> list[str]:
         for mname, m in block.named_modules():
             if id(m) in layers:
                 continue
-            out.extend(f"{bname}.{mname}.{a}".replace("..", ".") for a, q in m.named_parameters(recurse=False)
+            out.extend(".".join(filter(None, (bname, mname, a))) for a, q in m.named_parameters(recurse=False)
                        if q.requires_grad and st.shards.get(q) is None and id(q) not in partial)
     return out
 

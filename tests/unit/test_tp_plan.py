@@ -886,11 +886,10 @@ def test_a_gathered_layer_beside_an_unsupported_sibling_is_applied_on_its_own() 
 
 
 # ---- replicated parameters used on this rank's heads (Qwen3's q_norm / k_norm) -----------------------------------
-def _qwen3_applied(with_hf_plan: bool) -> tuple[nn.Module, TPPlan]:
+def _applied(model: nn.Module, with_hf_plan: bool) -> tuple[nn.Module, TPPlan]:
     from lightning_tpp.core.comm import TPGroup
     from lightning_tpp.tensor_parallel.apply import apply_plan
 
-    model = HFCausalLMFamily("qwen3")
     plan = detect(model, 2)
     if with_hf_plan:
         overlay(model, plan, hf_plan(model), source="Hugging Face tp plan", strict=False)
@@ -904,10 +903,9 @@ def test_hf_grad_allreduce_declared_partial_without_the_check() -> None:
     left for the verify=False warning."""
     from lightning_tpp.tensor_parallel.apply import block_states, unchecked_replicated
 
-    model, plan = _qwen3_applied(with_hf_plan=True)
+    model, plan = _applied(HFCausalLMFamily("qwen3"), with_hf_plan=True)
     assert "model.model.layers.0.self_attn.q_norm" in plan.grad_allreduce
-    named = {id(getattr(m, a)): n for n, m in model.named_modules() for a, _ in m.named_parameters(recurse=False)
-             for n in [f"{n}.{a}"]}
+    named = {id(q): n for n, q in model.named_parameters()}
     partial = sorted(named[id(getattr(m, a))] for st in block_states(model) for m, a in st.partial)
     layers = sorted({n.split(".")[3] for n in partial})
     assert layers == ["0", "1"] and len(partial) == 4, partial
@@ -920,8 +918,9 @@ def test_unchecked_replicated_names_undeclared_per_head_parameters() -> None:
     (the strategy warns with them); the parallel layers' own parameters are not."""
     from lightning_tpp.tensor_parallel.apply import unchecked_replicated
 
-    model, _ = _qwen3_applied(with_hf_plan=False)
+    model, _ = _applied(HFCausalLMFamily("qwen3"), with_hf_plan=False)
     names = unchecked_replicated(model)
     assert sorted(names) == sorted(f"model.model.layers.{i}.self_attn.{n}_norm.weight" for i in (0, 1)
                                    for n in ("q", "k")), names
-    assert unchecked_replicated(TinyLlama()) == []  # nothing planned, nothing listed
+    llama, _ = _applied(TinyLlama(), with_hf_plan=False)  # attention of projections only (its rotary table a buffer)
+    assert unchecked_replicated(llama) == []
