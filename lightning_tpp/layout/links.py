@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -113,20 +113,31 @@ def cpu_memory_share(local_processes: int) -> float:
 
 
 def measure_link(group: Optional[dist.ProcessGroup] = None, *, small: int = 1024, large: int = 1 << 20,
-                 repeats: int = 5) -> Link:
+                 repeats: int = 5, device: Optional[torch.device] = None) -> Link:
     """Latency and bandwidth of the process group's all-reduce, fitted from the median of ``repeats`` all-reduces
-    of ``small`` and ``large`` float32 elements (every rank of ``group`` must call it)."""
+    of ``small`` and ``large`` float32 elements (every rank of ``group`` must call it). ``device``: where the
+    tensors live, by default the group's backend's (NCCL: this process's GPU, which it waits for; else the CPU)."""
     ranks = dist.get_world_size(group)
-    times = []
-    for n in (small, large):
-        x = torch.ones(n)
-        dist.all_reduce(x, group=group)  # warm the connection
+    device = device or backend_device(group)
+
+    def done(run: Callable[[], object]) -> None:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # NCCL returns once the collective is queued
+
+    def timed(run: Callable[[], object]) -> float:
+        done(run)  # warm the connection
         samples = []
         for _ in range(repeats):
             start = time.perf_counter()
-            dist.all_reduce(x, group=group)
+            done(run)
             samples.append(time.perf_counter() - start)
-        times.append(sorted(samples)[repeats // 2])
+        return sorted(samples)[repeats // 2]
+
+    times = []
+    for n in (small, large):
+        x = torch.ones(n, device=device)
+        times.append(timed(lambda: dist.all_reduce(x, group=group)))
     factor = 2 * (ranks - 1) / ranks if ranks > 1 else 1.0
     per_byte = max((times[1] - times[0]) / ((large - small) * 4 * factor), 1e-12)
     latency = max(times[0] - small * 4 * factor * per_byte, 1e-7) / max(2 * (ranks - 1), 1)
@@ -136,19 +147,20 @@ def measure_link(group: Optional[dist.ProcessGroup] = None, *, small: int = 1024
     # FSDP2's collectives, at the large size: measured, not assumed ring-efficient (on this machine's gloo the
     # all-gather took 1.5x and the reduce-scatter 2-3x the ring model's time at 4-16 MB)
     n = large // ranks * ranks
-    whole, shard = torch.ones(n), torch.ones(n // ranks)
+    whole, shard = torch.ones(n, device=device), torch.ones(n // ranks, device=device)
     ring = (ranks - 1) / ranks * n * 4 / link.bandwidth
-    measured = []
-    for run in (lambda: dist.all_gather_single(whole, shard, group=group),
-                lambda: dist.reduce_scatter_single(shard, whole, group=group)):
-        run()  # warm
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            samples.append(time.perf_counter() - start)
-        measured.append(max(sorted(samples)[repeats // 2] - (ranks - 1) * latency, 0.0) / ring)
+    measured = [max(timed(run) - (ranks - 1) * latency, 0.0) / ring
+                for run in (lambda: dist.all_gather_single(whole, shard, group=group),
+                            lambda: dist.reduce_scatter_single(shard, whole, group=group))]
     return replace(link, gather_factor=max(measured[0], 1.0), scatter_factor=max(measured[1], 1.0))
+
+
+def backend_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """The device a collective of ``group`` takes its tensors on: this process's GPU under NCCL, else the CPU (gloo
+    refuses CUDA tensors for some collectives, NCCL every CPU tensor)."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def cpu_spec(link: Link, *, memory: float, processes: int) -> DeviceSpec:

@@ -105,7 +105,7 @@ def choose(module: nn.Module, request: AutoRequest, *, world: int, rank: int, lo
                               "LightningModule builds no layer in __init__ and none in configure_model")
     dtype = next(p.dtype for p in target.parameters())
     profile = profile_model(target, seq_len=seq, dtype=dtype)
-    link = measure_link(large=link_size(profile))  # every rank: a collective
+    link = measure_link(large=link_size(profile), device=device)  # every rank: a collective
     together = device.type == "cpu" and world > 1
     ranking = None
     chosen: list[Any] = [None]

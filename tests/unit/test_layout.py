@@ -605,3 +605,27 @@ def test_the_search_takes_the_tie_of_its_backend(llama4) -> None:
         ranking = search_layouts(profile, world=4, device=CPU, times=times, batch=8, backend=backend)
         best = min(c.time.per_sample for c in ranking.ranked)
         assert ranking.tie == tie and ranking.best.time.per_sample <= best * (1 + tie)
+
+
+def test_measure_link_takes_its_tensors_where_the_backend_does(tmp_path, monkeypatch) -> None:
+    """gloo: on the CPU (under NCCL, the GPU: tests/gpu/test_layout_gpu.py; a CPU tensor there is refused), or on
+    the device given."""
+    import torch.distributed as dist
+
+    from lightning_tpp.layout import measure_link
+    from lightning_tpp.layout.links import backend_device
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    devices = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: devices.append(t.device.type) or real(t, **kw))
+    try:
+        assert backend_device() == torch.device("cpu")
+        link = measure_link(small=16, large=1024)
+        assert link.bandwidth > 0 and link.latency > 0 and devices and set(devices) == {"cpu"}
+        devices.clear()
+        monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: devices.append(t.device.type))
+        measure_link(small=16, large=1024, device=torch.device("meta"))
+        assert devices and set(devices) == {"meta"}
+    finally:
+        dist.destroy_process_group()
