@@ -27,7 +27,8 @@ strategy takes ``activation_checkpointing``; "n/a" otherwise). Per rank, after t
 Each is shown as a ratio to the ideal share (whole model's params + grads + AdamW state / world size), beside
 ``estimate_memory``'s figures for the same layout (states sharded over dp with FSDP2, the strategy's default) and their
 ratio to the measurement. The estimate's activations are compared without the outputs a stage holds for the next
-one and without checkpointing's recompute, which the hooks do not see.
+one, without checkpointing's recompute and without the loss's backward's gradients in flight, which the hooks do
+not see.
 """
 
 from __future__ import annotations
@@ -254,7 +255,7 @@ def _table(name: str, measured: list[dict], report: Any) -> None:
         coords = report.dims.coords(rank)
         est = next(r for r in report.ranks if (r.pp_rank, r.tp_rank) == (coords["pp"], coords["tp"]))
         states = m["params"] + m["grads"] + m["optimizer"]
-        est_act = est.activations - est.sent - est.recompute
+        est_act = est.activations - est.sent - est.recompute - est.transient
         print(f"  {rank:>4} {coords['pp']:>3} {coords['tp']:>3} | {states / mib:7.1f} {states / ideal:7.2f} "
               f"{m['peak'] / mib:8.1f} {m['peak'] / ideal:7.2f} {m['setup_peak'] / ideal:7.2f} "
               f"{m['overhead'] / mib:6.0f} {(m['peak'] - m['overhead']) / ideal:10.2f} {m['activations'] / mib:7.1f} | "
@@ -321,7 +322,7 @@ def main() -> None:
           "of fit (before configure_model, which builds on the meta device); setup = the same at the first step's "
           "start (after the strategy's setup); activ. = most bytes saved "
           "for backward alive at once. est. = estimate_memory (states sharded over dp, FSDP2); est. "
-          "activ. leaves out sent outputs and recompute, which the hooks do not see; est. total includes them")
+          "activ. leaves out sent outputs, recompute and the loss's backward, which the hooks do not see; est. total includes them")
     for name, layout in LAYOUTS:
         if layout.get("ep", 1) > 1 and "num_local_experts" not in config:
             continue  # expert parallelism needs experts

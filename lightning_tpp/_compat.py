@@ -30,11 +30,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.serialization import _get_layout
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "BatchNormBase", "InstanceNormBase", "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType",
     "SubprocessScriptLauncher",
-    "SummaryCallbackAdapter", "all_gather_ddp_if_available", "caching_save_planner", "collect_rng_states",
+    "SummaryCallbackAdapter", "TorchDispatchMode", "storage_key", "all_gather_ddp_if_available", "caching_save_planner", "collect_rng_states",
     "dcp_metadata_path", "default_store", "drop_save_plan_cache", "distributed_is_initialized",
     "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now",
     "fsdp_sharded_params", "fsdp_state", "get_layout", "hf_install_output_hook", "hf_output_collector",
@@ -64,6 +65,12 @@ StorageInfo = _StorageInfo  # a class pickled into DCP's ``.metadata``: the safe
 get_layout = _get_layout  # ``torch.serialization._get_layout``: pickled into DCP metadata (name -> torch.layout)
 BatchNormBase = _BatchNorm  # every batch normalisation (BatchNorm1d/2d/3d, SyncBatchNorm, lazy ones): no public base
 InstanceNormBase = _InstanceNorm  # InstanceNorm1d/2d/3d and lazy ones
+
+
+def storage_key(t: Any) -> int:
+    """The identity of a tensor's storage, also on the meta device (where every data pointer is 0): the address of
+    its ``StorageImpl``, shared by its views."""
+    return t.untyped_storage()._cdata
 
 
 def layer_sync_requested(strategy: Any) -> bool:

@@ -79,6 +79,8 @@ def stage_params(profile: ModelProfile, layout: Layout, r: int, a: int, b: int) 
         dense += profile.first_params.at(tp)
     if r == layout.pp - 1:
         dense += profile.last_params.at(tp)
+    if r == 0 and layout.pp == 1:
+        dense -= profile.shared_params.at(tp)  # a tied embedding and head, once
     return dense, experts, largest
 
 
@@ -117,6 +119,8 @@ def layout_memory(profile: ModelProfile, layout: Layout, *, batch: int, optimize
             extra = 0.0
         if r < pp - 1:
             saved += profile.sent * mb
+        if r == pp - 1:
+            extra += profile.last_transient.at(tp) * mb  # the loss's backward, beside what the stage holds
         held = in_flight(layout.schedule, pp, layout.microbatches, r) * saved + extra
         largest *= elem
         gathered = 0.0

@@ -126,6 +126,8 @@ class ModelProfile:
     vocab_reductions: int = 0  # all-reduces per forward outside the blocks at tp > 1 (vocabulary-parallel layers)
     whole_params: int = 0
     end_tensors: tuple[int, int] = (0, 0)  # parameter tensors outside the blocks on the first and last stage
+    last_transient: Scaled = Scaled(0.0)  # bytes per sequence the loss's backward holds beside the saved tensors
+    shared_params: Scaled = Scaled(0.0)  # of first_params and last_params, in both (a tied embedding and head)
 
     @property
     def n_blocks(self) -> int:
@@ -214,7 +216,9 @@ def _profile(module: nn.Module, copy: nn.Module, lengths: Mapping[str, int], seq
         Scaled(flops_total - sum(flops), flops_total - sum(flops) if vocab else 0.0),
         float(pp1["sent"]), seq_len, torch.empty((), dtype=dtype).element_size(), tuple(choices), vocab,
         int(sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())),
-        (int(pp1["first_tensors"]), int(pp1["last_tensors"])))
+        (int(pp1["first_tensors"]), int(pp1["last_tensors"])),
+        Scaled.fit(pp1["transient"], figures[2][4]["transient"]),
+        Scaled.fit(pp1["shared"], figures[2][4]["shared"]))
 
 
 def _kinds(copy: nn.Module, names: Sequence[str], containers: Sequence[str]) -> list[str]:
@@ -308,21 +312,24 @@ def _at_tp(copy: nn.Module, partition: Any, tp: int, seq_len: int, dtype: torch.
     modules = dict(twin.named_modules())
     params = [float(sum(p.numel() for b in names for p in modules[b].parameters())) for names in partition.members]
     inside = {id(p) for names in partition.members for b in names for p in modules[b].parameters()}
-    ends = {}
+    ends: dict[str, Any] = {}
+    owned = {}
     for side, names in (("first", partition.pre), ("last", partition.post)):
-        own = {id(p): p for m in names for p in modules[m].parameters() if id(p) not in inside}
+        owned[side] = own = {id(p): p for m in names for p in modules[m].parameters() if id(p) not in inside}
         ends[side] = float(sum(p.numel() for p in own.values()))
         ends[f"{side}_tensors"] = len(own)
+    ends["shared"] = float(sum(p.numel() for i, p in owned["first"].items() if i in owned["last"]))  # tied
     ends["tensors"] = [len({id(p) for b in names for p in modules[b].parameters()}) for names in partition.members]
     pp_dims = MeshDims(1, 1, tp)
-    per_stage, saved, _, _ = activations_per_stage(copy, plan, partition, pp_dims, 1, seq_len, dtype, False, forward,
-                                                   ep)
-    _, kept_saved, recompute, _ = activations_per_stage(copy, plan, partition, pp_dims, 1, seq_len, dtype, True,
+    per_stage, saved, _, _, transient = activations_per_stage(copy, plan, partition, pp_dims, 1, seq_len, dtype,
+                                                              False, forward, ep)
+    _, kept_saved, recompute, _, _ = activations_per_stage(copy, plan, partition, pp_dims, 1, seq_len, dtype, True,
                                                         forward, ep)
     n = partition.stages
     full = [float(recompute.get(i, 0)) for i in range(n)]  # each block's saved bytes, checkpointing off
     kept = [float(kept_saved.get(i, 0)) - (float(saved.get(i, 0)) - full[i]) for i in range(n)]
     ends["sent"] = float(per_stage.get(0, 0) - saved.get(0, 0)) if n > 1 else 0.0
+    ends["transient"] = float(transient.get(n - 1, 0))
     banks = {layer.experts for layer in find_experts(twin)}
     ends["experts"] = [float(sum(p.numel() for b in names for m, mod in modules.items() if m in banks
                                  and _inside(m, b) for p in mod.parameters())) for names in partition.members]

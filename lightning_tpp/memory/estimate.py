@@ -43,6 +43,7 @@ class RankMemory:
     in_flight: int  # the most micro-batches it holds at once
     sent: int = 0  # of which: outputs sent to the next stage, held until their gradients come back
     recompute: int = 0  # of which: one block's activations while it recomputes (activation checkpointing)
+    transient: int = 0  # of which: what the loss's backward holds beside the saved tensors (its gradients in flight)
     gathered: int = 0  # FSDP2's gathered parameters and unsharded gradients in flight (dp-sharded states)
     step: int = 0  # the optimizer step's temporary (torch's foreach Adam/AdamW: one tensor per parameter)
     snapshot: int = 0  # host memory, not the device's: SpikeGuard(action="rollback")'s copy of params + optimizer
@@ -175,7 +176,7 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     for _, p, _ in cuts:
         plan.styles.update(p.styles)
         plan.blocks.update(p.blocks)
-    per_stage, saved, recompute, waiting = activations_per_stage(module, plan, report.partition, dims, mb, seq_len,
+    per_stage, saved, recompute, waiting, transient = activations_per_stage(module, plan, report.partition, dims, mb, seq_len,
                                                                  param_dtype, activation_checkpointing, forward, ep)
     waiting_saved = {g: max(w - (per_stage.get(g, 0) - saved.get(g, 0)), 0) for g, w in waiting.items()}  # not sent
     splitting = [pp > 1 and any(kind in ("I", "W") for kind, _, _ in spec.orders(0, pp, m, virtual_stages))
@@ -184,6 +185,7 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
         params, grads, optim, count = _state_bytes(rank_copy, optimizer, dp if dp_shard else 1)
         stages = tuple(c * pp + r for c in range(virtual_stages)) if pp > 1 else (0,)
         extra = max((recompute.get(g, 0) for g in stages), default=0)
+        loss = max((transient.get(g, 0) for g in stages), default=0)
         options = []  # per schedule "auto" may run: the rank holds the most of them
         for spec, splits in zip(specs, splitting):
             in_flight, held = _held(spec, r, pp, m, virtual_stages, [per_stage.get(g, 0) for g in stages],
@@ -193,8 +195,9 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
             gathered = _gathered(rank_copy, report.partition, splits, backend,
                                  mb * seq_len if vocab_exchange else 0, dp) if dp_shard and dp > 1 else 0
             step = params if optimizer in ("adam", "adamw") else 0
-            options.append(RankMemory(r, 0, stages, count, params, grads, optim, held + extra, in_flight,
-                                      held - held_saved, extra, gathered, step, params + optim if snapshot else 0))
+            options.append(RankMemory(r, 0, stages, count, params, grads, optim, held + extra + loss, in_flight,
+                                      held - held_saved, extra, loss, gathered, step,
+                                      params + optim if snapshot else 0))
         most = max(options, key=lambda o: o.total)
         report.ranks += [dataclasses.replace(most, tp_rank=t) for t in range(tp)]
     return report

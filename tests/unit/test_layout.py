@@ -629,3 +629,20 @@ def test_measure_link_takes_its_tensors_where_the_backend_does(tmp_path, monkeyp
         assert devices and set(devices) == {"meta"}
     finally:
         dist.destroy_process_group()
+
+
+def test_a_tied_embedding_and_head_count_once_on_one_stage() -> None:
+    """The arithmetic counted a weight shared by the embedding and the head on the first and on the last stage, so
+    twice at pp = 1 (a 1.2 B Llama with its 128 K vocabulary tied: 2.1 GB too many on an H200's check)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    profile = profile_model(model, seq_len=SEQ)
+    assert profile.shared_params.whole == 2048 * 32
+    for pp in (1, 3):
+        mine = layout_memory(profile, Layout(1, pp, 1, microbatches=pp), batch=pp)
+        planner = estimate_memory(model, tp=1, pp=pp, batch_size=pp, microbatches=pp, seq_len=SEQ).largest
+        assert mine.states == pytest.approx(planner.states, rel=0.01), f"pp={pp}"

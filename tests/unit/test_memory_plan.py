@@ -166,8 +166,12 @@ def test_micro_batches_held_by_the_schedule(schedule: str, expected: list[int]) 
     report = estimate_memory(llama, tp=1, pp=4, microbatches=8, batch_size=8, seq_len=SEQ, schedule=schedule)
     assert [r.in_flight for r in report.ranks] == expected  # 1f1b: min(pp - stage, m)
     one = estimate_memory(llama, tp=1, pp=4, microbatches=8, batch_size=8, seq_len=SEQ, schedule="gpipe")
-    per_microbatch = [r.activations / 8 for r in one.ranks]
-    assert [r.activations for r in report.ranks] == pytest.approx([n * a for n, a in zip(expected, per_microbatch)])
+    per_microbatch = [(r.activations - r.transient) / 8 for r in one.ranks]
+    assert [r.activations - r.transient for r in report.ranks] == \
+        pytest.approx([n * a for n, a in zip(expected, per_microbatch)])
+    # the loss's backward, once (one micro-batch's gradients in flight), on the last stage only
+    assert [r.transient for r in report.ranks] == [r.transient for r in one.ranks]
+    assert [r.transient > 0 for r in report.ranks] == [False, False, False, True]
 
 
 def test_zero_bubble_holds_at_least_what_1f1b_holds() -> None:
@@ -272,3 +276,29 @@ def test_cli_plan_without_transformers_says_what_to_install(tmp_path: Path, monk
     err = capsys.readouterr().err
     assert "needs transformers, which is not installed: pip install transformers" in err
     assert "Traceback" not in err
+
+
+class _WideHead(torch.nn.Module):
+    """An embedding and a head over a large vocabulary, nothing between: the loss's backward is its peak."""
+
+    def __init__(self, vocab: int = 4096, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+def test_the_loss_backward_counts_its_gradients_in_flight() -> None:
+    """The cross-entropy's backward holds the gradient of its log-softmax output and of the logits (fp32, each the
+    size of the logits) beside the saved log-softmax: seen on an H200, a 128 K-vocabulary Llama peaked 5.8 GB over
+    the saved tensors and the states. Parameter gradients are counted apart, not again here; the count grows with
+    the micro-batch."""
+    vocab, tokens = 4096, 2 * SEQ
+    model = _meta(lambda: _WideHead(vocab))
+    one, two = (estimate_memory(model, tp=1, pp=1, batch_size=b, seq_len=SEQ).ranks[0] for b in (2, 4))
+    logits = tokens * vocab * 4
+    assert one.transient == pytest.approx(2 * logits, rel=0.01)
+    assert two.transient == pytest.approx(2 * one.transient, rel=0.01)
+    assert one.total == one.states + one.activations and one.activations >= one.transient + logits  # the saved
