@@ -84,7 +84,7 @@ class _Measured:
     sent: dict[int, int] = field(default_factory=dict)  # stage -> bytes of its last unit's outputs
     blocks: dict[str, int] = field(default_factory=dict)  # block -> bytes saved inside it
     weight_operands: dict[int, int] = field(default_factory=dict)  # stage -> bytes a split backward keeps until W
-    transient: int = 0  # the most bytes alive beyond those saved, over the forward and the backward (the loss's)
+    transient: int = 0  # the most bytes alive in the backward beyond what the forward kept (the loss's)
 
 
 def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks: Sequence[str], dims: MeshDims,
@@ -154,9 +154,9 @@ def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks:
                     f"forward=lambda model, ids: <the loss of one micro-batch> to call it another way") from err
             held = live.now  # at the backward's start: what the forward keeps
             live.counts = []
-            if checkpointing:
-                pass  # the recompute is counted apart (``recompute``); the transient comes from the run without
-            elif isinstance(result, Tensor) and result.requires_grad and result.is_floating_point():
+            # under checkpointing the recompute is counted apart (``recompute``), the transient by the run without
+            if not checkpointing and isinstance(result, Tensor) and result.requires_grad and \
+                    result.is_floating_point():
                 try:
                     result.backward(torch.ones_like(result))
                 except (RuntimeError, NotImplementedError, TypeError) as err:
