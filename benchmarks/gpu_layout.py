@@ -50,24 +50,9 @@ def build(args: argparse.Namespace, dtype: torch.dtype) -> Any:
 
 
 def lit(args: argparse.Namespace, dtype: torch.dtype) -> Any:
-    import lightning as L
+    from layout import lit_module  # benchmarks/layout.py: this script's folder is on sys.path
 
-    class LM(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = build(args, dtype)
-            self.example_input_array = torch.zeros(args.batch, args.seq, dtype=torch.long)
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.model(input_ids=ids, labels=ids).loss
-
-        def training_step(self, batch, batch_idx):
-            return self(batch[0])
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-5)
-
-    return LM()
+    return lit_module(build(args, dtype), args.batch, args.seq, lr=1e-5)
 
 
 def sync(device: torch.device) -> None:

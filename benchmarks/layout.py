@@ -62,14 +62,20 @@ def build(name: str):
 
 
 def lit(name: str):
+    return lit_module(build(name), BATCH, SEQ)
+
+
+def lit_module(model, batch: int, seq: int, lr: float = 1e-4):
+    """A Hugging Face model as its users train it: its own loss on token ids, AdamW, and the per-process batch
+    shape (``example_input_array``) that ``layout="auto"`` reads. Also ``benchmarks/gpu_layout.py``'s."""
     import lightning as L
     import torch
 
     class LM(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = build(name)
-            self.example_input_array = torch.zeros(BATCH, SEQ, dtype=torch.long)
+            self.model = model
+            self.example_input_array = torch.zeros(batch, seq, dtype=torch.long)
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             return self.model(input_ids=ids, labels=ids).loss
@@ -78,7 +84,7 @@ def lit(name: str):
             return self(batch[0])
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+            return torch.optim.AdamW(self.parameters(), lr=lr)
 
     return LM()
 

@@ -34,13 +34,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "BatchNormBase", "InstanceNormBase", "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType",
-    "SubprocessScriptLauncher",
-    "SummaryCallbackAdapter", "TorchDispatchMode", "storage_key", "all_gather_ddp_if_available", "caching_save_planner", "collect_rng_states",
+    "SubprocessScriptLauncher", "SummaryCallbackAdapter", "TorchDispatchMode",
+    "all_gather_ddp_if_available", "caching_save_planner", "collect_rng_states",
     "dcp_metadata_path", "default_store", "drop_save_plan_cache", "distributed_is_initialized",
     "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now",
     "fsdp_sharded_params", "fsdp_state", "get_layout", "hf_install_output_hook", "hf_output_collector",
     "in_backward", "init_dist_connection", "layer_sync_requested", "optimizer_to_device", "optimizers_to_device",
-    "requested_weights_only", "set_rank_zero", "set_rng_states",
+    "requested_weights_only", "set_rank_zero", "set_rng_states", "storage_key",
     "sync_ddp_if_available", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_dense_tensors",
 ]
 

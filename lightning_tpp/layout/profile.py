@@ -324,7 +324,7 @@ def _at_tp(copy: nn.Module, partition: Any, tp: int, seq_len: int, dtype: torch.
     per_stage, saved, _, _, transient = activations_per_stage(copy, plan, partition, pp_dims, 1, seq_len, dtype,
                                                               False, forward, ep)
     _, kept_saved, recompute, _, _ = activations_per_stage(copy, plan, partition, pp_dims, 1, seq_len, dtype, True,
-                                                        forward, ep)
+                                                           forward, ep)
     n = partition.stages
     full = [float(recompute.get(i, 0)) for i in range(n)]  # each block's saved bytes, checkpointing off
     kept = [float(kept_saved.get(i, 0)) - (float(saved.get(i, 0)) - full[i]) for i in range(n)]

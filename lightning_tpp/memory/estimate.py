@@ -176,8 +176,8 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     for _, p, _ in cuts:
         plan.styles.update(p.styles)
         plan.blocks.update(p.blocks)
-    per_stage, saved, recompute, waiting, transient = activations_per_stage(module, plan, report.partition, dims, mb, seq_len,
-                                                                 param_dtype, activation_checkpointing, forward, ep)
+    per_stage, saved, recompute, waiting, transient = activations_per_stage(
+        module, plan, report.partition, dims, mb, seq_len, param_dtype, activation_checkpointing, forward, ep)
     waiting_saved = {g: max(w - (per_stage.get(g, 0) - saved.get(g, 0)), 0) for g, w in waiting.items()}  # not sent
     splitting = [pp > 1 and any(kind in ("I", "W") for kind, _, _ in spec.orders(0, pp, m, virtual_stages))
                  for spec in specs]

@@ -31,10 +31,9 @@ def test_layout_auto_one_gpu_trains_and_records_the_choice() -> None:
     assert strategy.layout_ranking is not None and strategy.layout_ranking.best.time.total > 0
 
 
-def test_measure_link_on_the_gpu_under_nccl() -> None:
+def test_measure_link_on_the_gpu_under_nccl(monkeypatch) -> None:
     """``measure_link`` puts its tensors where the backend takes them and waits for the GPU before reading the
     clock."""
-    import os
     import socket
 
     import torch.distributed as dist
@@ -45,7 +44,8 @@ def test_measure_link_on_the_gpu_under_nccl() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
