@@ -162,7 +162,8 @@ def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks:
                 except (RuntimeError, NotImplementedError, TypeError) as err:
                     warnings.warn(f"estimate_memory could not run {type(module).__name__}'s backward on the meta "
                                   f"device ({type(err).__name__}: {err}): the bytes its backward holds beside the "
-                                  f"saved tensors (the loss's gradients) are not counted", stacklevel=2)
+                                  f"saved tensors (the loss's gradients) are counted only as far as it ran",
+                                  stacklevel=2)
                 out.transient = max(live.most() - held, 0)
     finally:
         for h in handles:

@@ -302,3 +302,29 @@ def test_the_loss_backward_counts_its_gradients_in_flight() -> None:
     assert one.transient == pytest.approx(2 * logits, rel=0.01)
     assert two.transient == pytest.approx(2 * one.transient, rel=0.01)
     assert one.total == one.states + one.activations and one.activations >= one.transient + logits  # the saved
+
+
+class _NoBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("no backward here")
+
+
+class _HeadWithoutBackward(_WideHead):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(_NoBackward.apply(self.embed(ids)))
+
+
+def test_a_backward_that_fails_on_meta_is_warned_about() -> None:
+    """The loss's and the head's backward ran before the failing function: what they held is counted."""
+    model = _meta(lambda: _HeadWithoutBackward())
+    with pytest.warns(UserWarning, match=r"could not run _HeadWithoutBackward's backward on the meta device "
+                                         r"\(NotImplementedError: no backward here\): the bytes its backward holds "
+                                         r"beside the saved tensors \(the loss's gradients\) are counted only as far "
+                                         r"as it ran"):
+        rank = estimate_memory(model, tp=1, pp=1, batch_size=2, seq_len=SEQ).ranks[0]
+    assert rank.transient == pytest.approx(2 * 2 * SEQ * 4096 * 4, rel=0.01)
