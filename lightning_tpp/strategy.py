@@ -47,6 +47,7 @@ from lightning_tpp.tensor_parallel.sequence import sum_partial_gradients
 from lightning_tpp.core.materialize import has_meta, move_real
 from lightning_tpp.core.mesh import MeshDims, resolve_dims
 from lightning_tpp.core.params import ParamNames, ShardIndex
+from lightning_tpp.core.token_mean import LossNormalization, check_normalization, global_token_mean
 from lightning_tpp.integration.checkpointing import CheckpointMixin, torch_optimizer
 from lightning_tpp.integration.collectives import ReplicaCollectives
 from lightning_tpp.integration.launchers import make_launcher
@@ -152,6 +153,13 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
             stay cut by rows over dp and each rank computes with its rows on every dp rank's tokens (tokens are
             exchanged, the matrix is never gathered: FSDP2's gather of it set the peak). ``False``: FSDP2 gathers
             them like every other unit. See ``docs/large_models.md``.
+        loss_normalization: how a loss that is a mean over tokens (``F.cross_entropy``/``F.nll_loss`` with
+            ``reduction="mean"``, Hugging Face's own losses: targets of ``ignore_index`` not counted) is averaged when
+            a batch runs as micro-batches: ``"batch"`` (default) over every counted token of the replica's batch, as
+            one process computes it; ``"global"`` over every token of every dp replica (as torchtitan; also without
+            a pipeline); ``"microbatch"`` each micro-batch's mean weighted by its share of the samples. A reduction
+            written by hand is named in a warning where micro-batches count different tokens. See
+            ``docs/pipeline.md``.
         print_plan: print the plan table on global rank 0 at setup.
         process_group_backend: ``"gloo"``/``"nccl"``; default by device.
         timeout: how long a collective may wait, and how long a silent peer is tolerated before every rank stops
@@ -199,6 +207,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         sequence_parallel: bool = False,
         dp_sharding: DPSharding = "full_shard",
         vocab_exchange: bool = True,
+        loss_normalization: LossNormalization = "batch",
         print_plan: bool = True,
         save_distributed_checkpoint: bool = True,
         async_save: bool = False,
@@ -264,6 +273,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         if not isinstance(vocab_exchange, bool):
             raise TypeError(f"vocab_exchange={vocab_exchange!r} must be True or False")
         self._vocab_exchange = vocab_exchange
+        self._loss_normalization = check_normalization(loss_normalization)
         self._save_sharded = save_distributed_checkpoint
         self._async_saver = AsyncSaver(timeout) if check_async_save(async_save, sharded=save_distributed_checkpoint) \
             else None
@@ -341,6 +351,10 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
             self._mesh, self._tp_group = state.groups.mesh, state.groups.tp
             self._pp_group, self._dp_group, self._ep_group = state.groups.pp, state.groups.dp, state.groups.ep
         self._state = state
+        if state.engine is not None:
+            executor = state.engine.executor
+            executor.normalization, executor.dp_group, executor.dp_size = (self._loss_normalization, self._dp_group,
+                                                                           self.dims.dp)
         self._observe()
         self.model = self.precision_plugin.convert_module(self.model)
         self._use_dp_groups_for_metrics(module)
@@ -437,6 +451,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
 
     def _fingerprint(self, module: nn.Module) -> dict[str, Any]:
         return {"configuration": self._config(), "model": model_structure(module),
+                "loss normalization": self._loss_normalization,
                 "seed": os.environ.get("PL_GLOBAL_SEED"), "pipeline metrics": self._pipeline_metrics}
 
     def _use_dp_groups_for_metrics(self, module: nn.Module) -> None:
@@ -500,8 +515,13 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         self._skip_manual_steps = False
         if self.lightning_module is not None:  # the strategy's own random stream moves on per training batch
             self._tp_group.stream.start_step(self.lightning_module.trainer.fit_loop.total_batch_idx)
-        out = super().training_step(*args, **kwargs) if self._engine is None else self._pipeline_training_step(
-            *args, **kwargs)
+        if self._engine is not None:
+            out = self._pipeline_training_step(*args, **kwargs)
+        elif self._loss_normalization == "global" and self.dims.dp > 1:  # a token mean over every replica's tokens
+            with global_token_mean(self._dp_group, self.dims.dp, self.root_device):
+                out = super().training_step(*args, **kwargs)
+        else:
+            out = super().training_step(*args, **kwargs)
         if self._metrics is not None and self.lightning_module is not None:
             self._metrics.after_step(self.lightning_module, args[0], args[1] if len(args) > 1 else None)
         if self._expert_load is not None and self.lightning_module is not None:

@@ -933,7 +933,9 @@ class LitLM(L.LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
-        self.log("val_loss", F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1)), sync_dist=True)
+        out = self(x)  # a model that computes its own loss returns it (0-dim)
+        self.log("val_loss", out if out.dim() == 0 else F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1)),
+                 sync_dist=True)
 
     def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self(batch[0])
@@ -996,3 +998,67 @@ class SeqNestedLM(nn.Module):
 
 
 MODELS.update({"seq_in_module": SeqInModule, "seq_nested": SeqNestedLM})
+
+
+# ---- losses averaged over a varying number of tokens (issue #44 item 1) -------------------------------------------
+def _lengths(idx: torch.Tensor) -> torch.Tensor:
+    """Each sample's length before its padding: SEQ // 2 .. SEQ, read from its first token."""
+    return SEQ - idx[:, 0] % (SEQ // 2 + 1)
+
+
+class HFTokenLoss(nn.Module):
+    """Hugging Face models computing their own ``.loss`` on padded batches whose labels are -100 where nothing is
+    predicted, each sample counting a different number of tokens (as a collator hands them over):
+
+    - ``"mlm"``: ModernBERT's masked LM: labels only at masked positions (about a quarter), padding masked out;
+    - ``"sft"``: a Llama causal LM fine-tuned on answers: the prompt (1-4 tokens) and the padding are -100;
+    - ``"s2s"``: BART, an encoder-decoder whose padded decoder labels are -100.
+    """
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        import transformers
+
+        self.kind = kind
+        if kind == "mlm":
+            cfg = transformers.ModernBertConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
+                                                num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                                max_position_embeddings=SEQ, pad_token_id=0, mask_token_id=VOCAB - 1,
+                                                bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+                                                global_attn_every_n_layers=2, local_attention=8,
+                                                embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0)
+            cfg._attn_implementation = "sdpa"
+            self.model = transformers.ModernBertForMaskedLM(cfg)
+        elif kind == "sft":
+            cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
+                                           num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=2,
+                                           max_position_embeddings=SEQ, tie_word_embeddings=False)
+            cfg._attn_implementation = "sdpa"
+            self.model = transformers.LlamaForCausalLM(cfg)
+        else:
+            cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=DIM, encoder_layers=LAYERS, decoder_layers=LAYERS,
+                                          encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+                                          encoder_ffn_dim=2 * DIM, decoder_ffn_dim=2 * DIM,
+                                          max_position_embeddings=SEQ, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                          decoder_start_token_id=2, forced_eos_token_id=None,
+                                          dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+            self.model = transformers.BartForConditionalGeneration(cfg)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        mask = (positions < _lengths(idx)[:, None]).long()
+        ids = idx.masked_fill(mask == 0, 0)
+        if self.kind == "mlm":
+            masked = ((idx * 7 + positions) % 4 == 0) & (mask == 1)
+            labels = ids.masked_fill(~masked, -100)
+            return self.model(input_ids=ids.masked_fill(masked, VOCAB - 1), attention_mask=mask, labels=labels).loss
+        if self.kind == "sft":
+            prompt = positions < (1 + idx[:, 1] % 4)[:, None]
+            labels = ids.masked_fill(prompt | (mask == 0), -100)
+            return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        labels = ids.flip(1).masked_fill(mask == 0, -100)  # a target of its own length, padded
+        return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+MODELS.update({"hf_mlm_tokens": lambda: HFTokenLoss("mlm"), "hf_sft_tokens": lambda: HFTokenLoss("sft"),
+               "hf_s2s_tokens": lambda: HFTokenLoss("s2s")})

@@ -207,6 +207,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
                         help="FSDP2 gathers the embedding and head too (vocab_exchange=False)")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--no-verify", dest="verify", action="store_false", help="verify=False: no first-call checks")
+    parser.add_argument("--loss-normalization", default="batch")
     parser.add_argument("--seed-by-rank", action="store_true", help="each rank builds its model from seed = rank")
     args = parser.parse_args()
     from lightning_tpp import TensorPipeStrategy
@@ -228,6 +229,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
                                           activation_checkpointing=args.activation_checkpointing,
                                           dp_sharding=args.dp_sharding, vocab_exchange=args.vocab_exchange,
                                           sequence_parallel=args.sequence_parallel, verify=args.verify,
+                                          loss_normalization=args.loss_normalization,
                                           print_plan=rank == 0 and name == "nanogpt")
             record = train(name, strategy=strategy, devices=args.tp * args.dp * args.pp, dp=args.dp,
                            steps=args.steps, batch_size=args.batch_size, accumulate=args.accumulate, clip=args.clip,

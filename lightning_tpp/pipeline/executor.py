@@ -20,7 +20,7 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +28,8 @@ from torch import Tensor, nn
 from lightning_tpp._compat import tree_flatten
 from lightning_tpp.core.recompute import replay_on_recompute
 from lightning_tpp.core.seeding import seeded
+from lightning_tpp.core.token_mean import Counts, LossNormalization, TokenMean, TokenWarnings, count_tokens, \
+    global_totals
 from lightning_tpp.pipeline.errors import PipelineError
 from lightning_tpp.pipeline.logging import collected_values, kept_metric_states
 from lightning_tpp.pipeline.microbatch import batch_size, combinable, combine, split_batch
@@ -117,6 +119,13 @@ class Executor:
         self.eval_microbatches = 0  # micro-batches of the last evaluation step
         self.eval_whole_batch = os.environ.get("TPP_EVAL_WHOLE_BATCH") == "1"  # evaluate as one micro-batch
         self._combine_cache: dict[Any, Optional[tuple[str, ...]]] = {}  # see _eval_split
+        # losses averaged over tokens (core.token_mean): how, over which dp group, and this step's counts
+        self.normalization: LossNormalization = "batch"
+        self.dp_group: Optional[Any] = None
+        self.dp_size = 1
+        self._counts: Optional[Counts] = None
+        self._totals: list[float] = []
+        self.token_warnings = TokenWarnings()
 
     def _draw_seed(self) -> None:
         """One draw of the global generator per step, on every rank alike: each micro-batch's step then draws from
@@ -197,7 +206,7 @@ class Executor:
         result = None
         try:
             with self._split_backward(state) if split else contextlib.nullcontext(), \
-                    seeded(ctx.seed, self.runtime.device):
+                    seeded(ctx.seed, self.runtime.device), self._token_mean(mb) if last else contextlib.nullcontext():
                 result = step(micro)
         except StageOutput:
             pass
@@ -219,6 +228,43 @@ class Executor:
             if torch.is_grad_enabled() and self.transport.early:  # the gradients will come back: post receives now
                 state.grads[dst] = self.transport.post_grads(mb, g, dst, tensors)
         return result
+
+    # ------------------------------------------------------------------------------------------------------------
+    # losses averaged over tokens (core.token_mean)
+
+    def count_tokens(self, step: Step, micro: list[Any], shares: list[float], *, training: bool) -> None:
+        """Before a schedule: count what each micro-batch's mean-reduced losses divide by, where the last stage is
+        (and on global rank 0 at the first training step, which warns about reductions it cannot see)."""
+        self._counts, self._totals = None, []
+        if self.normalization == "microbatch" or len(micro) < 2:
+            return
+        warn = training and self.token_warnings.pending
+        if not (self.holds_last or warn):
+            return
+
+        def run_each(before: Callable[[], None]) -> None:
+            with _sandbox(self.module, self.runtime.device):
+                for part in micro:
+                    before()
+                    self.runtime.ctx = RunContext(-1, Route(), lambda s: [])  # every unit a stand-in (zeros)
+                    try:
+                        step(part)
+                    finally:
+                        self.runtime.ctx = None
+
+        counts = count_tokens(run_each)
+        if warn:
+            self.token_warnings.first_step(counts, shares)
+        if self.holds_last:
+            totals = counts.totals()
+            if training and self.normalization == "global":
+                totals = global_totals(totals, self.dp_group, self.dp_size, self.runtime.device)
+            self._counts, self._totals = counts, totals
+
+    def _token_mean(self, mb: int) -> ContextManager[Any]:
+        if self._counts is None or self.share is None:
+            return contextlib.nullcontext()
+        return TokenMean(self._totals, self._counts.means[mb], self.share, self.token_warnings.mismatch)
 
     @staticmethod
     @contextlib.contextmanager
@@ -269,6 +315,7 @@ class Executor:
         states: States = {}
         scale = [loss_scale * share for share in shares]
         splits = split_backwards(order, self.rank, self.pp)
+        self.count_tokens(step, micro, shares, training=True)
         self._draw_seed()
         transport = self.transport
         transport.waited = transport.sent = 0.0
@@ -317,6 +364,8 @@ class Executor:
         micro, shares, modes = self._eval_split(kind, step, batch, microbatches)
         states: States = {}
         routes = self.routes(kind, step, micro[0])
+        if kind != "predict_step":
+            self.count_tokens(step, micro, shares, training=False)
         self.transport.post_headers(self.inbound(routes), len(micro))
         results = []
         self._draw_seed()
