@@ -232,11 +232,12 @@ class Executor:
     # ------------------------------------------------------------------------------------------------------------
     # losses averaged over tokens (core.token_mean)
 
-    def count_tokens(self, step: Step, micro: list[Any], shares: list[float], *, training: bool) -> None:
+    def count_tokens(self, kind: str, step: Step, micro: list[Any], shares: list[float]) -> None:
         """Before a schedule: count what each micro-batch's mean-reduced losses divide by, where the last stage is
         (and on global rank 0 at the first training step, which warns about reductions it cannot see)."""
         self._counts, self._totals = None, []
-        if self.normalization == "microbatch" or len(micro) < 2:
+        training = kind == "training_step"
+        if self.normalization == "microbatch" or len(micro) < 2 or kind == "predict_step":
             return
         warn = training and self.token_warnings.pending
         if not (self.holds_last or warn):
@@ -315,7 +316,7 @@ class Executor:
         states: States = {}
         scale = [loss_scale * share for share in shares]
         splits = split_backwards(order, self.rank, self.pp)
-        self.count_tokens(step, micro, shares, training=True)
+        self.count_tokens("training_step", step, micro, shares)
         self._draw_seed()
         transport = self.transport
         transport.waited = transport.sent = 0.0
@@ -364,8 +365,7 @@ class Executor:
         micro, shares, modes = self._eval_split(kind, step, batch, microbatches)
         states: States = {}
         routes = self.routes(kind, step, micro[0])
-        if kind != "predict_step":
-            self.count_tokens(step, micro, shares, training=False)
+        self.count_tokens(kind, step, micro, shares)
         self.transport.post_headers(self.inbound(routes), len(micro))
         results = []
         self._draw_seed()
