@@ -14,12 +14,13 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from lightning_tpp._compat import default_store, init_dist_connection, set_rank_zero
+from lightning_tpp._compat import default_store, set_rank_zero
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.heap import return_freed_blocks
 from lightning_tpp.core.mesh import MeshDims, build_mesh, resolve_dims
 from lightning_tpp.core.seeding import agree_with_rank0
 from lightning_tpp.experts.expert_parallel import ExpertGroup, check_ep, expert_group
+from lightning_tpp.reliability.restart import init_processes
 from lightning_tpp.reliability.watch import FailureWatch, job_store
 
 
@@ -116,10 +117,10 @@ class MeshTopology:
         self._process_group_backend = self._process_group_backend or dist.Backend.default_device_backend_map.get(
             self.root_device.type, "gloo")
         assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        kwargs: dict[str, Any] = {}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        init_processes(self.cluster_environment, self._process_group_backend, self._timeout, **kwargs)
         _destroy_process_group_at_exit()
         agree_with_rank0(self.root_device)  # the user's streams as rank 0 holds them (DDP reseeds them instead)
         self._before_mesh()  # layout="auto" sets tp, pp and dp here (lightning_tpp.layout.strategy)

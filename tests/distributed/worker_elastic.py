@@ -8,6 +8,9 @@
     reference(OUT)    one process, no strategy, 8 steps of the same 8-sample global batches (the order Lightning's
                       DistributedSampler draws: seed 0)
 
+    torchrun --standalone --nnodes=1 --nproc-per-node=4 --max-restarts=1 worker_elastic.py OUT same
+        as "killed", but attempt 1 is the same world of 4 on torchrun's own store (the dead attempt's keys in it)
+
     torchrun --nnodes=1:2 --nproc-per-node=2 --rdzv-backend=c10d ... worker_elastic.py OUT node   (two agents)
         attempt 0: the two agents' 4 workers, tp2 x dp2; as step 5 starts, the second node's workers write their
         pids and wait; the test SIGKILLs that node (its agent and workers). The first agent's workers fail, it
@@ -97,7 +100,7 @@ def main() -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))  # "node": two agents of 2 workers, then one
     checkpoints = ModelCheckpoint(out / "ckpt", filename="step{step}", every_n_train_steps=2, save_last=True,
                                   auto_insert_metric_name=False)
-    record = Record(out, 4 if mode in ("killed", "node") else None)
+    record = Record(out, 4 if mode in ("killed", "node", "same") else None)
     trainer = L.Trainer(accelerator="cpu", devices=local, num_nodes=world // local, max_steps=8, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[record, checkpoints],
                         strategy=TensorPipeStrategy(tp=2, dp="auto", print_plan=False, timeout=timedelta(seconds=10)))
