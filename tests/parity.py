@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
 from models import LitLM, token_dataset
+import models_stacks  # noqa: F401,E402 - registers its families in models.MODELS
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
 from lightning_tpp._compat import tree_flatten
 from lightning_tpp.core.mesh import MeshDims, reused
 from lightning_tpp.pipeline.engine import PipelineEngine
@@ -29,10 +31,11 @@ from lightning_tpp.pipeline.partition import (
     describe,
     find_block_sequences,
     forward_modules,
+    minor_stack,
     plan_partition,
 )
 from lightning_tpp.pipeline.captured import hook_twins
-from lightning_tpp.pipeline.stage import StageRuntime, Unit, _RemoteModule, _set_module, mark_dispatch, meta_twin
+from lightning_tpp.pipeline.stage import StageRuntime, Unit, _set_module, mark_dispatch, meta_twin, remote_module
 
 
 @dataclass
@@ -157,6 +160,8 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
         costs = torch.tensor(measure_block_costs(module, members, example), device=device)
         dist.broadcast(costs, src=0)  # every rank must cut at the same places
         costs = costs.tolist()
+    if blocks is None and (note := minor_stack(module, containers)) is not None:
+        rank_zero_info(note)
     partition = plan_partition(module, stages, blocks=blocks,
                                balance_by=balance if not isinstance(balance, str) else "params",
                                split_points=split_points, block_costs=costs,
@@ -192,7 +197,7 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
     hook_twins(module, prepared.twins)  # what the units' layers record (router logits) shows on their twins
     for i, unit in enumerate(runtime.units):
         if unit.stage not in local:
-            _set_module(module, unit.name, _RemoteModule(prepared.twins[unit.name], runtime, unit=i))
+            _set_module(module, unit.name, remote_module(prepared.twins[unit.name], runtime, unit=i))
     return prepared
 
 

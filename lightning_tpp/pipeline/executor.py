@@ -172,11 +172,21 @@ class Executor:
                     f"{kind} could not be traced to find which values cross pipeline stages: it runs once with "
                     f"zeros in place of every layer's output, and raised {type(err).__name__}: {err}. A step that "
                     f"cannot run on zeros (sampling from its outputs, asserting on their values) cannot be "
-                    f"pipelined automatically") from err
+                    f"pipelined automatically. {self._partition_hint()}") from err
             routes = plan_routes(self.runtime, calls, result, self.partition.stages)
             self.transport.agree(repr([(k, sorted(map(repr, tags))) for k, tags in calls]), kind)
             self._route_cache[key] = routes
         return self._route_cache[key]
+
+    def _partition_hint(self) -> str:
+        """For a step that fails only because of how the model was cut: the stacks it was cut along, and the
+        ``blocks=`` that cuts one of them alone (the others then run whole on the stage that uses them)."""
+        blocks = self.partition.blocks
+        said = f"The model was cut along {', '.join(map(repr, blocks))} into {self.partition.stages} stages"
+        if len(blocks) > 1:
+            return f"{said}; if the step runs in one process, cut one stack alone, e.g. " + " or ".join(
+                f"blocks={b!r}" for b in blocks)
+        return f"{said}; if the step runs in one process, name the layers to cut with blocks='<module name>'"
 
     def inbound(self, routes: list[Route]) -> dict[int, dict[int, int]]:
         """Local stage -> {source stage: tensors it sends}, in chunk order."""

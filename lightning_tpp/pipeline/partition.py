@@ -1,7 +1,8 @@
 """Where to cut an unmodified model into pipeline stages (pure: module trees and numbers, no process groups).
 
-The model's *block sequence* is its repeated layers: the largest ``nn.ModuleList``/``nn.Sequential`` whose children
-share one class (``transformer.h``, ``model.layers``, ``encoder.layers``); without one, the children of the plain
+The model's *block sequence* is its repeated layers: the largest ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict``
+whose children share one class (``transformer.h``, ``model.layers``, ``encoder.layers``), or a list or dict of layers of
+several classes that all hold parameters (a hybrid's Mamba and attention layers, in one list); without one, the children of the plain
 ``nn.Sequential`` holding most of the parameters, wherever it sits (``net``, ``model.encoder.layers``), its children
 without parameters (activations) joined to the block before them. Other lists of comparable size join it: an
 encoder-decoder's two stacks follow one another (``encoder.layers`` then ``decoder.layers``), sibling lists of equal
@@ -77,18 +78,27 @@ def _params(m: nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
-def _homogeneous(m: nn.Module) -> bool:
+def _stack(m: nn.Module) -> bool:
+    """Whether ``m``'s children are layers of a stack: two or more, in an ``nn.ModuleList``/``nn.ModuleDict``/
+    ``nn.Sequential`` of one class, or in an ``nn.ModuleList``/``nn.ModuleDict`` of several classes that are all
+    layers (a hybrid's Mamba and attention layers): each holds parameters and modules of its own, and none is a stack
+    itself (nanoGPT's ``transformer`` dict of ``wte``, ``h``, ``ln_f`` is a namespace around the stack ``h``). A mixed
+    ``nn.Sequential`` is :func:`plain_sequential`'s."""
     kids = list(m.children())
-    return len(kids) >= 2 and all(type(k) is type(kids[0]) for k in kids)
+    if len(kids) < 2 or not isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        return False
+    if all(type(k) is type(kids[0]) for k in kids):
+        return True
+    return not isinstance(m, nn.Sequential) and all(
+        _params(k) > 0 and any(True for _ in k.children()) and not _stack(k) for k in kids)
 
 
 def find_block_sequences(model: nn.Module, *, stages: int = 2) -> tuple[str, ...]:
     """FQNs of the containers whose children are the pipeline's blocks (see the module docstring): the largest
-    list, and the other lists of comparable size (an encoder-decoder's two stacks; lists zipped in one loop). Without
-    one, the plain ``nn.Sequential`` holding most of the parameters (see :func:`plain_sequential`), cut into
-    ``stages`` stages."""
-    lists = [(n, m) for n, m in model.named_modules()
-             if isinstance(m, (nn.ModuleList, nn.Sequential)) and _homogeneous(m) and _params(m) > 0]
+    stack, and the other stacks of comparable size (an encoder-decoder's two stacks, a vision tower and a language
+    model; lists zipped in one loop). Without one, the plain ``nn.Sequential`` holding most of the parameters (see
+    :func:`plain_sequential`), cut into ``stages`` stages."""
+    lists = [(n, m) for n, m in model.named_modules() if _stack(m) and _params(m) > 0]
     # keep the outermost lists (a list nested in a block is part of that block)
     outer = [(n, m) for n, m in lists if not any(_inside(n, o) for o, _ in lists)]
     if outer:
@@ -360,6 +370,25 @@ def bounds_from_split_points(points: Sequence[str], members: Sequence[Sequence[s
         raise PipelinePartitionError(f"split_points={list(points)} must be in increasing block order and skip the "
                                      f"first block {names[0]!r}")
     return [(a, b) for a, b in zip(starts, [*idx, len(names)])]
+
+
+def minor_stack(model: nn.Module, containers: Sequence[str]) -> Optional[str]:
+    """What to say when the stack(s) found for the stages hold less than half of the model's parameters: which was
+    chosen, what it holds, and what else is large (it runs whole on one stage), with the ``blocks=`` to cut
+    another; ``None`` when they hold most of the model."""
+    modules = dict(model.named_modules())
+    total = _params(model)
+    held = sum(_params(modules[c]) for c in containers)
+    if not total or 2 * held > total:
+        return None
+    others = sorted(((n, _params(m)) for n, m in model.named_modules() if _stack(m) and n not in containers
+                     and not any(_inside(n, c) or _inside(c, n) for c in containers)),
+                    key=lambda item: -item[1])[:3]
+    label = ", ".join(repr(c) for c in containers)
+    rest = "; other stacks: " + ", ".join(f"{n!r} ({p / total:.0%})" for n, p in others) if others else ""
+    return (f"pipeline stages cut {label}, which holds {held / total:.0%} of the {total} parameters: the rest runs "
+            f"whole on the stage that first uses it{rest}. Pass blocks='<module name>' (or several, run one after "
+            f"the other) to cut another stack")
 
 
 def plan_partition(model: nn.Module, stages: int, *, blocks: "str | Sequence[str] | None" = None,

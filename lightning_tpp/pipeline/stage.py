@@ -30,7 +30,7 @@ from lightning_tpp.core.meta_ops import DataDependentOnMeta
 from lightning_tpp.pipeline.captured import recorded, replay
 from lightning_tpp._compat import BatchNormBase, tree_flatten, tree_map, tree_unflatten
 from lightning_tpp.core.seeding import seeded
-from lightning_tpp.core.swap import swap_class
+from lightning_tpp.core.swap import original_class, parallel_class, swap_class
 from lightning_tpp.core.walk import VERIFYING, Taint, tensors_in
 
 Key = tuple[int, int]  # (unit, how many times it was called before in this forward)
@@ -264,10 +264,13 @@ class _PipelineDispatch:
 
 
 class _RemoteModule(nn.Module):
-    """Stands in for a module held by another stage: no parameters; attributes read through to a meta twin."""
+    """Stands in for a module held by another stage: no parameters; attributes read through to a meta twin. Made by
+    :func:`remote_module` as an instance of the module's own class too (``_RemoteModule[CLIPEncoderLayer]``), so that
+    code which finds layers by class still finds it: Hugging Face's ``output_hidden_states`` hooks every layer of its
+    decoder/encoder class, and a stand-in of another class left LLaVA's ``hidden_states[-2]`` out of range."""
 
     def __init__(self, twin: nn.Module, runtime: StageRuntime, *, unit: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not the module's own __init__ (its class is a base of this one's)
         self.__dict__[BINDING] = UnitBinding(runtime, twin, unit)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -283,6 +286,14 @@ class _RemoteModule(nn.Module):
         binding = self.__dict__[BINDING]
         unit = binding.runtime.units[binding.index]
         return f"remote {unit.name} (stage {unit.stage})"
+
+
+def remote_module(twin: nn.Module, runtime: StageRuntime, *, unit: int) -> _RemoteModule:
+    """The stand-in of a unit another stage holds, an instance of ``_RemoteModule`` and of the unit's class."""
+    cls = parallel_class(_RemoteModule, original_class(twin))
+    remote = cls.__new__(cls)
+    _RemoteModule.__init__(remote, twin, runtime, unit=unit)
+    return remote
 
 
 # the one attribute a pipeline unit carries: which runtime dispatches its calls, its meta twin, its index

@@ -39,7 +39,8 @@ SCRIPT = ROOT / "tests" / "distributed" / "worker_errors.py"
                    r"\(precision='16-mixed'\).*Use precision='bf16-mixed'"),
     ("pp_trace", 2, r"PipelineError: training_step could not be traced to find which values cross pipeline stages: "
                     r"it runs once with zeros in place of every layer's output, and raised RuntimeError: .*"
-                    r"cannot be pipelined automatically"),
+                    r"cannot be pipelined automatically\. The model was cut along 'model\.transformer\.h' into 2 "
+                    r"stages; if the step runs in one process, name the layers to cut with blocks="),
     ("pp_tied_cut", 4, r"TensorParallelConfigError: model\.transformer\.wte\.weight = model\.lm_head\.weight is "
                        r"shared by pipeline stages \[0, 1\], but tensor parallelism cut it differently on them "
                        r"\(shapes \[\(32, 32\), \(64, 32\)\]\)"),

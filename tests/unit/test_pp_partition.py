@@ -581,3 +581,83 @@ class _SmallSequential(nn.Module):
 def test_nothing_to_pipeline_names_the_largest_sequential_and_why(factory, stages: int, why: str) -> None:
     with pytest.raises(PipelinePartitionError, match=r"no repeated block sequence in \w+: .*" + why):
         plan_partition(factory(), stages)
+
+
+# ---- stacks of several classes, dicts, and what is not a stack (issue #44 item 2) -----------------------------------
+class _Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.proj = nn.Conv1d(8, 8, 3, groups=8), nn.Linear(8, 8)
+
+
+class _Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 8)
+
+
+def test_layers_of_several_classes_in_one_list_are_the_stack():
+    """A hybrid's list (Mamba-like mixers and attention): the stack, not a small same-class list inside a layer."""
+    class Hybrid(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.layers = nn.ModuleList([_Mixer(), _Mixer(), _Attn(), _Mixer()])
+            self.layers[2].heads = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])  # a small list inside a layer
+            self.head = nn.Linear(8, 16)
+
+    model = Hybrid()
+    assert find_block_sequences(model) == ("layers",)
+    part = plan_partition(model, 2)
+    assert part.names == ("layers.0", "layers.1", "layers.2", "layers.3") and part.pre == ("embed",)
+
+
+def test_blocks_in_a_module_dict():
+    class DictStack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.blocks = nn.ModuleDict({"first": _Attn(), "second": _Attn(), "third": _Attn()})
+
+    part = plan_partition(DictStack(), 3)
+    assert part.blocks == ("blocks",) and part.names == ("blocks.first", "blocks.second", "blocks.third")
+
+
+def test_a_namespace_dict_around_a_stack_is_not_a_stack():
+    """nanoGPT's ``transformer`` dict (wte, wpe, h, ln_f), and a dict of plain layers of several classes."""
+    class Namespaced(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parts = nn.ModuleDict({"embed": nn.Embedding(16, 8), "norm": nn.LayerNorm(8),
+                                        "h": nn.ModuleList([_Attn() for _ in range(3)])})
+            self.io = nn.ModuleDict({"inp": nn.Linear(8, 8), "out": nn.Conv1d(8, 8, 1)})  # leaves: not layers
+
+    assert find_block_sequences(Namespaced()) == ("parts.h",)
+
+
+def test_stand_ins_keep_the_class_of_the_unit():
+    """Code that finds layers by class (Hugging Face's output_hidden_states hooks) finds a stand-in too; it has no
+    parameters and reads attributes through its meta twin."""
+    from lightning_tpp.pipeline.stage import StageRuntime, _RemoteModule, meta_twin, remote_module
+
+    layer = _Attn()
+    remote = remote_module(meta_twin(layer), StageRuntime(torch.device("cpu")), unit=0)
+    assert isinstance(remote, _Attn) and isinstance(remote, _RemoteModule)
+    assert list(remote.parameters()) == [] and remote.qkv.weight.is_meta
+
+
+def test_a_stack_holding_less_than_half_is_named_with_the_others():
+    class Small(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(512, 32)  # most of the parameters
+            self.blocks = nn.ModuleList([_Attn() for _ in range(3)])
+            self.side = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    from lightning_tpp.pipeline.partition import minor_stack
+
+    note = minor_stack(Small(), find_block_sequences(Small()))
+    assert note is not None and note.startswith("pipeline stages cut 'blocks', which holds 5% of the 17288 parameters")
+    assert "other stacks: 'side' (0%)" in note and "Pass blocks=" in note
+    assert minor_stack(nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2,
+                                      dim_feedforward=32), ("encoder.layers", "decoder.layers")) is None

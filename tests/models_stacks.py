@@ -1,0 +1,141 @@
+"""Stacks other than one list of same-class layers, written as their users write them (issue #44 item 2): layers of
+two classes in one ``nn.ModuleList`` (a hand-written hybrid, Hugging Face's Jamba: Mamba and attention layers, MoE
+every other layer), blocks in an ``nn.ModuleDict``, and two stacks (LLaVA: a CLIP vision tower whose second-to-last
+layer's hidden states, captured by Hugging Face's hooks, feed a Llama). They register in ``models.MODELS``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models import DIM, HEADS, MODELS, SEQ, VOCAB
+
+
+class GatedConvBlock(nn.Module):
+    """A Mamba-like mixer stand-in: gated depthwise causal conv (another class than the attention block)."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.in_proj = nn.Linear(dim, 2 * dim)
+        self.conv = nn.Conv1d(dim, dim, 3, groups=dim, padding=2)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, g = self.in_proj(self.norm(x)).chunk(2, -1)
+        h = self.conv(h.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+        return x + self.out_proj(F.silu(g) * h)
+
+
+class AttnBlock(nn.Module):
+    def __init__(self, dim: int = DIM, heads: int = HEADS) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(x)
+
+
+class HybridLM(nn.Module):
+    """Layers of two classes in one ModuleList (conv mixers and attention), as hybrid models hold them."""
+
+    def __init__(self, pattern: str = "ccac") -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList([AttnBlock() if k == "a" else GatedConvBlock() for k in pattern])
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+class DictLM(nn.Module):
+    """Blocks kept in an nn.ModuleDict by name, run in its order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleDict({f"block_{i}": AttnBlock() for i in range(4)})
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for _, block in self.blocks.items():
+            x = block(x)
+        return self.head(x)
+
+
+class HFJamba(nn.Module):
+    """Jamba: Mamba mixers (a parent reading its conv's weight functionally) and attention layers in one list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+        cfg = transformers.JambaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
+                                       num_hidden_layers=4, num_attention_heads=HEADS, num_key_value_heads=2,
+                                       attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                                       expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
+                                       mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
+                                       use_mamba_kernels=False, tie_word_embeddings=False,
+                                       max_position_embeddings=SEQ)
+        self.model = transformers.JambaForCausalLM(cfg)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx).logits
+
+
+class HFLlava(nn.Module):
+    """LLaVA: an 8 x 8 picture (from the first token ids) through CLIP, its layer -2 projected into a Llama."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+        vision = transformers.CLIPVisionConfig(hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=2,
+                                               num_attention_heads=HEADS, image_size=8, patch_size=4,
+                                               projection_dim=DIM)
+        text = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
+                                        num_hidden_layers=4, num_attention_heads=HEADS, num_key_value_heads=2,
+                                        max_position_embeddings=64, tie_word_embeddings=False)
+        cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=VOCAB - 1,
+                                       vision_feature_layer=-2, projector_hidden_act="gelu",
+                                       vision_feature_select_strategy="full")
+        self.model = transformers.LlavaForConditionalGeneration(cfg)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B = idx.shape[0]
+        pixels = (idx[:, :8].float() / VOCAB)[:, None, :, None].expand(B, 3, 8, 8).contiguous()
+        ids = idx % (VOCAB - 1)  # the last id is the image token
+        ids[:, :5] = VOCAB - 1  # (8 / 4)^2 patches and the CLS token ("full" keeps it): 5 image positions
+        return self.model(input_ids=ids, pixel_values=pixels).logits
+
+
+class HFMidLayer(nn.Module):
+    """A Llama whose output adds the LM head's view of a middle layer (deep supervision), read from
+    ``output_hidden_states``: a layer of the first stage, captured by a hook, used on the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
+                                       num_hidden_layers=4, num_attention_heads=HEADS, num_key_value_heads=2,
+                                       max_position_embeddings=SEQ, tie_word_embeddings=False)
+        self.model = transformers.LlamaForCausalLM(cfg)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=idx, output_hidden_states=True)
+        middle = self.model.lm_head(self.model.model.norm(out.hidden_states[2]))  # after layers 0 and 1
+        return out.logits + 0.5 * middle
+
+
+MODELS.update({"hf_mid_layer": HFMidLayer, "hybrid": HybridLM, "dict_blocks": DictLM, "hf_jamba": HFJamba, "hf_llava": HFLlava})
