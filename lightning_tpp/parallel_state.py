@@ -52,6 +52,7 @@ from lightning_tpp.tensor_parallel import (
     hf_plan,
     overlay,
     plan_rows,
+    whole_kinds,
 )
 
 _SLOT = "_tpp_state"  # the one attribute lightning_tpp keeps on the user's LightningModule
@@ -256,7 +257,8 @@ def cut(module: nn.Module, config: ParallelConfig, dims: MeshDims, *, pp_rank: i
             blocks = _local_blocks(module, stages, config.blocks)
         except PipelinePartitionError:  # no repeated blocks: the model's linear and embedding layers are its blocks
             blocks = [n for n, m in module.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
-        warning = coverage_warning(module, plan, config.tp, shards, blocks)
+        warning = coverage_warning(module, plan, config.tp, shards, blocks) or whole_kinds(
+            module, plan, config.tp, shards, blocks)
         if warning:
             rank_zero_warn(warning)
     return stages, plan, shards

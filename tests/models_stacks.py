@@ -119,6 +119,43 @@ class HFLlava(nn.Module):
         return self.model(input_ids=ids, pixel_values=pixels).logits
 
 
+class FusedGLUBlock(nn.Module):
+    """Attention and a gated MLP whose gate and up projections are one ``Linear(d, 2 h)``, split by ``chunk`` (how
+    hand-written SwiGLU blocks and ModernBERT's ``Wi`` fuse them), plus a slicing variant."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS, sliced: bool = False) -> None:
+        super().__init__()
+        self.attn_norm, self.mlp_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.w12, self.w3 = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(2 * dim, dim, bias=False)
+        self.sliced = sliced
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attn_norm(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        gate_up = self.w12(self.mlp_norm(x))
+        if self.sliced:
+            half = gate_up.shape[-1] // 2
+            gate, up = gate_up[..., :half], gate_up[..., half:]
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+        return x + self.w3(F.silu(gate) * up)
+
+
+class FusedGLULM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([FusedGLUBlock(sliced=i % 2 == 1) for i in range(2)])
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 class HFMidLayer(nn.Module):
     """A Llama whose output adds the LM head's view of a middle layer (deep supervision), read from
     ``output_hidden_states``: a layer of the first stage, captured by a hook, used on the last."""
@@ -138,4 +175,4 @@ class HFMidLayer(nn.Module):
         return out.logits + 0.5 * middle
 
 
-MODELS.update({"hf_mid_layer": HFMidLayer, "hybrid": HybridLM, "dict_blocks": DictLM, "hf_jamba": HFJamba, "hf_llava": HFLlava})
+MODELS.update({"fused_glu": FusedGLULM, "hf_mid_layer": HFMidLayer, "hybrid": HybridLM, "dict_blocks": DictLM, "hf_jamba": HFJamba, "hf_llava": HFLlava})

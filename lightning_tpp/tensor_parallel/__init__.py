@@ -12,9 +12,9 @@ from lightning_tpp.tensor_parallel.plan import (
     hf_plan,
     overlay,
 )
-from lightning_tpp.tensor_parallel.report import PlanRows, coverage_warning, format_plan, plan_rows
+from lightning_tpp.tensor_parallel.report import PlanRows, coverage_warning, format_plan, plan_rows, whole_kinds
 from lightning_tpp.tensor_parallel.sequence import SequenceParallelError
 
 __all__ = ["PlanRows", "STYLES", "SequenceParallelError", "TPPlan", "TensorParallelConfigError", "TensorParallelMismatchError",
            "apply_plan", "check_divisible", "coverage_warning", "detect", "format_plan", "hf_plan", "overlay",
-           "plan_rows", "verify_block"]
+           "plan_rows", "verify_block", "whole_kinds"]

@@ -300,6 +300,7 @@ def _traced(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], bloc
     rows: list[str] = []
     attn: Optional[BlockInfo] = None
     sizes: dict[str, int] = {}
+    fused: dict[str, list[ShardSpec]] = {}
     for cols, row in groups:
         if flow.mixed & set(cols):
             info = _attention(fqn, module, [(n, dict(lins)[n]) for n in (*cols, row)], blocks,
@@ -313,10 +314,19 @@ def _traced(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], bloc
             sizes.update(info.sizes)
         else:
             hidden = linear_dims(dict(lins)[row])[0]
-            if any(linear_dims(dict(lins)[n])[1] != hidden for n in cols) or flow.across & set(cols):
+            gated = _fused_gate(cols, dict(lins), hidden)
+            touched = [f"{flow.touched[n]} on {n.rpartition('.')[2]}'s output" for n in cols if n in flow.touched]
+            if touched:
+                whole[f"{fqn} ({row.rpartition('.')[2]})"] = (
+                    f"its hidden features meet another parameter of the module ({', '.join(touched)}: a depthwise "
+                    f"convolution, a per-feature scale), which would have to be cut with them")
+                continue
+            if flow.across & set(cols) or (gated is None and any(linear_dims(dict(lins)[n])[1] != hidden
+                                                                 for n in cols)):
                 whole[f"{fqn} ({row.rpartition('.')[2]})"] = ("its hidden features meet in a norm or reduction, or "
                                                               "come from layers of different widths")
                 continue  # not an MLP that can be cut by features
+            fused.update(gated or {})
             sizes["hidden" if "hidden" not in sizes else f"hidden of {row}"] = hidden
         layers.extend((*cols, row))
         rows.append(row)
@@ -324,7 +334,23 @@ def _traced(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], bloc
         return None
     info = attn or BlockInfo("mlp")
     info.layers, info.rows, info.sizes = sorted(layers, key=names.index), rows, sizes
+    info.fused.update(fused)
     return info
+
+
+def _fused_gate(cols: list[str], lins: Mapping[str, nn.Module], hidden: int) -> Optional[dict[str, list[ShardSpec]]]:
+    """One column layer ``k`` times as wide as the row layer's input (k = 2 or 3): a fused gated MLP whose forward
+    splits the output into its parts (``chunk``, ``split``, slicing: ModernBERT's ``Wi``, Phi-3's ``gate_up_proj``)
+    and combines them feature by feature. Each rank holds its slice of every part (as a fused qkv); an interleaved
+    layout (gate and up alternating by feature blocks) is the plain split, tried second by the first-call check."""
+    if len(cols) != 1:
+        return None
+    m = lins[cols[0]]
+    k, rem = divmod(linear_dims(m)[1], hidden)
+    if rem or k not in (2, 3):
+        return None
+    dim = 1 if is_transposed_linear(m) else 0
+    return {cols[0]: [ShardSpec(dim, (hidden,) * k), ShardSpec(dim)]}
 
 
 def _head_split(cols: list[str], heads: Mapping[str, tuple[int, int]]) -> Optional[tuple[int, Optional[int]]]:

@@ -29,13 +29,21 @@ class LinearFlow(Taint):
     layer's output carries only its own name), and notes which layers' outputs meet in a matrix product (attention)
     and how a layer's output is split into heads (``view(B, S, heads, head_dim)``)."""
 
-    def __init__(self, widths: Mapping[str, int]) -> None:
+    def __init__(self, widths: Mapping[str, int], own: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.widths, self.mixed, self.across, self.heads = widths, set(), set(), {}
+        self.own = own  # ids of the traced linear layers' parameters
+        self.touched: dict[str, str] = {}  # layer -> the op where its output met another parameter of the module
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = super().__torch_function__(func, types, args, kwargs)
         name = getattr(func, "__name__", "")
+        operands = list(tensors_in((args, kwargs or {}), set()))
+        if any(isinstance(t, nn.Parameter) and id(t) not in self.own for t in operands):
+            # a depthwise convolution's or a per-feature scale's weight: it would need cutting with the features
+            for t in operands:
+                for layer in self.of(t):
+                    self.touched.setdefault(layer, name)
         if name in MIXING:
             tags = [self.of(t) for t in tensors_in((args, kwargs or {}), set())]
             if sum(1 for t in tags if t) >= 2:
@@ -60,7 +68,8 @@ def trace_flow(module: nn.Module, lins: list[tuple[str, nn.Module]]
     widths = [linear_dims(m)[0] for _, m in lins]
     width = max(set(widths), key=widths.count)
     weight = lins[0][1].weight
-    flow = LinearFlow({n: linear_dims(m)[1] for n, m in lins})
+    own = frozenset(id(p) for _, m in lins for p in m.parameters())
+    flow = LinearFlow({n: linear_dims(m)[1] for n, m in lins}, own)
     calls: list[tuple[str, frozenset]] = []
     hooks = []
     for n, m in lins:

@@ -924,3 +924,60 @@ def test_unchecked_replicated_names_undeclared_per_head_parameters() -> None:
                                    for n in ("q", "k")), names
     llama, _ = _applied(TinyLlama(), with_hf_plan=False)  # attention of projections only (its rotary table a buffer)
     assert unchecked_replicated(llama) == []
+
+
+# ---- fused gated MLPs, features meeting other parameters, kinds left whole (issue #44 item 4) -----------------------
+class _FusedGLU(nn.Module):
+    def __init__(self, split: str) -> None:
+        super().__init__()
+        self.wi, self.wo, self.split = nn.Linear(8, 32), nn.Linear(16, 8), split
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.wi(x)
+        a, g = h.chunk(2, dim=-1) if self.split == "chunk" else h.split(16, dim=-1) if self.split == "split" \
+            else (h[..., :16], h[..., 16:])
+        return self.wo(F.gelu(a) * g)
+
+
+@pytest.mark.parametrize("split", ["chunk", "split", "slice"])
+def test_fused_gate_and_up_are_cut_part_by_part(split: str) -> None:
+    plan = detect(_FusedGLU(split), 2)
+    info = plan.blocks[""]
+    assert info.kind == "mlp" and info.layers == ["wi", "wo"] and info.sizes == {"hidden": 16}
+    assert info.fused["wi"] == [ShardSpec(0, (16, 16)), ShardSpec(0)]  # each rank: its slice of a and of g
+
+
+class _ConvGated(nn.Module):
+    """in -> depthwise conv over the hidden features -> out: the conv's weight would need cutting with them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.conv, self.out = nn.Linear(8, 16), nn.Conv1d(16, 16, 3, groups=16, padding=1), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.conv1d(self.inp(x).transpose(1, 2), self.conv.weight, self.conv.bias, padding=1,
+                                 groups=16).transpose(1, 2))
+
+
+def test_features_meeting_another_parameter_stay_whole_with_the_reason() -> None:
+    plan = detect(_ConvGated(), 2)
+    assert plan.blocks == {}
+    assert "meet another parameter of the module (conv1d on inp's output" in plan.whole[" (out)"]
+
+
+def test_kinds_left_whole_are_named_with_their_share() -> None:
+    from lightning_tpp.core.params import ShardIndex
+    from lightning_tpp.tensor_parallel.report import whole_kinds
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([_ConvGated(), _ConvGated()])
+            self.small = nn.Linear(2, 2)
+
+    model = Stack()
+    plan = detect(model, 2)
+    note = whole_kinds(model, plan, 2, ShardIndex(), ["blocks.0", "blocks.1"])
+    assert note is not None and note.startswith("tensor parallelism (tp=2) keeps these kinds of layers whole")
+    assert re.search(r"_ConvGated: 2 modules, 99% of the parameters: its hidden features meet another parameter", note)
+    assert whole_kinds(model, plan, 2, ShardIndex(), ["blocks.0"], least=0.6) is None  # one holds 49%
