@@ -112,6 +112,16 @@ class FailureWatch:
             self._die(first)
         print(f"[lightning_tpp rank {self.rank}] {message}", file=sys.stderr, flush=True)
 
+    def _first(self, message: str) -> str:
+        """Put ``message`` in the store as the failure report unless one is there, and return the one that is: a
+        rank that ends because it saw another rank fall silent says so first, so that a peer which then meets this
+        rank's closed connection does not report this rank as the lost one (under torchrun the first report is the
+        one that names the rank: rank 3 killed, rank 1 blamed rank 0, which had ended on rank 3's silence)."""
+        try:
+            return self.store.compare_set(_ABORT, "", message).decode() or message
+        except Exception:  # noqa: BLE001 - the store is gone: say what this rank saw
+            return message
+
     def _die(self, message: str) -> None:
         print(f"[lightning_tpp rank {self.rank}] stopping: {message}", file=sys.stderr, flush=True)
         if self.describe is not None:
@@ -142,9 +152,9 @@ class FailureWatch:
                     if last is None or last[0] != value:
                         seen[r] = (value, now)
                     elif now - last[1] > self.timeout:
-                        self._die(f"rank {r} stopped responding ({now - last[1]:.0f}s without a heartbeat): it was "
-                                  f"killed or lost. Checkpoints already saved are intact; resume with "
-                                  f"trainer.fit(..., ckpt_path='last')")
+                        self._die(self._first(f"rank {r} stopped responding ({now - last[1]:.0f}s without a "
+                                              f"heartbeat): it was killed or lost. Checkpoints already saved are "
+                                              f"intact; resume with trainer.fit(..., ckpt_path='last')"))
                 failures = 0
             except Exception as err:  # noqa: BLE001 - the store lives in rank 0's process
                 failures += 1

@@ -43,6 +43,9 @@ def test_lost_rank_restarts_in_the_same_world(tmp_path: Path) -> None:
     cmd = ["--standalone", "--nnodes=1", "--nproc-per-node=4", "--max-restarts=1", "--monitor-interval=1"]
     log = _finish(_torchrun(cmd, tmp_path, "same"), 240)
     assert "restart" in log.lower() and (tmp_path / "losses.attempt1.rank0.json").exists(), log[-6000:]
+    # the report names the lost rank: the ranks that ended on its silence said so before a peer of theirs could
+    # blame them for their closed connections
+    assert "rank 3 stopped responding" in log and "rank(s) [0]" not in log, log[-6000:]
     second = json.loads((tmp_path / "losses.attempt1.rank0.json").read_text())
     assert second["world"] == 4 and sorted({step for _, step, _ in second["rows"]}) == [4, 5, 6, 7], second
     from worker_elastic import reference
