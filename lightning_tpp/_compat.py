@@ -36,11 +36,12 @@ __all__ = [
     "BatchNormBase", "InstanceNormBase", "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType",
     "SubprocessScriptLauncher", "SummaryCallbackAdapter", "TorchDispatchMode",
     "all_gather_ddp_if_available", "caching_save_planner", "collect_rng_states",
-    "dcp_metadata_path", "default_store", "drop_save_plan_cache", "distributed_is_initialized",
+    "dcp_metadata_path", "default_store", "drop_persistent_iterator", "drop_save_plan_cache",
+    "distributed_is_initialized",
     "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now",
     "fsdp_sharded_params", "fsdp_state", "get_layout", "hf_install_output_hook", "hf_output_collector",
     "in_backward", "init_dist_connection", "layer_sync_requested", "optimizer_to_device", "optimizers_to_device",
-    "requested_weights_only", "set_rank_zero", "set_rng_states", "storage_key",
+    "requested_weights_only", "run_data_source", "set_rank_zero", "set_rng_states", "storage_key",
     "sync_ddp_if_available", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_dense_tensors",
 ]
 
@@ -210,6 +211,26 @@ def requested_weights_only(depth: int = 40) -> Optional[bool]:
 
 # ---------------------------------------------------------------------------------------------------------------
 # private attributes of other libraries' objects (read or set, not imported)
+
+_RUN_LOOPS = {"fit": "fit_loop", "validate": "validate_loop", "test": "test_loop", "predict": "predict_loop"}
+
+
+def run_data_source(trainer: Any) -> Any:
+    """Where the running ``trainer.fit`` (its training data), ``validate``, ``test`` or ``predict`` reads its batches:
+    Lightning's ``_DataLoaderSource`` (``.instance``: the loader(s) given, or the LightningModule / LightningDataModule
+    whose hook ``.name`` returns them; ``.is_defined()``; ``.dataloader()``), attached before the strategy's
+    ``setup_environment``; None outside a run. No public accessor: the loops keep it as ``_data_source``."""
+    loop = _RUN_LOOPS.get(getattr(getattr(getattr(trainer, "state", None), "fn", None), "value", None))
+    return None if loop is None else getattr(trainer, loop)._data_source
+
+
+def drop_persistent_iterator(loader: Any) -> None:
+    """A ``DataLoader`` with ``persistent_workers`` keeps the iterator (and its worker processes) that ``iter()`` made,
+    for the next ``iter()``: forgotten here, so that a batch read ahead of training does not leave idle workers behind a
+    loader that Lightning re-creates (with a distributed sampler). Its workers stop when the iterator is collected."""
+    if getattr(loader, "_iterator", None) is not None:
+        loader._iterator = None
+
 
 # nn.MultiheadAttention takes its fused fast paths (which would read a tp shard's in_proj as whole) only while this
 # is True; a tensor-parallel MHA sets it False on its instance

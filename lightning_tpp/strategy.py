@@ -85,9 +85,10 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         pp: pipeline-parallel size (stages), or ``"auto"`` (as ``tp="auto"``).
         layout: ``"auto"``: choose tp, pp, dp, micro-batches, schedule, activation checkpointing and dp sharding at
             setup from a cost model of one step and the memory planner (``docs/layout.md``): one block of each kind
-            timed on this device on the batch shape of the module's ``example_input_array`` (one per-process batch
-            of token ids), the links measured; the top candidates and why the winner won are logged on rank 0, the
-            choice is ``trainer.strategy.parallel_state.layout``.
+            timed on this device on the shape of one per-process batch of token ids (rank 0 reads the first batch of
+            the run's data: the loader given to ``fit``, or the ``train_dataloader()`` of the module or datamodule;
+            the module's ``example_input_array``, where set, overrides it), the links measured; the top candidates
+            and why the winner won are logged on rank 0, the choice is ``trainer.strategy.parallel_state.layout``.
         device_memory: with a searched layout, the memory budget per device in bytes (or ``"80GB"``); default what
             the device has (on CPU, this process's share of the machine's memory). Layouts the planner finds above
             it (less a 10% margin) are dropped.

@@ -12,7 +12,8 @@ processes exist and before the mesh is built from tp, pp and dp.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any, Optional, Union
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
+from lightning_tpp._compat import collect_rng_states, drop_persistent_iterator, run_data_source, set_rng_states
 from lightning_tpp.layout.cost import BlockTimes
 from lightning_tpp.layout.links import DEVICES, DeviceSpec, cpu_memory_share, cpu_spec, measure_link
 from lightning_tpp.layout.plan import Layout
@@ -80,25 +82,149 @@ def _bytes(value: Optional[Union[float, str]]) -> Optional[float]:
         raise AutoLayoutError(f"{err} (or bytes as a number)") from None
 
 
-def batch_shape(module: nn.Module) -> tuple[int, int]:
-    """(sequences, tokens) of one per-process batch: the LightningModule's ``example_input_array`` (token ids)."""
+def batch_shape(module: nn.Module, data: Any = None) -> tuple[int, int]:
+    """(sequences, tokens) of one per-process batch: the LightningModule's ``example_input_array`` (token ids) where
+    set (the override), else the first batch of ``data``, the run's :func:`~lightning_tpp._compat.run_data_source`."""
+    return _shape_and_origin(module, data)[:2]  # type: ignore[return-value]
+
+
+def _shape_and_origin(module: nn.Module, data: Any) -> tuple[int, int, str]:
+    """:func:`batch_shape` and where it came from (for the log)."""
     example = getattr(module, "example_input_array", None)
+    if example is None and data is not None and data.is_defined():
+        return _first_batch_shape(data)
     if isinstance(example, (tuple, list)) and example:
         example = example[0]
-    if not isinstance(example, Tensor) or example.dim() != 2 or example.is_floating_point():
+    if not _is_token_ids(example):
+        unset = " (unset) and the run has no data to read a first batch from" if example is None else ""
         raise AutoLayoutError(
             f"layout='auto' times the model's blocks on the real batch shape and reads it from the LightningModule's "
-            f"example_input_array, which must be one per-process batch of token ids (batch, tokens); got "
+            f"example_input_array, which must be one per-process batch of token ids (batch, tokens){unset}; got "
             f"{type(example).__name__ if not isinstance(example, Tensor) else tuple(example.shape)}. Set "
             f"self.example_input_array = torch.zeros(batch_size, seq_len, dtype=torch.long)")
-    return int(example.shape[0]), int(example.shape[1])
+    return int(example.shape[0]), int(example.shape[1]), "example_input_array"
+
+
+_OVERRIDE = "set self.example_input_array = torch.zeros(batch_size, seq_len, dtype=torch.long) in the LightningModule"
+_READS = "layout='auto' reads one per-process batch shape at strategy setup from the first batch of"
+
+
+def _first_batch_shape(source: Any) -> tuple[int, int, str]:
+    """The token ids' shape in the first batch of the run's data (the loader(s) given to the Trainer, or what the
+    module's or datamodule's ``*_dataloader`` hook returns), read from a fresh iterator: the Trainer's own is not made
+    yet and loses nothing. The random states are put back after, so that a shuffling sampler's draw (or the hook's)
+    leaves the run as reproducible as one with ``example_input_array`` (its epoch order, ``configure_model``'s
+    weights). A data hook called here is called again by Lightning, as ``reload_dataloaders_every_n_epochs`` does;
+    ``setup()`` is not called early: it runs after ``prepare_data()`` (downloads), which has not run either."""
+    import lightning as L
+    from lightning.pytorch.utilities import CombinedLoader
+
+    owner = type(source.instance).__name__
+    hooked = isinstance(source.instance, (L.LightningModule, L.LightningDataModule))
+    run = {"train_dataloader": "fit", "val_dataloader": "validate"}.get(source.name, source.name.split("_")[0])
+    origin = f"{owner}.{source.name}()" if hooked else f"the {owner} given to trainer.{run}()"
+    states, found = collect_rng_states(), []
+    try:
+        loaders = source.dataloader()
+        for loader in loaders.flattened if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders).flattened:
+            batch = _first_batch(loader, origin)
+            ids = _token_ids(batch)
+            if ids is not None:
+                return int(ids.shape[0]), int(ids.shape[1]), f"the first batch of {origin}"
+            found.append(_describe(batch))
+    except AutoLayoutError:
+        raise
+    except Exception as err:
+        fix = f"let {source.name}() work before setup() (build its dataset in {owner}.__init__ or in " \
+              f"{source.name}() itself)" if hooked else "give data that reads"
+        raise AutoLayoutError(f"{_READS} {origin}, before Lightning calls prepare_data() and setup(), and reading it "
+                              f"raised {type(err).__name__}: {err}. Either {_OVERRIDE} (then no data hook is called "
+                              f"early), or {fix}") from err
+    finally:
+        set_rng_states(states)
+    raise AutoLayoutError(
+        f"layout='auto' times the model's blocks on token ids (a 2-D integer tensor (batch, tokens): the batch itself, "
+        f"a dict's 'input_ids', else the first such tensor in it) and found none in the first batch of {origin}: "
+        f"{'; '.join(found)}. Give the model's token ids in the batch, or {_OVERRIDE}")
+
+
+def _first_batch(loader: Any, origin: str) -> Any:
+    """The first batch of a fresh iterator of ``loader``; none where ``loader`` is itself an iterator (read once: its
+    first batch would be the Trainer's)."""
+    iterator = iter(loader)
+    if iterator is loader:
+        raise AutoLayoutError(f"{_READS} {origin}, an iterator ({type(loader).__name__}) that is read once: its first "
+                              f"batch would be taken from training. Give a DataLoader (or any re-iterable), or "
+                              f"{_OVERRIDE}")
+    try:
+        return next(iterator)
+    except StopIteration:
+        raise AutoLayoutError(f"{_READS} {origin}, which is empty; give it data, or {_OVERRIDE}") from None
+    finally:
+        drop_persistent_iterator(loader)
+        del iterator  # a worker pool's iterator shuts its workers down when collected
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.dim() == 2 and value.dtype != torch.bool and \
+        not (value.is_floating_point() or value.is_complex())
+
+
+def _token_ids(batch: Any) -> Optional[Tensor]:
+    """The model's input in a batch: the batch itself, a mapping's ``input_ids`` (Hugging Face collators), else the
+    first 2-D integer tensor, depth first (``(x, y)``: ``x``)."""
+    if _is_token_ids(batch):
+        return batch
+    if isinstance(batch, Mapping):
+        items = [batch["input_ids"]] if "input_ids" in batch else []
+        items += [v for k, v in batch.items() if k != "input_ids"]
+    elif is_dataclass(batch) and not isinstance(batch, type):
+        items = [getattr(batch, f.name) for f in fields(batch)]
+    elif isinstance(batch, (list, tuple)):
+        items = list(batch)
+    else:
+        return None
+    return next((ids for ids in map(_token_ids, items) if ids is not None), None)
+
+
+def _describe(batch: Any, depth: int = 0) -> str:
+    """A batch's structure in a line, for an error."""
+    if isinstance(batch, Tensor):
+        return f"{str(batch.dtype).replace('torch.', '')} tensor {tuple(batch.shape)}"
+    if depth < 2 and isinstance(batch, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_describe(v, depth + 1)}" for k, v in list(batch.items())[:8]) + "}"
+    if depth < 2 and isinstance(batch, (list, tuple)):
+        return f"{type(batch).__name__}(" + ", ".join(_describe(v, depth + 1) for v in batch[:8]) + ")"
+    return type(batch).__name__
+
+
+def shared_batch_shape(module: nn.Module, data: Any, *, rank: int, world: int) -> tuple[int, int]:
+    """Rank 0's batch shape on every rank (one broadcast): the layout is rank 0's choice, timed on the same shape on
+    every rank; rank 0 alone calls a data hook or reads a batch. Rank 0's error is raised on every rank."""
+    found: list[Any] = [None]
+    error: Optional[Exception] = None
+    if rank == 0:
+        try:
+            batch, seq, origin = _shape_and_origin(module, data)
+            found = [(batch, seq)]
+            rank_zero_info(f"layout='auto': one per-process batch is {batch} x {seq} tokens ({origin})")
+        except Exception as err:  # every rank raises it, instead of waiting for a rank 0 that is gone
+            error, found = err, [f"{type(err).__name__}: {err}"]
+    if dist.is_initialized() and world > 1:
+        dist.broadcast_object_list(found, src=0)
+    if error is not None:
+        raise error
+    if isinstance(found[0], str):
+        raise AutoLayoutError(f"layout='auto' found no batch shape (rank 0): {found[0]}")
+    return found[0]
 
 
 def choose(module: nn.Module, request: AutoRequest, *, world: int, rank: int, local_processes: int,
-           device: torch.device, model: Optional[nn.Module] = None) -> tuple[Layout, Optional[Ranking]]:
-    """Rank 0's choice on every rank (its ranking, on rank 0 only). ``module`` carries the batch shape; ``model``
-    (default ``module``) is what is profiled."""
-    batch, seq = batch_shape(module)
+           device: torch.device, model: Optional[nn.Module] = None, data: Any = None
+           ) -> tuple[Layout, Optional[Ranking]]:
+    """Rank 0's choice on every rank (its ranking, on rank 0 only). ``module`` (its ``example_input_array``) or else
+    ``data`` (the run's data source) gives the batch shape; ``model`` (default ``module``) is what is profiled."""
+    batch, seq = shared_batch_shape(module, data, rank=rank, world=world)
     target = _profiled(module) if model is None else model
     if not any(True for _ in target.parameters()):
         raise AutoLayoutError("layout='auto' profiles the model at setup and found no parameters: the "
@@ -225,6 +351,15 @@ def _slowdown(device: torch.device, local_processes: int) -> float:
     return max(1.0, local_processes / cores)
 
 
+def _run_data(module: Any) -> Any:
+    """The data source of the run the module is attached to (None without a Trainer)."""
+    try:
+        trainer = module.trainer
+    except RuntimeError:  # not attached to a Trainer
+        return None
+    return run_data_source(trainer)
+
+
 class AutoLayout:
     """Strategy mixin: with a searched layout, decides the degrees before the mesh is built (``_before_mesh``).
     Expects the strategy's ``_auto_layout`` and the attributes the choice sets."""
@@ -245,7 +380,8 @@ class AutoLayout:
                 self._build_on_meta(module)
                 self.layout_choice, self.layout_ranking = choose(
                     module, request, world=self.world_size, rank=self.global_rank,  # type: ignore[attr-defined]
-                    local_processes=self.num_processes, device=self.root_device)  # type: ignore[attr-defined]
+                    local_processes=self.num_processes, device=self.root_device,  # type: ignore[attr-defined]
+                    data=_run_data(module))
             self._apply_layout(self.layout_choice, module)
         super()._before_mesh()  # type: ignore[misc]
 

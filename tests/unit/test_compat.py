@@ -217,6 +217,47 @@ def test_torch_dcp_metadata_names() -> None:
     assert _params(FileSystemReader._get_metadata_path) == ["self", "rank"]
 
 
+def test_run_data_source_is_attached_before_the_strategy_sets_up() -> None:
+    """``layout='auto'`` reads the run's data source in ``setup_environment``: each loop keeps it as ``_data_source``
+    (a ``_DataLoaderSource``), attached by ``trainer.fit/validate/test/predict`` before ``Trainer._run`` sets the
+    strategy up, and the data hooks and ``setup()`` run after."""
+    import dataclasses
+
+    from lightning.pytorch.trainer.connectors.data_connector import _DataConnector, _DataLoaderSource
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert _compat.run_data_source(trainer) is None  # no run
+    loops = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
+             TrainerFn.TESTING: trainer.test_loop, TrainerFn.PREDICTING: trainer.predict_loop}
+    for fn, loop in loops.items():
+        trainer.state.fn = fn
+        source = _compat.run_data_source(trainer)
+        assert source is loop._data_source and isinstance(source, _DataLoaderSource)
+    assert [f.name for f in dataclasses.fields(_DataLoaderSource)] == ["instance", "name"]
+    assert _params(_DataLoaderSource.dataloader) == ["self"] and _params(_DataLoaderSource.is_defined) == ["self"]
+    assert "trainer.fit_loop._data_source.instance = " in inspect.getsource(_DataConnector.attach_dataloaders)
+    assert "trainer.fit_loop._data_source.instance = datamodule" in inspect.getsource(_DataConnector.attach_datamodule)
+    fit = inspect.getsource(Trainer._fit_impl)
+    assert fit.index("attach_data(") < fit.index("self._run(")
+    run = inspect.getsource(Trainer._run)
+    assert run.index("self.strategy.setup_environment()") < run.index("self._data_connector.prepare_data()") < \
+        run.index("call._call_setup_hook(self)")
+
+
+def test_drop_persistent_iterator() -> None:
+    """A ``DataLoader`` with persistent workers keeps the iterator ``iter()`` made as ``_iterator``."""
+    from torch.utils.data import DataLoader
+
+    assert "self._iterator = self._get_iterator()" in inspect.getsource(DataLoader.__iter__)
+    loader = DataLoader(list(range(4)), num_workers=1, persistent_workers=True)
+    assert loader._iterator is None
+    loader._iterator = held = object()
+    _compat.drop_persistent_iterator(loader)
+    assert loader._iterator is None and held is not None
+    _compat.drop_persistent_iterator([1, 2])  # anything else: untouched
+
+
 def test_dcp_save_plan_cache() -> None:
     """``checkpoint.async_save`` caches DCP's save plans under a key of its own: the planner keeps the key in
     ``_cached_plans_key`` and the caches are ``SavePlanner`` class dictionaries keyed by it."""
