@@ -219,11 +219,11 @@ class TokenWarnings:
 
     def __init__(self) -> None:
         self.pending = True  # the first training step's check is still to come
-        self._mismatched = False
+        self._mismatched = self._uncounted = False
 
-    def first_step(self, counts: Counts, shares: list[float]) -> None:
+    def first_step(self, counts: Optional[Counts], shares: list[float]) -> None:
         self.pending = False
-        if counts.uneven_own(shares) and (not dist.is_initialized() or dist.get_rank() == 0):
+        if counts is not None and counts.uneven_own(shares) and (not dist.is_initialized() or dist.get_rank() == 0):
             warnings.warn(
                 "training_step reduces a cross-entropy / NLL loss itself (reduction='none' or 'sum'), and the micro-"
                 f"batches of this step count {[sum(own) for own in counts.own]} targets for shares {shares} of the "
@@ -231,6 +231,14 @@ class TokenWarnings:
                 "so a mean over a varying number of tokens differs from one process's. Reduce with "
                 "reduction='mean' (ignore_index or weight marking what not to count): the strategy then combines the "
                 "micro-batches by their token counts, exactly", stacklevel=2)
+
+    def uncounted(self, kind: str, err: Exception) -> None:
+        """The step raised while its tokens were counted on stand-ins (zeros in place of the layers' outputs)."""
+        if not self._uncounted:
+            self._uncounted = True
+            warnings.warn(f"loss_normalization: {kind} could not be run on stand-ins to count its tokens "
+                          f"({type(err).__name__}: {err}); where that happens, each micro-batch's mean loss is weighted "
+                          f"by its share of the samples", stacklevel=2)
 
     def mismatch(self, what: str) -> None:
         if not self._mismatched:

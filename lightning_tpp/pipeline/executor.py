@@ -25,7 +25,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_tpp._compat import tree_flatten
+from lightning_tpp._compat import collect_rng_states, set_rng_states, tree_flatten
 from lightning_tpp.core.recompute import replay_on_recompute
 from lightning_tpp.core.seeding import seeded
 from lightning_tpp.core.token_mean import Counts, LossNormalization, TokenMean, TokenWarnings, count_tokens, \
@@ -255,22 +255,31 @@ class Executor:
 
         def run_each(before: Callable[[], None]) -> None:
             with _sandbox(self.module, self.runtime.device):
-                for part in micro:
+                for mb, part in enumerate(micro):
                     before()
                     self.runtime.ctx = RunContext(-1, Route(), lambda s: [])  # every unit a stand-in (zeros)
-                    try:
-                        step(part)
+                    try:  # the micro-batch's own draws (as its forward will make them), the global state kept
+                        with seeded(None if self._seed is None else hash((self._seed, mb)), self.runtime.device):
+                            step(part)
                     finally:
                         self.runtime.ctx = None
 
-        counts = count_tokens(run_each)
+        states = collect_rng_states()  # Python's and NumPy's too: only this rank counts
+        try:
+            counts: Optional[Counts] = count_tokens(run_each)
+        except Exception as err:  # noqa: BLE001 - the forward that follows raises a real error where it belongs
+            counts = None
+            self.token_warnings.uncounted(kind, err)
+        finally:
+            set_rng_states(states)
         if warn:
             self.token_warnings.first_step(counts, shares)
         if self.holds_last:
-            totals = counts.totals()
-            if training and self.normalization == "global":
+            totals = counts.totals() if counts is not None else []
+            if training and self.normalization == "global":  # every replica's last stage joins, counted or not
                 totals = global_totals(totals, self.dp_group, self.dp_size, self.runtime.device)
-            self._counts, self._totals = counts, totals
+            if counts is not None:
+                self._counts, self._totals = counts, totals
 
     def _token_mean(self, mb: int) -> ContextManager[Any]:
         if self._counts is None or self.share is None:
@@ -326,8 +335,8 @@ class Executor:
         states: States = {}
         scale = [loss_scale * share for share in shares]
         splits = split_backwards(order, self.rank, self.pp)
-        self.count_tokens("training_step", step, micro, shares)
         self._draw_seed()
+        self.count_tokens("training_step", step, micro, shares)
         transport = self.transport
         transport.waited = transport.sent = 0.0
         costs = {kind: (0.0, 0) for kind in COST_KINDS}
@@ -375,10 +384,10 @@ class Executor:
         micro, shares, modes = self._eval_split(kind, step, batch, microbatches)
         states: States = {}
         routes = self.routes(kind, step, micro[0])
+        self._draw_seed()
         self.count_tokens(kind, step, micro, shares)
         self.transport.post_headers(self.inbound(routes), len(micro))
         results = []
-        self._draw_seed()
         try:
             for chunk in range(self.virtual):
                 for mb, part in enumerate(micro):

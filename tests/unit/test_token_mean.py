@@ -132,3 +132,13 @@ def test_normalization_values() -> None:
     assert check_normalization("global") == "global"
     with pytest.raises(ValueError, match="loss_normalization='tokens' must be one of 'batch', 'global'"):
         check_normalization("tokens")
+
+
+def test_a_step_that_fails_on_stand_ins_is_said_once() -> None:
+    said = TokenWarnings()
+    with pytest.warns(UserWarning, match=r"training_step could not be run on stand-ins to count its tokens "
+                                         r"\(RuntimeError: boom\); .*weighted by its share"):
+        said.uncounted("training_step", RuntimeError("boom"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        said.uncounted("training_step", RuntimeError("again"))
