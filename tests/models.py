@@ -1062,3 +1062,89 @@ class HFTokenLoss(nn.Module):
 
 MODELS.update({"hf_mlm_tokens": lambda: HFTokenLoss("mlm"), "hf_sft_tokens": lambda: HFTokenLoss("sft"),
                "hf_s2s_tokens": lambda: HFTokenLoss("s2s")})
+
+
+# ---- a parent reading its child's weight functionally (issue #44 item 3) ------------------------------------------
+class MambaMixer(nn.Module):
+    """Jamba's Mamba mixer, tiny: its depthwise convolution's weight is read with ``F.conv1d(x, self.conv1d.weight,
+    ...)`` and its output projection's with ``F.linear``; neither ``self.conv1d`` nor ``self.out_proj`` is called."""
+
+    def __init__(self, dim: int = DIM, kernel: int = 4) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(dim, 2 * dim)
+        self.conv1d = nn.Conv1d(dim, dim, kernel, groups=dim, padding=kernel - 1)
+        self.out_proj = nn.Linear(dim, dim)
+        self.D = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        h, gate = self.in_proj(x).chunk(2, dim=-1)
+        h = F.conv1d(h.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, padding=self.conv1d.padding[0],
+                     groups=h.shape[-1])[..., :T].transpose(1, 2)
+        h = F.silu(h) + h * self.D
+        return F.linear(h * F.silu(gate), self.out_proj.weight, self.out_proj.bias)
+
+
+class MambaLayer(nn.Module):
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mixer = MambaMixer(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mixer(self.norm(x))
+
+
+class AttentionLayer(nn.Module):
+    def __init__(self, dim: int = DIM, heads: int = HEADS) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
+        return x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+
+
+class JambaLM(nn.Module):
+    """A Mamba layer and an attention layer as Jamba has them, held as attributes (no repeated block sequence: each
+    module holding parameters is FSDP2's unit of its own), the head read with ``F.linear(h, self.lm_head.weight)``.
+    ``nn.MultiheadAttention`` itself reads its ``out_proj``'s weight without calling it. ``blocks``: the attention
+    layers repeated in a list (FSDP2's blocks), the Mamba layer a stem before them and the head a vocabulary matrix
+    (computed over dp where it is called), both read outside their modules. ``aux``: the head also called, on the
+    Mamba layer's output (an auxiliary prediction added to the logits)."""
+
+    def __init__(self, blocks: bool = False, aux: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.mamba = MambaLayer()
+        if blocks:
+            self.layers = nn.ModuleList(AttentionLayer() for _ in range(LAYERS))
+        else:
+            self.attention = AttentionLayer()
+        self.norm = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+        self.aux = aux
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.mamba(self.embed(idx))
+        aux = self.lm_head(x) if self.aux else 0.0
+        for layer in self.layers if hasattr(self, "layers") else [self.attention]:
+            x = layer(x)
+        return F.linear(self.norm(x), self.lm_head.weight) + 0.5 * aux
+
+
+class OpaqueJambaLM(JambaLM):
+    """``JambaLM`` whose forward looks at a token id's value (a meta copy cannot run it: the reads are found in the
+    first step instead)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if bool((idx < 0).any()):
+            raise ValueError("token ids must not be negative")
+        return super().forward(idx)
+
+
+MODELS.update({"functional_reads": JambaLM, "functional_reads_blocks": lambda: JambaLM(blocks=True),
+               "functional_reads_aux": lambda: JambaLM(aux=True), "functional_reads_opaque": OpaqueJambaLM,
+               "functional_reads_aux_opaque": lambda: OpaqueJambaLM(aux=True)})
