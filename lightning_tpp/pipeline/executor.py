@@ -247,7 +247,8 @@ class Executor:
         (and on global rank 0 at the first training step, which warns about reductions it cannot see)."""
         self._counts, self._totals = None, []
         training = kind == "training_step"
-        if self.normalization == "microbatch" or len(micro) < 2 or kind == "predict_step":
+        across = training and self.normalization == "global"  # over the dp replicas: one micro-batch too
+        if self.normalization == "microbatch" or kind == "predict_step" or (len(micro) < 2 and not across):
             return
         warn = training and self.token_warnings.pending
         if not (self.holds_last or warn):
@@ -276,7 +277,7 @@ class Executor:
             self.token_warnings.first_step(counts, shares)
         if self.holds_last:
             totals = counts.totals() if counts is not None else []
-            if training and self.normalization == "global":  # every replica's last stage joins, counted or not
+            if across:  # every replica's last stage joins, counted or not
                 totals = global_totals(totals, self.dp_group, self.dp_size, self.runtime.device)
             if counts is not None:
                 self._counts, self._totals = counts, totals

@@ -46,12 +46,13 @@ def test_microbatch_means_differ(tmp_path: Path) -> None:
         _compare(tmp_path, ["hf_sft_tokens"], extra=("--loss-normalization", "microbatch"))
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_global_token_mean_dp2(tmp_path: Path, pp: int) -> None:
+@pytest.mark.parametrize(("pp", "microbatches"), [(1, "4"), (2, "4"), (2, "1")])
+def test_global_token_mean_dp2(tmp_path: Path, pp: int, microbatches: str) -> None:
     """loss_normalization='global': one process's mean over both replicas' tokens (FSDP2 averaging over dp). pp=1:
     each loss call counts in the forward and all-reduces its count; pp=2: the counted totals are all-reduced once
-    before the schedule."""
-    _compare(tmp_path, ["hf_sft_tokens"], pp=pp, dp=2, extra=("--loss-normalization", "global"))
+    before the schedule, also for a batch run as one micro-batch."""
+    _compare(tmp_path, ["hf_sft_tokens"], pp=pp, dp=2, extra=("--loss-normalization", "global", "--microbatches",
+                                                               microbatches, "--schedule", "gpipe"))
 
 
 def test_validation_loss_pp2(tmp_path: Path) -> None:
