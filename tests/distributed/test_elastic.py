@@ -36,23 +36,29 @@ def _step_losses(out: Path, attempt: int, ranks: list[int]) -> dict[int, float]:
     return {s: sum(v[s] for v in per_rank.values()) / len(ranks) for s in steps}
 
 
-def test_lost_rank_restarts_in_the_same_world(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["same", pytest.param("same_async", marks=pytest.mark.slow)])
+def test_lost_rank_restarts_in_the_same_world(tmp_path: Path, mode: str) -> None:
     """The most common single-node restart: torchrun --standalone restarts the 4 workers of tp2 x dp2 on its own
     store, which still holds the dead attempt's keys (before the per-attempt store prefix: init_process_group never
-    returned). They re-form the group and resume from the step-4 checkpoint: losses equal one process's."""
+    returned). They re-form the group and resume from the step-4 checkpoint: losses equal one process's. With
+    checkpoints saved in the background too (slow: the same path, ~60 s more)."""
     cmd = ["--standalone", "--nnodes=1", "--nproc-per-node=4", "--max-restarts=1", "--monitor-interval=1"]
-    log = _finish(_torchrun(cmd, tmp_path, "same"), 240)
+    log = _finish(_torchrun(cmd, tmp_path, mode), 240)
     assert "restart" in log.lower() and (tmp_path / "losses.attempt1.rank0.json").exists(), log[-6000:]
     # the report names the lost rank: the ranks that ended on its silence said so before a peer of theirs could
     # blame them for their closed connections
     assert "rank 3 stopped responding" in log and "rank(s) [0]" not in log, log[-6000:]
     second = json.loads((tmp_path / "losses.attempt1.rank0.json").read_text())
-    assert second["world"] == 4 and sorted({step for _, step, _ in second["rows"]}) == [4, 5, 6, 7], second
+    resumed = min(step for _, step, _ in second["rows"])
+    # the step-4 checkpoint; in the background it may not be published yet when rank 3 dies: then step 2's, intact
+    assert resumed in ((4,) if mode == "same" else (2, 4)), second
+    assert second["world"] == 4 and sorted({step for _, step, _ in second["rows"]}) == list(range(resumed, 8))
     from worker_elastic import reference
 
     reference(tmp_path / "ref")
     ref = _step_losses(tmp_path / "ref", 0, [0])
-    got = {**_step_losses(tmp_path, 0, [0, 2]), **_step_losses(tmp_path, 1, [0, 2])}
+    first = {s: v for s, v in _step_losses(tmp_path, 0, [0, 2]).items() if s < resumed}
+    got = {**first, **_step_losses(tmp_path, 1, [0, 2])}
     assert sorted(got) == list(range(8)), got
     torch.testing.assert_close(torch.tensor([got[s] for s in range(8)]), torch.tensor([ref[s] for s in range(8)]),
                                rtol=1e-5, atol=1e-6)

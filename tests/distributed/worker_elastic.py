@@ -9,7 +9,8 @@
                       DistributedSampler draws: seed 0)
 
     torchrun --standalone --nnodes=1 --nproc-per-node=4 --max-restarts=1 worker_elastic.py OUT same
-        as "killed", but attempt 1 is the same world of 4 on torchrun's own store (the dead attempt's keys in it)
+        as "killed", but attempt 1 is the same world of 4 on torchrun's own store (the dead attempt's keys in it);
+        "same_async": the same with checkpoints saved in the background (async_save=True)
 
     torchrun --nnodes=1:2 --nproc-per-node=2 --rdzv-backend=c10d ... worker_elastic.py OUT node   (two agents)
         attempt 0: the two agents' 4 workers, tp2 x dp2; as step 5 starts, the second node's workers write their
@@ -100,10 +101,11 @@ def main() -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))  # "node": two agents of 2 workers, then one
     checkpoints = ModelCheckpoint(out / "ckpt", filename="step{step}", every_n_train_steps=2, save_last=True,
                                   auto_insert_metric_name=False)
-    record = Record(out, 4 if mode in ("killed", "node", "same") else None)
+    record = Record(out, 4 if mode in ("killed", "node", "same", "same_async") else None)
     trainer = L.Trainer(accelerator="cpu", devices=local, num_nodes=world // local, max_steps=8, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[record, checkpoints],
-                        strategy=TensorPipeStrategy(tp=2, dp="auto", print_plan=False, timeout=timedelta(seconds=10)))
+                        strategy=TensorPipeStrategy(tp=2, dp="auto", print_plan=False, timeout=timedelta(seconds=10),
+                                                    async_save=mode == "same_async"))
     loader = torch.utils.data.DataLoader(token_dataset(64), batch_size=4)  # one epoch: 8 steps of 8 samples at dp2
     trainer.fit(LitLM("nanogpt4", lr=0.05), loader, ckpt_path="last" if ATTEMPT > 0 else None)
     trainer.save_checkpoint(out / f"final.{mode}.ckpt")
