@@ -47,7 +47,7 @@ from lightning_tpp.tensor_parallel.sequence import sum_partial_gradients
 from lightning_tpp.core.materialize import has_meta, move_real
 from lightning_tpp.core.mesh import MeshDims, resolve_dims
 from lightning_tpp.core.params import ParamNames, ShardIndex
-from lightning_tpp.core.token_mean import LossNormalization, check_normalization, global_token_mean
+from lightning_tpp.core.token_mean import GlobalTokenMean, LossNormalization, check_normalization
 from lightning_tpp.integration.checkpointing import CheckpointMixin, torch_optimizer
 from lightning_tpp.integration.collectives import ReplicaCollectives
 from lightning_tpp.integration.launchers import make_launcher
@@ -519,7 +519,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         if self._engine is not None:
             out = self._pipeline_training_step(*args, **kwargs)
         elif self._loss_normalization == "global" and self.dims.dp > 1:  # a token mean over every replica's tokens
-            with global_token_mean(self._dp_group, self.dims.dp, self.root_device):
+            with GlobalTokenMean(self._dp_group, self.dims.dp, self.root_device):
                 out = super().training_step(*args, **kwargs)
         else:
             out = super().training_step(*args, **kwargs)

@@ -28,11 +28,10 @@ division) is named in a warning when its counted targets differ between micro-ba
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -119,27 +118,14 @@ class _Count(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def count_tokens(run_each: Callable[[Callable[[], None]], None]) -> Counts:
-    """``run_each(before)`` runs the step on every micro-batch with the units as stand-ins, calling ``before()``
-    ahead of each; returns what each counted."""
+def count_tokens(run: Callable[[int], Any], microbatches: int) -> Counts:
+    """``run(i)`` runs the step on micro-batch ``i`` with the units as stand-ins; returns what each counted."""
     counts = Counts()
-    mode: list[_Count] = []
-
-    def before() -> None:
-        if mode:
-            counts.means.append(mode[-1].means)
-            counts.own.append(mode[-1].own)
-            mode[-1].__exit__(None, None, None)
-        mode.append(_Count())
-        mode[-1].__enter__()
-
-    try:
-        run_each(before)
-    finally:
-        if mode:
-            mode[-1].__exit__(None, None, None)
-            counts.means.append(mode[-1].means)
-            counts.own.append(mode[-1].own)
+    for i in range(microbatches):
+        with _Count() as mode:
+            run(i)
+        counts.means.append(mode.means)
+        counts.own.append(mode.own)
     return counts
 
 
@@ -189,15 +175,10 @@ class TokenMean(TorchFunctionMode):
         return func(*bound.args, **bound.kwargs) / (self.totals[k] * self.share)
 
 
-@contextlib.contextmanager
-def global_token_mean(group: Optional[dist.ProcessGroup], size: int, device: torch.device) -> Iterator[None]:
+class GlobalTokenMean(TorchFunctionMode):
     """Without micro-batches, ``loss_normalization="global"``: each mean-reduced loss call divides its sum by the
     count over every dp replica (one all-reduce per call; every replica makes the same calls)."""
-    with _GlobalMean(group, size, device):
-        yield
 
-
-class _GlobalMean(TorchFunctionMode):
     def __init__(self, group: Optional[dist.ProcessGroup], size: int, device: torch.device) -> None:
         super().__init__()
         self.group, self.size, self.device = group, size, device

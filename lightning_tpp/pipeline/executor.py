@@ -254,20 +254,18 @@ class Executor:
         if not (self.holds_last or warn):
             return
 
-        def run_each(before: Callable[[], None]) -> None:
-            with _sandbox(self.module, self.runtime.device):
-                for mb, part in enumerate(micro):
-                    before()
-                    self.runtime.ctx = RunContext(-1, Route(), lambda s: [])  # every unit a stand-in (zeros)
-                    try:  # the micro-batch's own draws (as its forward will make them), the global state kept
-                        with seeded(None if self._seed is None else hash((self._seed, mb)), self.runtime.device):
-                            step(part)
-                    finally:
-                        self.runtime.ctx = None
+        def run(mb: int) -> None:
+            self.runtime.ctx = RunContext(-1, Route(), lambda s: [])  # every unit a stand-in (zeros)
+            try:  # the micro-batch's own draws (as its forward will make them), the global state kept
+                with seeded(None if self._seed is None else hash((self._seed, mb)), self.runtime.device):
+                    step(micro[mb])
+            finally:
+                self.runtime.ctx = None
 
         states = collect_rng_states()  # Python's and NumPy's too: only this rank counts
         try:
-            counts: Optional[Counts] = count_tokens(run_each)
+            with _sandbox(self.module, self.runtime.device):
+                counts: Optional[Counts] = count_tokens(run, len(micro))
         except Exception as err:  # noqa: BLE001 - the forward that follows raises a real error where it belongs
             counts = None
             self.token_warnings.uncounted(kind, err)

@@ -49,7 +49,7 @@ def test_microbatches_combine_to_the_batch_mean(kind: str) -> None:
     (grad_whole,) = torch.autograd.grad(whole, logits)
     parts = [(logits[i:i + 1], target[i:i + 1]) for i in range(4)]
     shares = [0.25] * 4
-    counts = count_tokens(lambda before: [before() or loss_fn(x, t) for x, t in parts])
+    counts = count_tokens(lambda i: loss_fn(*parts[i]), len(parts))
     assert len(counts.means) == 4 and all(len(m) == 1 for m in counts.means)
     mismatches: list[str] = []
     total = torch.zeros(())
@@ -71,7 +71,7 @@ def test_counted_is_what_mean_divides_by(kind: str) -> None:
     logits, target = _batch(1)
     with torch.no_grad():
         mean = LOSSES[kind](logits, target)
-        counts = count_tokens(lambda before: before() or LOSSES[kind](logits, target)).means[0]
+        counts = count_tokens(lambda i: LOSSES[kind](logits, target), 1).means[0]
         summed = _Summed()
         with summed:
             total = LOSSES[kind](logits, target)
@@ -117,9 +117,8 @@ def test_own_reduction_warned_when_counts_are_uneven() -> None:
         rows = F.cross_entropy(x.reshape(-1, V), t.reshape(-1), reduction="none")
         return rows.sum() / (t != -100).sum().clamp(min=1)
 
-    uneven = count_tokens(lambda before: [before() or own_mean(logits[i:i + 1], target[i:i + 1]) for i in range(4)])
-    even = count_tokens(lambda before: [before() or own_mean(logits[i:i + 1], target[i:i + 1].clamp(min=0))
-                                        for i in range(4)])
+    uneven = count_tokens(lambda i: own_mean(logits[i:i + 1], target[i:i + 1]), 4)
+    even = count_tokens(lambda i: own_mean(logits[i:i + 1], target[i:i + 1].clamp(min=0)), 4)
     with pytest.warns(UserWarning, match=r"count \[1.0, 3.0, 5.0, 0.0\] targets .*reduction='mean'"):
         TokenWarnings().first_step(uneven, [0.25] * 4)
     with warnings.catch_warnings():
