@@ -140,6 +140,24 @@ def merge_stages(records: list[Record]) -> Record:
     return merged
 
 
+def compare_layout(tmp: Path, models: list[str], *, tp: int = 1, pp: int = 1, dp: int = 1, steps: int = 3,
+                   extra: tuple = ()) -> None:
+    """Train ``models`` in one launch of the layout (this file's ``main`` on every rank) and each in one process on
+    the same batches; the ranks of every pipeline, joined, at parity with it."""
+    from launch import ROOT, run_ranks
+
+    args = ["--models", ",".join(models), "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--out", str(tmp),
+            "--steps", str(steps), *extra]
+    run_ranks(ROOT / "tests" / "parity.py", tp * pp * dp, args, timeout=400).check()
+    for name in models:
+        ref = train(name, dp=dp, steps=steps)
+        for d in range(dp):
+            for t in range(tp):
+                ranks = [(d * pp + s) * tp + t for s in range(pp)]
+                got = merge_stages([load_record(tmp / f"{name}.rank{r}.pt") for r in ranks])
+                assert_parity(got, ref, where=f"{name} tp={tp} pp={pp} dp={dp} ranks {ranks}")
+
+
 def _close(a: Tensor, b: Tensor, what: str, rtol: float, atol: float) -> None:
     if a.shape != b.shape:
         raise AssertionError(f"{what}: shape {tuple(a.shape)} != reference {tuple(b.shape)}")

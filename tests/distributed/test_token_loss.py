@@ -10,22 +10,13 @@ import pytest
 import torch
 
 from launch import ROOT, run_ranks
-from parity import assert_parity, load_record, merge_stages, train
+from parity import compare_layout
 
 TOKEN_MODELS = ["hf_mlm_tokens", "hf_sft_tokens", "hf_s2s_tokens"]
 
 
 def _compare(tmp: Path, models: list[str], *, tp: int = 1, pp: int = 2, dp: int = 1, extra: tuple = ()) -> None:
-    args = ["--models", ",".join(models), "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--out", str(tmp),
-            "--steps", "4", *extra]
-    run_ranks(ROOT / "tests" / "parity.py", tp * pp * dp, args, timeout=400).check()
-    for name in models:
-        ref = train(name, dp=dp, steps=4)
-        for d in range(dp):
-            for t in range(tp):
-                ranks = [(d * pp + s) * tp + t for s in range(pp)]
-                got = merge_stages([load_record(tmp / f"{name}.rank{r}.pt") for r in ranks])
-                assert_parity(got, ref, where=f"{name} tp={tp} pp={pp} dp={dp} ranks {ranks}")
+    compare_layout(tmp, models, tp=tp, pp=pp, dp=dp, steps=4, extra=extra)
 
 
 def test_token_means_pp2(tmp_path: Path) -> None:
