@@ -175,4 +175,99 @@ class HFMidLayer(nn.Module):
         return out.logits + 0.5 * middle
 
 
-MODELS.update({"fused_glu": FusedGLULM, "hf_mid_layer": HFMidLayer, "hybrid": HybridLM, "dict_blocks": DictLM, "hf_jamba": HFJamba, "hf_llava": HFLlava})
+class Mamba2Mixer(nn.Module):
+    """A Mamba-2 mixer as users write it from the paper (mamba_ssm's ``Mamba2Simple`` names, a plain sequential scan
+    instead of its kernels): one input projection to ``[z | x | B | C | dt]``, a depthwise causal conv over
+    ``[x | B | C]``, per-head ``A_log`` / ``D`` / ``dt_bias``, a gated RMSNorm in groups, an output projection."""
+
+    def __init__(self, d_model: int = DIM, d_state: int = 8, headdim: int = 8, ngroups: int = 2, expand: int = 2,
+                 d_conv: int = 4) -> None:
+        super().__init__()
+        self.d_inner, self.d_state, self.headdim, self.ngroups = expand * d_model, d_state, headdim, ngroups
+        self.nheads = self.d_inner // headdim
+        conv_dim = self.d_inner + 2 * ngroups * d_state
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner + 2 * ngroups * d_state + self.nheads, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, d_conv, groups=conv_dim, padding=d_conv - 1)
+        self.dt_bias = nn.Parameter(torch.linspace(-1.0, 0.5, self.nheads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, self.nheads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(self.nheads))
+        self.norm_weight = nn.Parameter(torch.ones(self.d_inner))
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        b, length, _ = u.shape
+        zxbcdt = self.in_proj(u)
+        if "mup" in self._buffers:  # Falcon-H1's multipliers of the projection's parts (a subclass registers them)
+            zxbcdt = zxbcdt * self.mup
+        z, xbc, dt = torch.split(zxbcdt, [self.d_inner, self.d_inner + 2 * self.ngroups * self.d_state, self.nheads],
+                                 dim=-1)
+        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :length].transpose(1, 2))
+        x, B, C = torch.split(xbc, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        x = x.view(b, length, self.nheads, self.headdim)
+        per_group = self.nheads // self.ngroups
+        B = B.view(b, length, self.ngroups, self.d_state).repeat_interleave(per_group, dim=2)
+        C = C.view(b, length, self.ngroups, self.d_state).repeat_interleave(per_group, dim=2)
+        dt = F.softplus(dt + self.dt_bias)  # (b, l, h)
+        A = -torch.exp(self.A_log)
+        state = x.new_zeros(b, self.nheads, self.headdim, self.d_state)
+        ys = []
+        for t in range(length):
+            decay = torch.exp(dt[:, t] * A)[:, :, None, None]
+            state = decay * state + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+            ys.append((state * C[:, t, :, None, :]).sum(-1) + self.D[:, None] * x[:, t])
+        y = torch.stack(ys, dim=1).reshape(b, length, self.d_inner) * F.silu(z)
+        groups = y.view(b, length, self.ngroups, -1)
+        y = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + 1e-6)).view(b, length, -1)
+        return self.out_proj(y * self.norm_weight)
+
+
+class Mamba2LM(nn.Module):
+    """Hand-written Mamba-2 blocks (pre-norm residual) with MLPs between, an embedding and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.norms = nn.ModuleList([nn.LayerNorm(DIM) for _ in range(2)])
+        self.mixers = nn.ModuleList([Mamba2Mixer() for _ in range(2)])
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for norm, mixer in zip(self.norms, self.mixers):
+            x = x + mixer(norm(x))
+        return self.head(x)
+
+
+class HFBamba(nn.Module):
+    """Hugging Face's Bamba: Mamba-2 mixers (two groups of B/C) and attention in one list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+        cfg = transformers.BambaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
+                                       num_hidden_layers=4, num_attention_heads=HEADS, num_key_value_heads=2,
+                                       attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
+                                       mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
+                                       max_position_embeddings=SEQ, tie_word_embeddings=False)
+        self.model = transformers.BambaForCausalLM(cfg)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx).logits
+
+
+class HFMamba(nn.Module):
+    """Hugging Face's Mamba (Mamba-1 mixers: x_proj and dt_proj, per-channel A and D)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+        cfg = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=4, state_size=8,
+                                       expand=2, time_step_rank=8, conv_kernel=4, tie_word_embeddings=False)
+        self.model = transformers.MambaForCausalLM(cfg)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx).logits
+
+
+MODELS.update({"fused_glu": FusedGLULM, "hf_mid_layer": HFMidLayer, "hybrid": HybridLM, "dict_blocks": DictLM, "hf_jamba": HFJamba, "hf_llava": HFLlava,
+               "mamba2": Mamba2LM, "hf_bamba": HFBamba, "hf_mamba": HFMamba})

@@ -242,6 +242,17 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
             qw, kvw = info.heads * info.head_dim, info.kv_heads * info.head_dim
             kv = (kvw, info.kv_heads) if info.kv_heads >= group.size else ()  # else K/V stay whole: no repair
             state.shapes = frozenset({qw, *kv, info.heads, info.head_dim * group.size})
+        if info.kind == "mixer":  # channels cut outside the linear layers, and the counts the forward reads
+            for pname, spec in info.cut.items():
+                owner, _, attr = pname.rpartition(".")
+                if attr in modules[owner]._buffers:  # non-persistent (mixer.py): the original comes back in a copy
+                    whole = modules[owner]._buffers[attr]
+                    set_local_attr(modules[owner], attr, shard_tensor(whole, spec, group.rank, group.size))
+                else:
+                    _set_shard(modules[owner], attr, spec, group, done, shards)
+            for aname, value in info.local_attrs.items():
+                owner, _, attr = aname.rpartition(".")
+                set_local_attr(modules[owner], attr, value)
         block._tpp_block = state
         if info.kind == "mha":
             block._tpp_layer = LayerTP(group, scope=state.scope, heads=info.heads)
@@ -252,6 +263,7 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
         else:
             swap_class(block, _TPBlock)
     _declared_partials(plan, states, modules)
+    rejoin = {n for info in plan.blocks.values() for n in info.rejoin}
     for name, style in plan.styles.items():
         if style in ("mha", "replicate"):
             continue
@@ -269,7 +281,7 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
         elif style == "rowwise":
             spec = ShardSpec(0 if is_transposed_linear(m) else 1)
             _set_shard(m, "weight", spec, group, done, shards)
-            m._tpp_layer = LayerTP(group)
+            m._tpp_layer = LayerTP(group, rejoin=name in rejoin)
             if not is_transposed_linear(m):
                 set_local_attr(m, "in_features", m.weight.shape[1])
             swap_class(m, _RowParallel)
@@ -313,7 +325,7 @@ def unchecked_replicated(model: nn.Module) -> list[str]:
     out = []
     for bname, block in model.named_modules():
         st = getattr(block, "_tpp_block", None)
-        if not isinstance(st, BlockState) or st.info.kind != "attention":
+        if not isinstance(st, BlockState) or st.info.kind not in ("attention", "mixer"):
             continue
         layers = {id(m) for m in st.layers.values()}
         partial = {id(getattr(m, a)) for m, a in st.partial if getattr(m, a, None) is not None}

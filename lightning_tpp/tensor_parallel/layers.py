@@ -42,6 +42,7 @@ class LayerTP:
     padding_idx: Optional[int] = None  # ... and the padding id within it, if it falls there
     check: Optional[Callable[[nn.Module, tuple, dict, Any], None]] = None  # numerical check at the first call
     shared: dict[str, ShardInfo] = field(default_factory=dict)  # column parallel: rows other ranks hold too (K/V)
+    rejoin: bool = False  # row parallel: the output's gradient is a part on each rank, all-reduced (BlockInfo.rejoin)
 
 
 def is_transposed_linear(module: nn.Module) -> bool:
@@ -97,8 +98,14 @@ class _RowParallel:
             y = torch.matmul(x, self.weight)
         else:
             y = F.linear(x, self.weight)
-        scattered = row_reduce(y)  # sequence parallelism: reduce-scattered over the sequence instead
-        y = reduce_from_tp(y, self._tpp_layer.group) if scattered is None else scattered
+        group = self._tpp_layer.group
+        scattered = None if self._tpp_layer.rejoin else row_reduce(y)  # sequence parallelism: reduce-scattered
+        if self._tpp_layer.rejoin:  # read by this rank's channels only: each rank's gradient of it is a part
+            y = copy_to_tp(reduce_from_tp(y, group), group)
+        elif scattered is None:
+            y = reduce_from_tp(y, group)
+        else:
+            y = scattered
         y = y + self.bias if self.bias is not None else y
         if scattered is None:
             mark_replicated(y)

@@ -63,6 +63,12 @@ class BlockInfo:
     fused: dict[str, list[ShardSpec]] = field(default_factory=dict)  # layer FQN -> candidate layouts, first = default
     sizes: dict[str, int] = field(default_factory=dict)  # what tp must divide, e.g. {"num_heads": 16}
     rows: list[str] = field(default_factory=list)  # the row-parallel layers (default: the last one of ``layers``)
+    # row layers whose all-reduced output only this rank's channels read (a Mamba mixer's x_proj): the gradient of
+    # that output is a part on each rank, all-reduced too
+    rejoin: list[str] = field(default_factory=list)
+    cut: dict[str, ShardSpec] = field(default_factory=dict)  # other parameters cut with the channels (FQN -> layout):
+    # a depthwise convolution, per-head A / D (:mod:`~lightning_tpp.tensor_parallel.mixer`)
+    local_attrs: dict[str, int] = field(default_factory=dict)  # attributes (FQN) set to their per-rank value
 
     def row_layers(self) -> list[str]:
         return self.rows or self.layers[-1:]
@@ -442,6 +448,8 @@ def detect(model: nn.Module, tp: int, *, check: bool = True,
     mapping to meta copies of them, an embedding here is paired with its head there (and the reverse).
     ``check=False`` leaves the divisibility check (:func:`check_divisible`) to the caller, who may first lay a
     ``tp_plan`` over the result (e.g. replicate the block that does not divide)."""
+    from lightning_tpp.tensor_parallel.mixer import mixer  # (it builds BlockInfo)
+
     plan = TPPlan()
     if tp == 1:
         return plan
@@ -468,7 +476,12 @@ def detect(model: nn.Module, tp: int, *, check: bool = True,
         lins = _child_linears(module, fqn, claimed)
         if len(lins) < 2:
             continue
-        info = _sequential_pairs(fqn, module, claimed, tp)
+        info = mixer(fqn, module, tp, plan.whole)
+        if info is None and fqn in plan.whole:  # a mixer that stays whole, and why: no parent cuts its layers
+            claimed.update(n for n, _ in lins)
+            continue
+        if info is None:
+            info = _sequential_pairs(fqn, module, claimed, tp)
         if info is None:
             blocks = frozenset(id(modules[b]) for b in plan.blocks)
             info = _traced(fqn, module, lins, blocks, plan.whole)
@@ -483,6 +496,7 @@ def detect(model: nn.Module, tp: int, *, check: bool = True,
         for name in info.layers:
             plan.styles[name] = "rowwise" if name in rows else "colwise"
         claimed.update(info.layers)
+        claimed.update(n.rpartition(".")[0] for n in info.cut)
     for info in plan.blocks.values():
         _share_kv(info, modules, tp)
     _vocab(model, claimed, tp, plan, remote if isinstance(remote, Mapping) else {})

@@ -29,13 +29,27 @@ class LinearFlow(Taint):
     layer's output carries only its own name), and notes which layers' outputs meet in a matrix product (attention)
     and how a layer's output is split into heads (``view(B, S, heads, head_dim)``)."""
 
-    def __init__(self, widths: Mapping[str, int], own: frozenset[int] = frozenset()) -> None:
+    def __init__(self, widths: Mapping[str, int], own: frozenset[int] = frozenset(),
+                 watch: Optional[Mapping[str, Tensor]] = None) -> None:
         super().__init__()
         self.widths, self.mixed, self.across, self.heads = widths, set(), set(), {}
         self.own = own  # ids of the traced linear layers' parameters
         self.touched: dict[str, str] = {}  # layer -> the op where its output met another parameter of the module
+        # tensors of the module (a parameter, a buffer) followed by name, and the layers whose outputs each met
+        # (directly or through what was computed from it: ``-exp(A_log)`` times a projection's output)
+        self.watch, self.met = dict(watch or {}), {}
+
+    def start(self) -> None:
+        self.tags.clear()
+        for name, t in self.watch.items():
+            self.tags[id(t)] = (t, frozenset([("watched", name)]))
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if self.watch:
+            tags = self.of((args, kwargs or {}))
+            layers = {t for t in tags if isinstance(t, str)}
+            for tag in tags - layers if layers else ():
+                self.met.setdefault(tag[1], set()).update(layers)
         out = super().__torch_function__(func, types, args, kwargs)
         name = getattr(func, "__name__", "")
         operands = list(tensors_in((args, kwargs or {}), set()))
@@ -59,17 +73,17 @@ class LinearFlow(Taint):
         return out
 
 
-def trace_flow(module: nn.Module, lins: list[tuple[str, nn.Module]]
-                ) -> tuple[list[tuple[str, frozenset]], LinearFlow]:
+def trace_flow(module: nn.Module, lins: list[tuple[str, nn.Module]], watch: Optional[Mapping[str, Tensor]] = None,
+               width: Optional[int] = None) -> tuple[list[tuple[str, frozenset]], LinearFlow]:
     """Run ``module`` once on a small input (on its weights' device: the meta device computes nothing) and return
     ``(layer, layers its input came from)`` per linear call in order, and the flow. The input is ``(1, 8, width)``,
-    width the layers' most common input width; eval mode, no gradients, a private random generator (the run leaves
-    no trace in the model or the global random state)."""
+    width (unless given) the layers' most common input width; eval mode, no gradients, a private random generator (the run leaves
+    no trace in the model or the global random state). ``watch``: tensors of the module to follow (``flow.met``)."""
     widths = [linear_dims(m)[0] for _, m in lins]
-    width = max(set(widths), key=widths.count)
+    width = width or max(set(widths), key=widths.count)
     weight = lins[0][1].weight
     own = frozenset(id(p) for _, m in lins for p in m.parameters())
-    flow = LinearFlow({n: linear_dims(m)[1] for n, m in lins}, own)
+    flow = LinearFlow({n: linear_dims(m)[1] for n, m in lins}, own, watch)
     calls: list[tuple[str, frozenset]] = []
     hooks = []
     for n, m in lins:
@@ -84,7 +98,7 @@ def trace_flow(module: nn.Module, lins: list[tuple[str, nn.Module]]
         first: Optional[Exception] = None
         for args in made_up_inputs(module, x):
             calls.clear()
-            flow.tags.clear()
+            flow.start()
             try:
                 with torch.no_grad(), flow:
                     module(*args)

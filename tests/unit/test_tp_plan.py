@@ -947,22 +947,23 @@ def test_fused_gate_and_up_are_cut_part_by_part(split: str) -> None:
     assert info.fused["wi"] == [ShardSpec(0, (16, 16)), ShardSpec(0)]  # each rank: its slice of a and of g
 
 
-class _ConvGated(nn.Module):
-    """in -> depthwise conv over the hidden features -> out: the conv's weight would need cutting with them."""
+class _ScaledHidden(nn.Module):
+    """in -> a learned scale per hidden feature -> out: the scale would need cutting with the features. (A depthwise
+    convolution over them is a mixer, cut with its channels: ``tests/unit/test_tp_mixer.py``.)"""
 
     def __init__(self) -> None:
         super().__init__()
-        self.inp, self.conv, self.out = nn.Linear(8, 16), nn.Conv1d(16, 16, 3, groups=16, padding=1), nn.Linear(16, 8)
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(F.conv1d(self.inp(x).transpose(1, 2), self.conv.weight, self.conv.bias, padding=1,
-                                 groups=16).transpose(1, 2))
+        return self.out(self.inp(x) * self.scale)
 
 
 def test_features_meeting_another_parameter_stay_whole_with_the_reason() -> None:
-    plan = detect(_ConvGated(), 2)
+    plan = detect(_ScaledHidden(), 2)
     assert plan.blocks == {}
-    assert "meet another parameter of the module (conv1d on inp's output" in plan.whole[" (out)"]
+    assert "meet another parameter of the module (mul on inp's output" in plan.whole[" (out)"]
 
 
 def test_kinds_left_whole_are_named_with_their_share() -> None:
@@ -972,12 +973,12 @@ def test_kinds_left_whole_are_named_with_their_share() -> None:
     class Stack(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.blocks = nn.ModuleList([_ConvGated(), _ConvGated()])
+            self.blocks = nn.ModuleList([_ScaledHidden(), _ScaledHidden()])
             self.small = nn.Linear(2, 2)
 
     model = Stack()
     plan = detect(model, 2)
     note = whole_kinds(model, plan, 2, ShardIndex(), ["blocks.0", "blocks.1"])
     assert note is not None and note.startswith("tensor parallelism (tp=2) keeps these kinds of layers whole")
-    assert re.search(r"_ConvGated: 2 modules, 99% of the parameters: its hidden features meet another parameter", note)
+    assert re.search(r"_ScaledHidden: 2 modules, 99% of the parameters: its hidden features meet another parameter", note)
     assert whole_kinds(model, plan, 2, ShardIndex(), ["blocks.0"], least=0.6) is None  # one holds 49%
