@@ -18,7 +18,7 @@ from torch import nn
 from lightning_tpp.checkpoint.dcp import consolidate, is_sharded_checkpoint
 from lightning_tpp.checkpoint.safe_load import load_or_explain
 from lightning_tpp.core.optional import MissingDependencyError, require
-from lightning_tpp.layout.search import parse_bytes
+from lightning_tpp.config import parse_bytes
 from lightning_tpp.memory import GiB, MemoryReport, estimate_memory
 from lightning_tpp.pipeline.build import format_partition
 

@@ -9,7 +9,7 @@ tensor-parallel plan -> shards -> pipeline engine) and kept on the module, so th
       names                                 the single-device parameter names (checkpoints, optimizer state)
       plan, shards                          what tensor parallelism swapped, and which parameters it cut how
       stages, engine                        pipeline partition, this rank's units, tied weights; the schedule runner
-      config                                the strategy arguments it was built with (compared on adoption)
+      config                                the arguments that cut it (TensorPipeConfig.cutting: compared on adoption)
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_tpp.config import TensorPipeConfig
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.dp_shard import DPShards, shard_over_dp, sharded_numel
 from lightning_tpp.core.materialize import materialize
@@ -110,26 +111,6 @@ class ParallelState:
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    """The strategy arguments that decide how a model is cut and run."""
-
-    tp: int
-    pp: int
-    microbatches: int
-    schedule: Any
-    virtual_stages: int
-    balance: Union[str, Sequence[int]]
-    split_points: Optional[Sequence[str]]
-    blocks: Optional[Union[str, Sequence[str]]]
-    tp_plan: Union[str, Mapping[str, str]]
-    verify: bool
-    activation_checkpointing: bool = False
-    loss_parallel: bool = True
-    sequence_parallel: bool = False
-    ep: int = 1
-
-
-@dataclass(frozen=True)
 class Materialization:
     """How a model built on the meta device gets its tensors: on ``device``, initialised per module from
     ``base_seed`` (the same on every rank), except modules whose tensors all come from a file (``loaded``: their
@@ -148,8 +129,8 @@ def _no_loss_parallel(module: nn.Module, keep: Sequence[str] = ()) -> None:
             layer.loss_parallel = False
 
 
-def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, groups: ProcessGroups, *, rank: int,
-                device: torch.device, print_plan: bool, meta: Optional[Materialization] = None) -> ParallelState:
+def build_state(module: nn.Module, config: TensorPipeConfig, dims: MeshDims, groups: ProcessGroups, *, rank: int,
+                device: torch.device, meta: Optional[Materialization] = None) -> ParallelState:
     """Cut ``module`` for this rank, in the one order everything depends on::
 
         single-device names -> pipeline stages (this rank keeps its units; stand-ins for the others)
@@ -193,6 +174,7 @@ def build_state(module: nn.Module, config: ParallelConfig, dims: MeshDims, group
                     tp_size=groups.tp.size, base_seed=meta.base_seed, loaded=meta.loaded)
         if state.stages is not None:
             _sync_tied(module, state, dims, coords)
+    print_plan = config.print_plan
     if config.tp > 1:  # the table's rows are gathered over pp whether or not this rank prints: every rank joins
         table = _plan_table(module, state, config.tp)
         if print_plan:
@@ -217,7 +199,7 @@ def _plan_table(module: nn.Module, state: ParallelState, tp: int) -> str:
     return format_plan(parts, tp, model_params=state.stages.total_params)
 
 
-def cut(module: nn.Module, config: ParallelConfig, dims: MeshDims, *, pp_rank: int, device: torch.device,
+def cut(module: nn.Module, config: TensorPipeConfig, dims: MeshDims, *, pp_rank: int, device: torch.device,
         tp_group: TPGroup, ep_group: Optional[TPGroup] = None) -> tuple[Optional[PreparedStages], TPPlan, ShardIndex]:
     """This pipeline rank's stage (stand-ins for the others), then the tensor-parallel plan (automatic, Hugging Face,
     the user's globs) applied to it, then the experts split over ``ep_group`` (``config.ep > 1``): the part of
@@ -264,7 +246,7 @@ def cut(module: nn.Module, config: ParallelConfig, dims: MeshDims, *, pp_rank: i
     return stages, plan, shards
 
 
-def _shard_experts(module: nn.Module, plan: TPPlan, config: ParallelConfig, tp_group: TPGroup,
+def _shard_experts(module: nn.Module, plan: TPPlan, config: TensorPipeConfig, tp_group: TPGroup,
                    shards: ShardIndex) -> None:
     """Expert tensor parallelism for the experts held as 3-D banks (listed in the plan as ``experts``); a list of
     expert MLPs was already cut by the plan, each expert an MLP. A ``replicate`` entry of ``tp_plan`` keeps a bank
@@ -282,7 +264,7 @@ def _shard_experts(module: nn.Module, plan: TPPlan, config: ParallelConfig, tp_g
                              else ")"))
 
 
-def _split_experts(module: nn.Module, plan: TPPlan, config: ParallelConfig, tp_group: TPGroup, ep_group: TPGroup,
+def _split_experts(module: nn.Module, plan: TPPlan, config: TensorPipeConfig, tp_group: TPGroup, ep_group: TPGroup,
                    shards: ShardIndex) -> None:
     """Expert parallelism: each rank keeps ``experts / ep`` whole experts of every bank; the tokens travel. A list of
     expert modules (the model's own loop calls each one) is cut over tp, each expert an MLP (kept whole at tp = 1),
@@ -304,7 +286,7 @@ def _split_experts(module: nn.Module, plan: TPPlan, config: ParallelConfig, tp_g
                           f"replicated)")
 
 
-def _sequence_parallel(module: nn.Module, stages: Optional[PreparedStages], config: ParallelConfig, group: TPGroup,
+def _sequence_parallel(module: nn.Module, stages: Optional[PreparedStages], config: TensorPipeConfig, group: TPGroup,
                        shards: ShardIndex) -> list[ElementState]:
     """The model's block sequence (the pipeline partition's, else found or ``blocks``) run on sequence shards."""
     if stages is not None:
@@ -392,8 +374,7 @@ def _check_tied(module: nn.Module, state: ParallelState, device: torch.device) -
         raise TensorParallelConfigError(first)
 
 
-def shard_state_over_dp(module: nn.Module, state: ParallelState, blocks: Optional[Union[str, Sequence[str]]], *,
-                        sharding: str, print_plan: bool, vocab_exchange: bool = True,
+def shard_state_over_dp(module: nn.Module, state: ParallelState, config: TensorPipeConfig, *,
                         keep: Sequence[nn.Parameter] = ()) -> None:
     """FSDP2 over the dp mesh axis, last (after tensor parallelism, the stages, materialising and loading weights):
     each block of this rank one unit, the other parameters grouped by the module holding them; ``keep`` (experts
@@ -401,13 +382,14 @@ def shard_state_over_dp(module: nn.Module, state: ParallelState, blocks: Optiona
     follows them."""
     assert state.groups.mesh is not None
     try:
-        names = _local_blocks(module, state.stages, blocks)
+        names = _local_blocks(module, state.stages, config.blocks)
     except PipelinePartitionError:
-        if blocks is not None:
+        if config.blocks is not None:
             raise
         names = []  # no block sequence: a unit per module holding parameters
+    sharding = config.dp_sharding
     state.dp = shard_over_dp(module, state.groups.mesh["dp"], blocks=names, sharding=sharding,
-                             vocab_exchange=vocab_exchange, keep=keep)
+                             vocab_exchange=config.vocab_exchange, keep=keep)
     # FSDP2 gathers a unit for backward when its output's gradient arrives: a loss computed from the head's shards
     # would bypass that output (a head computed over dp has no such hook)
     _no_loss_parallel(module, keep=[r.name for r in state.dp.rows])
@@ -425,7 +407,7 @@ def shard_state_over_dp(module: nn.Module, state: ParallelState, blocks: Optiona
             engine.settle(choice)
         if engine.splits_backward:
             engine.reduction = lambda: dp.reduce_at_end(module)
-    if print_plan:
+    if config.print_plan:
         rank_zero_info(state.dp.describe(*sharded_numel(module)))
 
 

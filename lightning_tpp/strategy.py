@@ -36,18 +36,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_tpp._compat import StrategyRegistryType, layer_sync_requested, optimizers_to_device
-from lightning_tpp.checkpoint.async_save import AsyncSaver, check_async_save
+from lightning_tpp.checkpoint.async_save import AsyncSaver
 from lightning_tpp.checkpoint.state import check_state_layout
 from lightning_tpp.checkpoint.weights import covered_names, load_weights
 from lightning_tpp.core.comm import TPGroup
-from lightning_tpp.core.dp_shard import DPSharding, normalize_sharding
+from lightning_tpp.config import TensorPipeConfig
+from lightning_tpp.core.dp_shard import DPSharding
 from lightning_tpp.core.grads import average_gradients, broadcast_module
 from lightning_tpp.tensor_parallel.apply import sum_block_partials
 from lightning_tpp.tensor_parallel.sequence import sum_partial_gradients
 from lightning_tpp.core.materialize import has_meta, move_real
-from lightning_tpp.core.mesh import MeshDims, resolve_dims
+from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.params import ParamNames, ShardIndex
-from lightning_tpp.core.token_mean import GlobalTokenMean, LossNormalization, check_normalization
+from lightning_tpp.core.token_mean import GlobalTokenMean, LossNormalization
 from lightning_tpp.integration.checkpointing import CheckpointMixin, torch_optimizer
 from lightning_tpp.integration.collectives import ReplicaCollectives
 from lightning_tpp.integration.launchers import make_launcher
@@ -57,18 +58,12 @@ from lightning_tpp.integration.summary import count_whole_model
 from lightning_tpp.integration.sync_batchnorm import sync_batchnorm_over_dp
 from lightning_tpp.integration.topology import MeshTopology
 from lightning_tpp.layout.strategy import AutoLayout, auto_request
-from lightning_tpp.parallel_state import (Materialization, ParallelConfig, ParallelState, ProcessGroups, build_state,
-                                         shard_state_over_dp)
+from lightning_tpp.parallel_state import Materialization, ParallelState, ProcessGroups, build_state, shard_state_over_dp
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.metrics import PipelineMetrics
-from lightning_tpp.experts.expert_parallel import ExpertGroup, check_ep, expert_parameters, reduce_expert_grads
+from lightning_tpp.experts.expert_parallel import ExpertGroup, expert_parameters, reduce_expert_grads
 from lightning_tpp.integration.expert_load import ExpertLoad
-from lightning_tpp.pipeline.auto import AUTO as AUTO_SCHEDULE
-from lightning_tpp.pipeline.auto import settle_auto
 from lightning_tpp.pipeline.schedule import ScheduleLike
-from lightning_tpp.pipeline.schedule import normalize as normalize_schedule
-from lightning_tpp.pipeline.schedule import resolve as resolve_schedule
-from lightning_tpp.pipeline.schedule import validate as validate_schedule
 from lightning_tpp.reliability.nonfinite import finite_everywhere
 from lightning_tpp.reliability.preflight import check_agreement, model_structure
 from lightning_tpp.reliability.watch import FailureWatch, SignalReport, rank_report
@@ -79,108 +74,9 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
                          MeshTopology, ParallelStrategy):
     """Tensor (``tp``), pipeline (``pp``) and data (``dp``) parallelism for an unmodified LightningModule.
 
-    Args:
-        tp: tensor-parallel size (ranks that split each layer; keep it within a node), or ``"auto"`` (searched
-            with dp, micro-batches and schedule; pp, activation checkpointing and dp sharding as given).
-        pp: pipeline-parallel size (stages), or ``"auto"`` (as ``tp="auto"``).
-        layout: ``"auto"``: choose tp, pp, dp, micro-batches, schedule, activation checkpointing and dp sharding at
-            setup from a cost model of one step and the memory planner (``docs/layout.md``): one block of each kind
-            timed on this device on the shape of one per-process batch of token ids (rank 0 reads the first batch of
-            the run's data: the loader given to ``fit``, or the ``train_dataloader()`` of the module or datamodule;
-            the module's ``example_input_array``, where set, overrides it), the links measured; the top candidates
-            and why the winner won are logged on rank 0, the choice is ``trainer.strategy.parallel_state.layout``.
-        device_memory: with a searched layout, the memory budget per device in bytes (or ``"80GB"``); default what
-            the device has (on CPU, this process's share of the machine's memory). Layouts the planner finds above
-            it (less a 10% margin) are dropped.
-        global_batch: with a searched layout, samples per optimizer step kept fixed: gradient accumulation is set
-            to ``global_batch / (dp x per-process batch)`` and layouts are ranked at that batch.
-        dp: data-parallel size, or ``"auto"`` for ``world_size // (tp * pp)``.
-        ep: expert parallelism for mixture-of-experts models: each rank holds ``experts / ep`` whole experts of
-            every bank and the tokens travel to them by all-to-all (dropless). The ep group is drawn from the
-            data-parallel and tensor-parallel ranks of a stage (``ep`` must divide ``dp * tp``); expert gradients
-            are averaged over the ranks holding the same experts. Searched with ``layout="auto"`` where the model
-            has experts (``docs/layout.md``). See ``docs/experts.md``.
-        microbatches: micro-batches per step for the pipeline (default ``2 * pp``).
-        schedule: pipeline schedule, one of ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble"``,
-            ``"zb-drain"``, ``"zb-lead"`` (see ``docs/pipeline.md``: zero-bubble splits every backward, zb-drain a
-            few, zb-lead as zb-drain with upstream ranks one forward ahead), a name added with
-            ``register_schedule``, a ``Schedule``, one list per rank of ``(kind, microbatch, chunk)`` actions, or
-            ``torch.distributed.pipelining``'s ``ScheduleGPipe``/``Schedule1F1B``/``ScheduleInterleaved1F1B``.
-            ``"auto"`` (the default) runs zb-drain for three steps, timing each stage's forward, backward and split
-            backward and how much they vary, then simulates 1F1B, zb-drain, zero-bubble and zb-lead with those
-            costs, varying as measured, and keeps the fastest (a tie: the simpler), logging its choice on rank 0
-            (the choice is not saved in checkpoints: a resumed run measures again). Where the layout decides, it
-            measures nothing: ``"interleaved-1f1b"`` for ``virtual_stages`` > 1, ``"gpipe"`` for fewer micro-batches
-            than ``pp``, ``"1f1b"`` when FSDP2 shards the parameters over dp (a split backward would keep the
-            stage's parameters and gradients gathered until the step ends).
-        virtual_stages: model chunks per pipeline rank (``"interleaved-1f1b"`` needs 2 or more).
-        balance: ``"params"`` (balance stages by parameter count, a routed layer's experts counted as a token runs
-            through them: top-k of E), ``"time"`` (by measured block time on the
-            module's ``example_input_array``), or blocks per stage, e.g. ``[3, 5]``.
-        split_points: names of the blocks that start stages 1.., e.g. ``["model.layers.12"]`` (overrides balance).
-        blocks: name of the module holding the blocks to pipeline, or names of several run one after the other
-            (an encoder's layers, then a decoder's); found automatically when omitted.
-        tp_plan: ``"auto"``, or a mapping of module-name globs to styles (``"colwise"``, ``"rowwise"``,
-            ``"colwise_gather"``, ``"vocab"``, ``"mha"``, ``"replicate"``) laid over the automatic plan.
-        verify: check each parallelised block against the original on its first call.
-        activation_checkpointing: recompute each block's activations in backward instead of keeping them
-            (``torch.utils.checkpoint``, non-reentrant; the blocks are the repeated block sequence the pipeline
-            partitioner finds, or ``blocks``, also without a pipeline). Same results, less activation memory, about
-            one more forward of the blocks per step. See ``docs/pipeline.md``.
-        loss_parallel: ``F.cross_entropy`` of a vocabulary-parallel LM head's logits is computed from each rank's
-            shard of the vocabulary (the logits are still gathered for any other use), so neither the
-            cross-entropy's saved log-softmax nor the logits' gradient is ever whole. Not for a head that FSDP2
-            gathers (``vocab_exchange=False`` under dp sharding). See ``docs/tensor_parallel.md``.
-        sequence_parallel: with tp > 1, Megatron's sequence parallelism: the blocks of the model's block sequence
-            run norms, dropout and residual adds on this rank's part of the sequence (dim 1), gathering it before
-            each attention/MLP and reduce-scattering after it (the bytes of the all-reduces they replace), so those
-            activations take ``1/tp`` of the memory. Needs a sequence length divisible by ``tp``. Each block is
-            checked against the original on its first call. See ``docs/tensor_parallel.md``.
-        save_distributed_checkpoint: write checkpoints as a folder of shards (torch.distributed.checkpoint, each
-            rank writing its own; ``lightning-tpp consolidate`` makes one file of it) instead of one whole-model
-            file written by rank 0. Both load into any layout.
-        async_save: write sharded checkpoints saved during ``fit`` in the background
-            (``torch.distributed.checkpoint.async_save``): the step waits only for this rank's shards to be copied
-            to host memory; the folder is published when every rank's shards are written, so a crash meanwhile
-            leaves the previous checkpoint. The next save and the teardown wait for it and raise its failure on
-            every rank (``AsyncCheckpointError``). See ``docs/checkpoints_and_failures.md``.
-        dp_sharding: with dp > 1, how parameters, gradients and optimizer state are spread over the data-parallel
-            ranks (torch's FSDP2, ``fully_shard`` on the dp mesh axis, a unit per block): ``"full_shard"`` (each
-            rank holds 1/dp of them; parameters gathered per block for forward and again for backward),
-            ``"shard_grad_op"`` (the same, parameters kept gathered from forward to backward: one all-gather less
-            per block and step, more memory) or ``"no_shard"`` (replicated, gradients all-reduced). Lightning's
-            spellings (``"FULL_SHARD"``, ...) are accepted. See ``docs/large_models.md``.
-        vocab_exchange: with dp sharding, the vocabulary matrices (an embedding or LM head larger than a block)
-            stay cut by rows over dp and each rank computes with its rows on every dp rank's tokens (tokens are
-            exchanged, the matrix is never gathered: FSDP2's gather of it set the peak). ``False``: FSDP2 gathers
-            them like every other unit. See ``docs/large_models.md``.
-        loss_normalization: how a loss that is a mean over tokens (``F.cross_entropy``/``F.nll_loss`` with
-            ``reduction="mean"``, Hugging Face's own losses: targets of ``ignore_index`` not counted) is averaged when
-            a batch runs as micro-batches: ``"batch"`` (default) over every counted token of the replica's batch, as
-            one process computes it; ``"global"`` over every token of every dp replica (as torchtitan; also without
-            a pipeline); ``"microbatch"`` each micro-batch's mean weighted by its share of the samples. A reduction
-            written by hand is named in a warning where micro-batches count different tokens. See
-            ``docs/pipeline.md``.
-        print_plan: print the plan table on global rank 0 at setup.
-        process_group_backend: ``"gloo"``/``"nccl"``; default by device.
-        timeout: how long a collective may wait, and how long a silent peer is tolerated before every rank stops
-            with a message naming it (the latter capped at 60 s).
-        on_nonfinite: a NaN/inf loss on any rank: ``"raise"`` on every rank, ``"skip"`` the step everywhere, or
-            ``"warn"`` and go on. All ranks take the same decision.
-        pipeline_metrics: with pp > 1, log ``pipeline/`` metrics (measured and theoretical bubble, stage imbalance,
-            per-stage compute/send/receive/wait seconds, samples per second) through Lightning's loggers every
-            ``log_every_n_steps``; timing costs two clock reads per action, the values one all-gather per logging
-            step. See ``docs/pipeline_observability.md``.
-        weights: a file or folder of weights loaded into the model at the end of setup, each rank reading only
-            its own slices: a Hugging Face ``model.safetensors``, a folder with it or with
-            ``model.safetensors.index.json`` (sharded), a consolidated Lightning ``.ckpt``, or a sharded
-            checkpoint folder (model weights only). Missing, unexpected and mis-shaped keys raise one
-            ``WeightsMismatchError`` on every rank (the module's ``strict_loading = False`` skips missing and
-            unexpected ones). ``trainer.fit(ckpt_path=...)`` still restores over them.
-        weights_prefix: the module path put before the file's keys to name the model's parameters
-            (``"model."`` for a Hugging Face model held as ``self.model``); ``"auto"`` finds it.
-        start_method: ``"auto"`` (``"fork"`` in notebooks, else ``"popen"``: the script is run again per rank),
-            ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+    The arguments below are kept as one validated :class:`~lightning_tpp.config.TensorPipeConfig`
+    (``strategy.config``); ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io`` and
+    ``precision_plugin`` are Lightning's.
     """
 
     strategy_name = "tensor_pipe"
@@ -228,62 +124,21 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self._auto_layout = auto_request(tp=tp, pp=pp, dp=dp, layout=layout, device_memory=device_memory,
-                                         global_batch=global_batch, activation_checkpointing=activation_checkpointing,
-                                         dp_sharding=normalize_sharding(dp_sharding), ep=ep)
-        if self._auto_layout is not None:  # decided at setup (AutoLayout._before_mesh); placeholders until then
-            tp, pp, dp = (1 if tp == "auto" or layout else tp), (1 if pp == "auto" or layout else pp), "auto"
-        resolve_dims(tp * pp * (dp if isinstance(dp, int) else 1), tp, pp, dp)  # argument types and ranges
-        auto = isinstance(schedule, str) and schedule == AUTO_SCHEDULE
-        schedule = AUTO_SCHEDULE if auto else normalize_schedule(schedule)  # a registered name, else a Schedule
-        if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
-            raise ValueError(f"microbatches={microbatches!r} must be a positive integer")
-        if tp_plan != "auto" and not isinstance(tp_plan, Mapping):
-            raise TypeError(f"tp_plan must be 'auto' or a mapping of module globs to styles, got {tp_plan!r}")
-        check_ep(ep, dp=ep, tp=1)  # its type and range; that it divides dp*tp is checked once the world is known
-        self._tp, self._pp, self._dp_arg, self._ep = tp, pp, dp, ep
-        fixed = None if auto else resolve_schedule(schedule).fixed  # action lists: for one micro-batch count
-        self.microbatches = microbatches if microbatches is not None else fixed[1] if fixed else 2 * pp
-        self.schedule = schedule
-        self.virtual_stages = virtual_stages
-        if pp > 1:
-            if auto:
-                settle_auto(pp, self.microbatches, virtual_stages)  # raises for a layout no schedule fits
-            else:
-                validate_schedule(schedule, pp, self.microbatches, virtual_stages)
-        if isinstance(balance, str) and balance not in ("params", "time"):
-            raise ValueError(f"balance={balance!r} must be 'params', 'time' or a list of blocks per stage")
-        self._balance, self._split_points, self._blocks = balance, split_points, blocks
+        self.config = TensorPipeConfig(
+            tp=tp, pp=pp, dp=dp, ep=ep, layout=layout, device_memory=device_memory, global_batch=global_batch,
+            microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages, balance=balance,
+            split_points=split_points, blocks=blocks, tp_plan=tp_plan, verify=verify,
+            activation_checkpointing=activation_checkpointing, loss_parallel=loss_parallel,
+            sequence_parallel=sequence_parallel, dp_sharding=dp_sharding, vocab_exchange=vocab_exchange,
+            loss_normalization=loss_normalization, print_plan=print_plan,
+            save_distributed_checkpoint=save_distributed_checkpoint, async_save=async_save,
+            on_nonfinite=on_nonfinite, pipeline_metrics=pipeline_metrics,
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+            weights=weights, weights_prefix=weights_prefix)
+        self._auto_layout = self.config.auto_request()  # decided at setup (AutoLayout._before_mesh)
         self._state: Optional[ParallelState] = None
         self.worker_plan: Optional[TPPlan] = None  # rank 0's plan, handed back by a spawn/fork launch
-        self._tp_plan_arg = tp_plan
-        self._verify = verify
-        if not isinstance(activation_checkpointing, bool):
-            raise TypeError(f"activation_checkpointing={activation_checkpointing!r} must be True or False")
-        self._activation_checkpointing = activation_checkpointing
-        if not isinstance(loss_parallel, bool):
-            raise TypeError(f"loss_parallel={loss_parallel!r} must be True or False")
-        self._loss_parallel = loss_parallel
-        if not isinstance(sequence_parallel, bool):
-            raise TypeError(f"sequence_parallel={sequence_parallel!r} must be True or False")
-        if sequence_parallel and tp < 2:
-            raise ValueError(f"sequence_parallel=True cuts the sequence over the tensor-parallel ranks and needs "
-                             f"tp >= 2, got tp={tp}")
-        self._sequence_parallel = sequence_parallel
-        self._dp_sharding = normalize_sharding(dp_sharding)
-        if not isinstance(vocab_exchange, bool):
-            raise TypeError(f"vocab_exchange={vocab_exchange!r} must be True or False")
-        self._vocab_exchange = vocab_exchange
-        self._loss_normalization = check_normalization(loss_normalization)
-        self._save_sharded = save_distributed_checkpoint
-        self._async_saver = AsyncSaver(timeout) if check_async_save(async_save, sharded=save_distributed_checkpoint) \
-            else None
-        if on_nonfinite not in ("raise", "skip", "warn"):
-            raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'raise', 'skip' or 'warn'")
-        self._on_nonfinite = on_nonfinite
-        if not isinstance(pipeline_metrics, bool):
-            raise TypeError(f"pipeline_metrics={pipeline_metrics!r} must be True or False")
-        self._pipeline_metrics = pipeline_metrics
+        self._async_saver = AsyncSaver(timeout) if async_save else None
         self._metrics: Optional[PipelineMetrics] = None
         self._expert_load: Optional[ExpertLoad] = None  # tokens per expert, logged under moe/
         self._signal_report: Optional[SignalReport] = None
@@ -293,12 +148,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         self.nonfinite_replicas: list[int] = []  # dp replicas of the last non-finite loss (SpikeGuard records them)
         self._restored_sharded = False
         self._checked_optimizers: set[int] = set()
-        self._print_plan = print_plan
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._start_method = start_method
-        self._weights = None if weights is None else os.fspath(weights)
-        self._weights_prefix = weights_prefix
+        self._process_group_backend = process_group_backend  # the backend in use once set up
         self._num_nodes = 1
         self._dims: Optional[MeshDims] = None
         self._mesh: Optional[DeviceMesh] = None
@@ -331,7 +181,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
 
     @override
     def _configure_launcher(self) -> None:  # Lightning's hook for a strategy's launcher (DDPStrategy overrides it too)
-        self._launcher = make_launcher(self, self._start_method)
+        self._launcher = make_launcher(self, self.config.start_method)
 
     # ------------------------------------------------------------------------------------------------------------
     # model
@@ -354,7 +204,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         self._state = state
         if state.engine is not None:
             executor = state.engine.executor
-            executor.normalization, executor.dp_group, executor.dp_size = (self._loss_normalization, self._dp_group,
+            executor.normalization, executor.dp_group, executor.dp_size = (self.config.loss_normalization, self._dp_group,
                                                                            self.dims.dp)
         self._observe()
         self.model = self.precision_plugin.convert_module(self.model)
@@ -371,7 +221,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         on_meta = has_meta(module)
         check_agreement({**self._fingerprint(module), "built on the meta device": on_meta})
         broadcast_module(module, src=0)  # what exists already (an eager model); meta tensors are initialised per rank
-        if self._pp > 1:
+        if self.config.pp > 1:
             if not module.automatic_optimization:
                 raise ValueError("pipeline parallelism (pp>1) runs forward and backward inside the schedule and "
                                  "needs automatic optimization; set automatic_optimization = True or use pp=1")
@@ -381,39 +231,33 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
                                  "skip decision. Use precision='bf16-mixed' (no scaler needed) or '32-true'")
         sync_batchnorm_over_dp(module, convert=self._sync_batchnorm, dp=self.dims.dp, group=self._dp_group,
                                device=self.root_device)  # before the cut: Trainer(sync_batchnorm=True), over dp only
-        config = ParallelConfig(self._tp, self._pp, self.microbatches, self.schedule, self.virtual_stages,
-                                self._balance, self._split_points, self._blocks, self._tp_plan_arg, self._verify,
-                                activation_checkpointing=self._activation_checkpointing,
-                                loss_parallel=self._loss_parallel, sequence_parallel=self._sequence_parallel,
-                                ep=self._ep)
         groups = ProcessGroups(self._mesh, self._tp_group, self._pp_group, self._dp_group, self._ep_group)
         self._tp_group.stream.seed = seed = self._agreed_seed()  # the strategy's own draws derive from it
         meta = None
         if on_meta:  # what a weights file fills is only allocated (strict or not, the rest is initialised)
-            loaded = covered_names(self._weights, names=ParamNames.of(module), prefix=self._weights_prefix,
+            loaded = covered_names(self.config.weights, names=ParamNames.of(module), prefix=self.config.weights_prefix,
                                    module=module) \
-                if self._weights is not None else frozenset()
+                if self.config.weights is not None else frozenset()
             meta = Materialization(self.root_device, seed, loaded)
-        state = build_state(module, config, self.dims, groups, rank=self.global_rank, device=self.root_device,
-                            print_plan=self._print_plan, meta=meta)
+        state = build_state(module, self.config, self.dims, groups, rank=self.global_rank, device=self.root_device,
+                            meta=meta)
         state.config = self._config()
         state.layout = self.layout_choice  # layout="auto": what was chosen (None when the degrees were given)
-        if self._weights is not None:
-            loaded = load_weights(module, self._weights, names=state.names, shards=state.shards,
+        if self.config.weights is not None:
+            loaded = load_weights(module, self.config.weights, names=state.names, shards=state.shards,
                                   tp_rank=self._tp_group.rank, tp_size=self._tp_group.size,
-                                  prefix=self._weights_prefix, strict=module.strict_loading)
+                                  prefix=self.config.weights_prefix, strict=module.strict_loading)
             rank_zero_info(loaded.describe())
-        if self.dims.dp > 1 and self._dp_sharding != "no_shard":
+        if self.dims.dp > 1 and self.config.dp_sharding != "no_shard":
             self.precision_plugin.convert_module(module)  # before FSDP2 fixes the dtype it gathers in (bf16-true)
-            shard_state_over_dp(module, state, self._blocks, sharding=self._dp_sharding,
-                                keep=expert_parameters(module), vocab_exchange=self._vocab_exchange, print_plan=self._print_plan)
+            shard_state_over_dp(module, state, self.config, keep=expert_parameters(module))
         return state
 
     def _observe(self) -> None:
         """Pipeline metrics, and the hang report (on SIGUSR1, and when the failure watch stops this rank)."""
         coords = self.dims.coords(self.global_rank)
         self._metrics = PipelineMetrics(self._engine, coords=coords, tp=self.dims.tp) \
-            if self._pipeline_metrics and self._engine is not None else None
+            if self.config.pipeline_metrics and self._engine is not None else None
         layers = self.parallel_state.experts
         if self._expert_load is not None:
             self._expert_load.remove()
@@ -437,13 +281,20 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         return int(seed.item())
 
     def _config(self) -> dict[str, str]:
-        """The arguments that decide how the model is cut and run, as compared across ranks and runs."""
-        return {k: repr(getattr(self, k)) for k in ("_tp", "_pp", "_dp_arg", "_ep", "microbatches", "schedule",
-                                                     "virtual_stages", "_tp_plan_arg", "_balance", "_split_points",
-                                                     "_blocks", "_save_sharded", "_on_nonfinite", "_weights",
-                                                     "_weights_prefix", "_activation_checkpointing",
-                                                     "_dp_sharding", "_vocab_exchange", "_sequence_parallel",
-                                                     "_sync_batchnorm")}
+        """The arguments that decide how the model is cut and run, as compared across runs (adoption)."""
+        return {**self.config.cutting(), "sync_batchnorm": repr(self._sync_batchnorm)}
+
+    @property
+    def microbatches(self) -> int:
+        return self.config.microbatches  # type: ignore[return-value]  (set at construction)
+
+    @property
+    def schedule(self) -> ScheduleLike:
+        return self.config.schedule
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.config.virtual_stages
 
     @property
     def _sync_batchnorm(self) -> bool:
@@ -451,9 +302,9 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         return layer_sync_requested(self)
 
     def _fingerprint(self, module: nn.Module) -> dict[str, Any]:
-        return {"configuration": self._config(), "model": model_structure(module),
-                "loss normalization": self._loss_normalization,
-                "seed": os.environ.get("PL_GLOBAL_SEED"), "pipeline metrics": self._pipeline_metrics}
+        """What every rank must agree on before the model is cut: every argument (but print_plan), the model."""
+        return {"configuration": {**self.config.agreement(), "sync_batchnorm": repr(self._sync_batchnorm)},
+                "model": model_structure(module), "seed": os.environ.get("PL_GLOBAL_SEED")}
 
     def _use_dp_groups_for_metrics(self, module: nn.Module) -> None:
         """torchmetrics sync over the world by default; tp (and pp) replicas are not extra samples."""
@@ -518,7 +369,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
             self._tp_group.stream.start_step(self.lightning_module.trainer.fit_loop.total_batch_idx)
         if self._engine is not None:
             out = self._pipeline_training_step(*args, **kwargs)
-        elif self._loss_normalization == "global" and self.dims.dp > 1:  # a token mean over every replica's tokens
+        elif self.config.loss_normalization == "global" and self.dims.dp > 1:  # a token mean over every replica's tokens
             with GlobalTokenMean(self._dp_group, self.dims.dp, self.root_device):
                 out = super().training_step(*args, **kwargs)
         else:
@@ -540,7 +391,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
     def _finite_everywhere(self, loss: Tensor) -> bool:
         step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
         return finite_everywhere(loss, dims=self.dims, rank=self.global_rank, dp_group=self._dp_group,
-                                 policy=self._on_nonfinite, step=step, found=self.nonfinite_replicas)
+                                 policy=self.config.on_nonfinite, step=step, found=self.nonfinite_replicas)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
@@ -634,3 +485,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="tensor x pipeline x data parallelism")
 
+
+# the arguments' documentation lives with the config; the strategy's docstring shows it (help, LightningCLI)
+TensorPipeStrategy.__doc__ = f"{(TensorPipeStrategy.__doc__ or '').rstrip()}\n\n" \
+                             f"{(TensorPipeConfig.__doc__ or '').partition(chr(10) * 2)[2]}"

@@ -77,7 +77,7 @@ class CheckpointMixin:
 
     @override  # type: ignore[misc]
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._save_sharded:
+        if self.config.save_distributed_checkpoint:
             return {}  # written by save_checkpoint, shard by shard
         return self.whole_model_state()
 
@@ -85,7 +85,7 @@ class CheckpointMixin:
         """The single-device ``state_dict`` (on the first stage's ranks; collective over tp and pp)."""
         assert self.lightning_module is not None
         state = full_state_dict(self.lightning_module, self._tp_group, self.parallel_state.shards)
-        if self._pp == 1:
+        if self.config.pp == 1:
             return state
         stages = self._gather_stages({k: v.cpu() for k, v in state.items()})
         return {k: v for stage in stages for k, v in stage.items()} if stages is not None else state
@@ -96,7 +96,7 @@ class CheckpointMixin:
         if "state_dict" not in checkpoint:
             return  # a sharded checkpoint, loaded in load_checkpoint
         state = checkpoint["state_dict"]
-        if self._pp > 1:  # this stage's entries; the other stages' keys are not "unexpected" here
+        if self.config.pp > 1:  # this stage's entries; the other stages' keys are not "unexpected" here
             own = self.lightning_module.state_dict().keys()
             state = {k: v for k, v in state.items() if k in own}
         load_full_state_dict(self.lightning_module, state, self._tp_group, self.parallel_state.shards, strict=strict)
@@ -106,12 +106,12 @@ class CheckpointMixin:
         """The ordinary single-device ``optimizer.state_dict()`` (whole tensors, indices in the single-device
         model's parameter order), whatever the layout: resumable in any layout and without a strategy."""
         assert self.lightning_module is not None
-        if self._save_sharded:
+        if self.config.save_distributed_checkpoint:
             return {}
         optimizer = torch_optimizer(optimizer)
         named = named_optimizer_state(optimizer, self.lightning_module, self._param_names, self._tp_group,
                                       self.parallel_state.shards)
-        if self._pp > 1:
+        if self.config.pp > 1:
             stages = self._gather_stages(named)
             if stages is None:
                 return {}
@@ -147,7 +147,7 @@ class CheckpointMixin:
         checkpoint[elastic.KEY] = elastic.world_record(  # what a resume in another world size keeps
             dp=self.dims.dp, accumulate=trainer.accumulate_grad_batches if trainer is not None else 1,
             world_size=self.world_size, loader=trainer.train_dataloader if trainer is not None else None)
-        if self._save_sharded:
+        if self.config.save_distributed_checkpoint:
             return self._save_sharded_checkpoint(checkpoint, path or Path(self.broadcast(str(filepath))))
         if not self.is_global_zero:
             return
@@ -165,7 +165,7 @@ class CheckpointMixin:
         assert self.lightning_module is not None
         module, optimizers = self.lightning_module, [torch_optimizer(o) for o in self.optimizers]
         groups = named_param_groups(optimizers, module, self._param_names)
-        if self._pp > 1:  # every stage's parameter names in each group
+        if self.config.pp > 1:  # every stage's parameter names in each group
             stages = self._gather_stages(groups)
             if stages is not None:
                 groups = merge_param_groups(stages)

@@ -120,21 +120,21 @@ class MeshTopology:
         kwargs: dict[str, Any] = {}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        init_processes(self.cluster_environment, self._process_group_backend, self._timeout, **kwargs)
+        init_processes(self.cluster_environment, self._process_group_backend, self.config.timeout, **kwargs)
         _destroy_process_group_at_exit()
         agree_with_rank0(self.root_device)  # the user's streams as rank 0 holds them (DDP reseeds them instead)
         self._before_mesh()  # layout="auto" sets tp, pp and dp here (lightning_tpp.layout.strategy)
-        self._dims = resolve_dims(self.world_size, self._tp, self._pp, self._dp_arg)
+        self._dims = resolve_dims(self.world_size, self.config.tp, self.config.pp, self.config.dp)
         self._mesh = build_mesh(self._dims, self.root_device.type)
         coords = self._dims.coords(self.global_rank)
         self._tp_group = TPGroup(self._mesh.get_group("tp"), coords["tp"], self._dims.tp)
         self._dp_group = self._mesh.get_group("dp")
         self._pp_group = self._mesh.get_group("pp")
-        if self._ep > 1:
-            check_ep(self._ep, dp=self._dims.dp, tp=self._dims.tp)
-            self._ep_group = expert_group(self._mesh, self._ep, rank=self.global_rank, dp=self._dims.dp)
+        if self.config.ep > 1:
+            check_ep(self.config.ep, dp=self._dims.dp, tp=self._dims.tp)
+            self._ep_group = expert_group(self._mesh, self.config.ep, rank=self.global_rank, dp=self._dims.dp)
         if self._watch is None and self.world_size > 1:
-            seconds = self._timeout.total_seconds() if self._timeout is not None else 1800.0
+            seconds = self.config.timeout.total_seconds() if self.config.timeout is not None else 1800.0
             self._watch = FailureWatch(job_store(default_store()), self.global_rank, self.world_size,
                                        timeout=min(seconds, 60.0))
             self._watch.start()

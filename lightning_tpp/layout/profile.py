@@ -32,7 +32,8 @@ from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.meta_ops import DataDependentOnMeta
 from lightning_tpp.experts.detect import MoELayer, find_experts, top_k
 from lightning_tpp.memory.activations import ForwardFn, _default_forward, activations_per_stage, meta_copy
-from lightning_tpp.parallel_state import ParallelConfig, cut
+from lightning_tpp.config import planning_config
+from lightning_tpp.parallel_state import cut
 from lightning_tpp.pipeline.partition import find_block_sequences, plan_partition
 from lightning_tpp.tensor_parallel import TensorParallelConfigError, check_divisible
 
@@ -304,7 +305,7 @@ def _at_tp(copy: nn.Module, partition: Any, tp: int, seq_len: int, dtype: torch.
     (checkpointing on, and off), and the parameters outside the blocks on the first and last stage."""
     dims = MeshDims(1, 1, tp)
     twin = meta_copy(copy, dtype)
-    config = ParallelConfig(tp, 1, 1, "1f1b", 1, "params", None, blocks, tp_plan, False, ep=ep)
+    config = planning_config(tp, 1, 1, blocks=blocks, tp_plan=tp_plan, ep=ep)
     _, plan, _ = cut(twin, config, dims, pp_rank=0, device=torch.device("meta"), tp_group=TPGroup(None, 0, tp),
                      ep_group=TPGroup(None, 0, ep) if ep > 1 else None)
     if tp > 1:

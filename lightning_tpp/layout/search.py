@@ -30,6 +30,7 @@ from lightning_tpp.layout.cost import BlockTimes, StepTime, step_time
 from lightning_tpp.layout.links import DeviceSpec
 from lightning_tpp.layout.memory import LayoutMemory, layout_memory
 from lightning_tpp.layout.plan import SHARDINGS, Layout, Sharding
+from lightning_tpp.config import parse_bytes  # noqa: F401 (its home: the config validates device_memory=)
 from lightning_tpp.layout.profile import ModelProfile
 
 GiB = 1024 ** 3
@@ -111,16 +112,6 @@ class Ranking:
         rows += [f"dropped: {n} x {r}" for r, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
         rows += [f"note: {n}" for n in self.notes]
         return "\n".join(rows)
-
-
-def parse_bytes(text: str, *, name: str = "--device-memory") -> float:
-    """``80GB`` -> 80e9, ``80GiB`` -> 80 * 2**30 (also KB/MB/TB and their binary forms, or a plain number of bytes)."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B)?\s*", text, flags=re.IGNORECASE)
-    if not match:
-        raise ValueError(f"{name} {text!r} must look like 80GB, 80GiB or a number of bytes")
-    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-    power = " KMGT".index(unit[0]) if unit != "B" else 0
-    return number * ((1024 if "I" in unit else 1000) ** power)
 
 
 def size(nbytes: float) -> str:

@@ -26,61 +26,9 @@ from lightning_tpp.layout.cost import BlockTimes
 from lightning_tpp.layout.links import DEVICES, DeviceSpec, cpu_memory_share, cpu_spec, measure_link
 from lightning_tpp.layout.plan import Layout
 from lightning_tpp.layout.profile import profile_model
-from lightning_tpp.layout.search import Ranking, parse_bytes, search_layouts
+from lightning_tpp.config import AUTO, AutoLayoutError, AutoRequest, auto_request  # noqa: F401 (their home)
+from lightning_tpp.layout.search import Ranking, search_layouts
 from lightning_tpp.layout.timing import Meeting, time_blocks, time_copy, time_ends, time_optimizer
-
-AUTO = "auto"
-
-
-class AutoLayoutError(ValueError):
-    """``layout="auto"`` cannot decide: what it needs is missing or contradicts a fixed argument."""
-
-
-@dataclass(frozen=True)
-class AutoRequest:
-    """What the user left to the search (``None``: searched) and the budget."""
-
-    tp: Optional[int]
-    pp: Optional[int]
-    activation_checkpointing: Optional[bool]
-    dp_sharding: Optional[str]
-    device_memory: Optional[float]
-    global_batch: Optional[int]
-    margin: float = 0.1
-    ep: Optional[int] = None  # searched (layout="auto", where the model has experts), else the given one
-
-
-def auto_request(*, tp: Any, pp: Any, dp: Any, layout: Optional[str], device_memory: Optional[Union[float, str]],
-                 global_batch: Optional[int], activation_checkpointing: bool, dp_sharding: str, ep: int = 1
-                 ) -> Optional[AutoRequest]:
-    """The request the strategy's arguments make, or ``None`` when every degree is given (the search is off).
-    ``layout="auto"`` searches ep too; ``tp="auto"`` / ``pp="auto"`` keep the given ``ep``."""
-    if layout not in (None, AUTO):
-        raise AutoLayoutError(f"layout={layout!r} must be 'auto' or None (tp, pp and dp given)")
-    if layout is None and AUTO not in (tp, pp):
-        if device_memory is not None or global_batch is not None:
-            raise AutoLayoutError("device_memory= and global_batch= are budgets for the layout search; pass "
-                                  "layout='auto' (or tp='auto' / pp='auto') with them")
-        return None
-    if dp != AUTO:
-        raise AutoLayoutError(f"dp={dp!r} with a searched layout: dp is what tp and pp leave; pass dp='auto'")
-    if global_batch is not None and (not isinstance(global_batch, int) or global_batch < 1):
-        raise AutoLayoutError(f"global_batch={global_batch!r} must be a positive number of samples per optimizer step")
-    whole = layout == AUTO
-    return AutoRequest(tp=None if whole or tp == AUTO else tp, pp=None if whole or pp == AUTO else pp,
-                       activation_checkpointing=None if whole else activation_checkpointing,
-                       dp_sharding=None if whole else dp_sharding, device_memory=_bytes(device_memory),
-                       global_batch=global_batch, ep=None if whole else ep)
-
-
-def _bytes(value: Optional[Union[float, str]]) -> Optional[float]:
-    if value is None or isinstance(value, (int, float)):
-        return None if value is None else float(value)
-    try:
-        return parse_bytes(value, name="device_memory=")
-    except ValueError as err:
-        raise AutoLayoutError(f"{err} (or bytes as a number)") from None
-
 
 def batch_shape(module: nn.Module, data: Any = None) -> tuple[int, int]:
     """(sequences, tokens) of one per-process batch: the LightningModule's ``example_input_array`` (token ids) where
@@ -361,10 +309,11 @@ def _run_data(module: Any) -> Any:
 
 
 class AutoLayout:
-    """Strategy mixin: with a searched layout, decides the degrees before the mesh is built (``_before_mesh``).
-    Expects the strategy's ``_auto_layout`` and the attributes the choice sets."""
+    """Strategy mixin: with a searched layout, decides the degrees before the mesh is built (``_before_mesh``): the
+    strategy's ``config`` becomes the chosen one (``TensorPipeConfig.with_layout``)."""
 
     _auto_layout: Optional[AutoRequest]
+    config: Any  # lightning_tpp.config.TensorPipeConfig
     layout_choice: Optional[Layout] = None
     layout_ranking: Optional[Ranking] = None  # rank 0's ranked candidates (None on other ranks)
 
@@ -404,14 +353,7 @@ class AutoLayout:
             ) from err
 
     def _apply_layout(self, layout: Layout, module: nn.Module) -> None:
-        from lightning_tpp.pipeline.schedule import validate
-        self._tp, self._pp, self._dp_arg, self._ep = layout.tp, layout.pp, layout.dp, layout.ep
-        self.microbatches, self.virtual_stages = layout.microbatches, 1
-        if layout.pp > 1:
-            validate(layout.schedule, layout.pp, layout.microbatches, 1)
-            self.schedule = layout.schedule
-        self._activation_checkpointing = layout.activation_checkpointing
-        self._dp_sharding = layout.dp_sharding
+        self.config = self.config.with_layout(layout)  # validated: the schedule fits the chosen pp
         if self._auto_layout is not None and self._auto_layout.global_batch is not None:
             trainer = module.trainer
             if trainer.accumulate_grad_batches not in (1, layout.accumulate):

@@ -20,7 +20,8 @@ from lightning_tpp.experts.expert_parallel import check_ep, expert_parameters
 from lightning_tpp.pipeline.partition import Partition
 from lightning_tpp.pipeline.auto import AUTO, AUTO_CANDIDATES, AUTO_MEASURE, settle_auto
 from lightning_tpp.pipeline.schedule import ScheduleLike, actions, resolve
-from lightning_tpp.parallel_state import ParallelConfig, cut
+from lightning_tpp.config import planning_config
+from lightning_tpp.parallel_state import cut
 from lightning_tpp.tensor_parallel import TPPlan
 from lightning_tpp.memory.activations import ForwardFn, activations_per_stage, block_names, meta_copy
 
@@ -267,8 +268,8 @@ def _cut(module: nn.Module, dims: MeshDims, pp_rank: int, virtual: int, dtype: t
          ) -> tuple[nn.Module, TPPlan, Optional[Partition]]:
     """A meta copy of ``module`` cut for ``pp_rank`` as ``parallel_state.build_state`` cuts it (tp rank 0)."""
     copy = meta_copy(module, dtype)
-    config = ParallelConfig(dims.tp, dims.pp, 1, "1f1b", virtual, balance, split_points, blocks, tp_plan, False,
-                            ep=ep)
+    config = planning_config(dims.tp, dims.pp, virtual, balance=balance, split_points=split_points, blocks=blocks,
+                             tp_plan=tp_plan, ep=ep)
     stages, plan, _ = cut(copy, config, dims, pp_rank=pp_rank, device=torch.device("meta"),
                           tp_group=TPGroup(None, 0, dims.tp), ep_group=TPGroup(None, 0, ep) if ep > 1 else None)
     return copy, plan, stages.partition if stages is not None else None

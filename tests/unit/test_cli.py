@@ -18,7 +18,7 @@ def test_cli_command_line() -> None:
         "--trainer.strategy.tp_plan={'*.mlp': 'replicate'}"])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, TensorPipeStrategy)
-    assert strategy._tp == 2 and strategy._tp_plan_arg == {"*.mlp": "replicate"}
+    assert strategy.config.tp == 2 and strategy.config.tp_plan == {"*.mlp": "replicate"}
 
 
 def test_cli_yaml(tmp_path: Path) -> None:
@@ -39,8 +39,8 @@ model:
 """)
     cli = LightningCLI(LitLM, run=False, args=[f"--config={config}"])
     strategy = cli.trainer.strategy
-    assert isinstance(strategy, TensorPipeStrategy) and strategy._tp == 2 and strategy._dp_arg == 2
-    assert strategy._verify is False
+    assert isinstance(strategy, TensorPipeStrategy) and strategy.config.tp == 2 and strategy.config.dp == 2
+    assert strategy.config.verify is False
 
 
 def test_registered_name() -> None:

@@ -159,7 +159,7 @@ def test_errors(llama4) -> None:
 def test_strategy_arguments() -> None:
     from lightning_tpp import TensorPipeStrategy
     s = TensorPipeStrategy(tp="auto", pp=2, device_memory="1GB")
-    assert (s._tp, s._pp, s._auto_layout.tp, s._auto_layout.pp) == (1, 2, None, 2)  # tp decided at setup
+    assert (s.config.tp, s.config.pp, s._auto_layout.tp, s._auto_layout.pp) == ("auto", 2, None, 2)  # tp decided at setup (with_layout)
     with pytest.raises(AutoLayoutError, match="dp=2 with a searched layout"):
         TensorPipeStrategy(layout="auto", dp=2)
 

@@ -192,4 +192,4 @@ def test_the_strategy_reads_trainers_sync_batchnorm() -> None:
         trainer = L.Trainer(strategy=TensorPipeStrategy(), accelerator="cpu", devices=1, sync_batchnorm=flag,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False)
         assert trainer.strategy._sync_batchnorm is flag  # type: ignore[attr-defined]
-        assert trainer.strategy._config()["_sync_batchnorm"] == repr(flag)  # type: ignore[attr-defined]
+        assert trainer.strategy._config()["sync_batchnorm"] == repr(flag)  # type: ignore[attr-defined]

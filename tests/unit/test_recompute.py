@@ -196,7 +196,7 @@ def test_strategy_recomputes_the_blocks_in_one_process(process_group: None) -> N
     trainer = _fit(module, activation_checkpointing=True, print_plan=False)
     assert trainer.strategy.parallel_state.recomputed == tuple(f"model.{b}" for b in BLOCKS)
     assert all(is_recomputed(b) for b in module.model.transformer.h)
-    with pytest.raises(ValueError, match="_activation_checkpointing: True .then. vs False .now."):
+    with pytest.raises(ValueError, match="activation_checkpointing: True .then. vs False .now."):
         _fit(module, activation_checkpointing=False)
 
 

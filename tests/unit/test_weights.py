@@ -245,7 +245,7 @@ def test_weights_are_part_of_the_strategy_configuration() -> None:
     """A second Trainer whose strategy names other weights is refused (ParallelState.check_same compares these)."""
     a = TensorPipeStrategy()._config()
     b = TensorPipeStrategy(weights="w.safetensors", weights_prefix="model.")._config()
-    assert {k for k in a if a[k] != b[k]} == {"_weights", "_weights_prefix"}
+    assert {k for k in a if a[k] != b[k]} == {"weights", "weights_prefix"}
 
 
 def test_safetensors_without_the_package_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
