@@ -27,21 +27,22 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tpp.config import TensorPipeConfig
 from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.core.grads import average_gradients
 from lightning_tpp.core.dp_shard import DPShards, shard_over_dp, sharded_numel
 from lightning_tpp.core.materialize import materialize
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.params import ParamNames, ShardIndex
 from lightning_tpp.core.recompute import recompute_blocks
 from lightning_tpp.experts import ExpertParallelConfigError, MoELayer, active_parameters, find_experts, shard_banks
-from lightning_tpp.experts.expert_parallel import ExpertGroup, split_experts
+from lightning_tpp.experts.expert_parallel import ExpertGroup, expert_parameters, reduce_expert_grads, split_experts
 from lightning_tpp.pipeline.batchnorm import DeferredStatistics, batch_statistics_layers
 from lightning_tpp.pipeline.build import PreparedStages, TiedWeight, finish_stages, format_partition, prepare_stages
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.partition import PipelinePartitionError, block_modules, describe, find_block_sequences
 from lightning_tpp.pipeline.auto import settle_auto
 from lightning_tpp.pipeline.stage import end_stage_forward_last
-from lightning_tpp.tensor_parallel.apply import BlockState, block_states, unchecked_replicated
-from lightning_tpp.tensor_parallel.sequence import ElementState, apply_sequence_parallel
+from lightning_tpp.tensor_parallel.apply import BlockState, block_states, sum_block_partials, unchecked_replicated
+from lightning_tpp.tensor_parallel.sequence import ElementState, apply_sequence_parallel, sum_partial_gradients
 from lightning_tpp.tensor_parallel import (
     TensorParallelConfigError,
     TPPlan,
@@ -86,6 +87,7 @@ class ParallelState:
     experts: list[MoELayer] = field(default_factory=list)  # the mixture-of-experts layers of this rank
     config: dict[str, str] = field(default_factory=dict)
     layout: Optional[Any] = None  # layout="auto": the chosen lightning_tpp.layout.Layout
+    reduction: Optional["GradientReduction"] = None  # the per-step gradient reduction (built at the end of setup)
 
     def attach(self, module: nn.Module) -> None:
         module.__dict__[_SLOT] = self
@@ -108,6 +110,34 @@ class ParallelState:
                 "this LightningModule was already parallelised by a TensorPipeStrategy with other arguments "
                 + ", ".join(f"{k}: {a} (then) vs {b} (now)" for k, (a, b) in differences.items())
                 + "; its layers are already cut that way. Use the same arguments, or build a fresh module")
+
+
+@dataclass
+class GradientReduction:
+    """What each optimizer step does to the gradients before clipping, built once at setup (after FSDP2, whose
+    parameters it holds) and run without walking the model: the partial sums over tp (sequence parallelism's
+    norms, replicated parameters used on this rank's heads), then the dense parameters averaged over dp and each
+    expert's gradient over the ranks holding it. ``requires_grad`` is read at every step (a callback may unfreeze
+    layers mid-run)."""
+
+    state: ParallelState
+    dense: list[nn.Parameter]
+    experts: list[nn.Parameter]
+    dp_group: Optional[ProcessGroup]
+
+    @staticmethod
+    def of(module: nn.Module, state: ParallelState) -> "GradientReduction":
+        experts = expert_parameters(module)
+        split = {id(p) for p in experts}
+        dense = [p for p in module.parameters() if id(p) not in split]
+        return GradientReduction(state, dense, experts, state.groups.dp)
+
+    def __call__(self) -> None:
+        sum_partial_gradients(self.state.sequence)  # sequence parallelism: each tp rank saw part of the tokens
+        sum_block_partials(self.state.tp_blocks)  # replicated parameters used on this rank's heads only
+        average_gradients([p for p in self.dense if p.requires_grad], self.dp_group)
+        if self.state.groups.ep is not None:  # averaged over their replicas only
+            reduce_expert_grads(self.experts, self.state.groups.ep)
 
 
 @dataclass(frozen=True)

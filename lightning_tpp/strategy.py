@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Generator, Literal, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -42,9 +42,7 @@ from lightning_tpp.checkpoint.weights import covered_names, load_weights
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.config import TensorPipeConfig
 from lightning_tpp.core.dp_shard import DPSharding
-from lightning_tpp.core.grads import average_gradients, broadcast_module
-from lightning_tpp.tensor_parallel.apply import sum_block_partials
-from lightning_tpp.tensor_parallel.sequence import sum_partial_gradients
+from lightning_tpp.core.grads import broadcast_module
 from lightning_tpp.core.materialize import has_meta, move_real
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.params import ParamNames, ShardIndex
@@ -57,11 +55,12 @@ from lightning_tpp.integration.precision import GlobalNormClippingStrategy
 from lightning_tpp.integration.summary import count_whole_model
 from lightning_tpp.integration.sync_batchnorm import sync_batchnorm_over_dp
 from lightning_tpp.integration.topology import MeshTopology
-from lightning_tpp.layout.strategy import AutoLayout, auto_request
-from lightning_tpp.parallel_state import Materialization, ParallelState, ProcessGroups, build_state, shard_state_over_dp
+from lightning_tpp.layout.strategy import AutoLayout
+from lightning_tpp.parallel_state import (GradientReduction, Materialization, ParallelState, ProcessGroups,
+                                         build_state, shard_state_over_dp)
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.metrics import PipelineMetrics
-from lightning_tpp.experts.expert_parallel import ExpertGroup, expert_parameters, reduce_expert_grads
+from lightning_tpp.experts.expert_parallel import ExpertGroup, expert_parameters
 from lightning_tpp.integration.expert_load import ExpertLoad
 from lightning_tpp.pipeline.schedule import ScheduleLike
 from lightning_tpp.reliability.nonfinite import finite_everywhere
@@ -251,6 +250,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         if self.dims.dp > 1 and self.config.dp_sharding != "no_shard":
             self.precision_plugin.convert_module(module)  # before FSDP2 fixes the dtype it gathers in (bf16-true)
             shard_state_over_dp(module, state, self.config, keep=expert_parameters(module))
+        state.reduction = GradientReduction.of(module, state)  # the parameters as FSDP2 left them
         return state
 
     def _observe(self) -> None:
@@ -431,16 +431,9 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
             self._average_dp_gradients()
 
     def _average_dp_gradients(self) -> None:
-        assert self.lightning_module is not None
-        if self._state is not None:
-            sum_partial_gradients(self._state.sequence)  # sequence parallelism: each tp rank saw part of the tokens
-            sum_block_partials(self._state.tp_blocks)  # replicated parameters used on this rank's heads only
-        experts = expert_parameters(self.lightning_module)  # averaged over their replicas only
-        split = {id(p) for p in experts}
-        params = [p for p in self.lightning_module.parameters() if p.requires_grad and id(p) not in split]
-        average_gradients(params, self._dp_group)
-        if self._ep_group is not None:
-            reduce_expert_grads(experts, self._ep_group)
+        reduction = self.parallel_state.reduction
+        assert reduction is not None
+        reduction()
 
     # ------------------------------------------------------------------------------------------------------------
     # failures

@@ -22,7 +22,6 @@ step) predicted 2.4% faster than without ep measured 1.58x slower in one run, 2.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, is_dataclass, replace
-from typing import Any, Optional, Union
+from dataclasses import fields, is_dataclass, replace
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
