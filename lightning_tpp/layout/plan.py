@@ -8,7 +8,7 @@ of a stage as Megatron-Core and torchtitan draw it, so it adds no devices::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 Sharding = Literal["full_shard", "shard_grad_op", "no_shard"]
@@ -47,16 +47,6 @@ class Layout:
         """Whether FSDP2 shards parameters, gradients and optimizer state over dp."""
         return self.dp > 1 and self.dp_sharding != "no_shard"
 
-    def normalized(self) -> "Layout":
-        """The same layout with the fields that do not apply set to their defaults (no pipeline: one micro-batch
-        and 1F1B; no dp: full_shard), so that equal runs compare equal."""
-        out = self
-        if self.pp == 1:
-            out = replace(out, microbatches=1, schedule="1f1b")
-        if self.dp == 1:
-            out = replace(out, dp_sharding="full_shard")
-        return out
-
     def describe(self) -> str:
         """``tp=2 pp=2 dp=1 m=4 1f1b ac=off`` (``ep=2`` after dp when experts are split) as the ranked table
         prints it."""
@@ -69,9 +59,3 @@ class Layout:
         if self.accumulate > 1:
             parts.append(f"accum={self.accumulate}")
         return " ".join(parts)
-
-    def strategy_kwargs(self) -> dict[str, object]:
-        """The ``TensorPipeStrategy`` arguments that run this layout."""
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep, "microbatches": self.microbatches,
-                "schedule": self.schedule, "activation_checkpointing": self.activation_checkpointing,
-                "dp_sharding": self.dp_sharding}

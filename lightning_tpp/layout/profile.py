@@ -37,7 +37,6 @@ from lightning_tpp.parallel_state import cut
 from lightning_tpp.pipeline.partition import find_block_sequences, plan_partition
 from lightning_tpp.tensor_parallel import TensorParallelConfigError, check_divisible
 
-CUTTING = ("colwise", "rowwise", "colwise_gather", "vocab", "mha", "experts")
 KEEP = 3  # blocks measured per container: the first (beside the embeddings), one inside, the last (beside the head)
 REDUCING = ("rowwise", "mha", "experts")  # an all-reduce of the output per forward (of the input's gradient back)
 

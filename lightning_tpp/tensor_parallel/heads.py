@@ -44,12 +44,6 @@ def _head_dim(whole: Tensor, part: Tensor, heads: int, tp: int) -> Optional[int]
     return None
 
 
-def _pair(args: tuple) -> Optional[tuple[int, int]]:
-    """Indices of the first two tensor arguments, if there are two."""
-    found = [i for i, a in enumerate(args[:3]) if isinstance(a, Tensor)]
-    return (found[0], found[1]) if len(found) >= 2 else None
-
-
 def _operands(func: Any, args: tuple, kwargs: dict) -> Optional[tuple[Any, Any]]:
     """Keys (an index into ``args`` or a name in ``kwargs``) of the two tensors that must agree in heads: the two
     operands of an element-wise operation, or ``scaled_dot_product_attention``'s mask and query."""
