@@ -93,12 +93,10 @@ def role_measure(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_tpp.core.heap import return_freed_blocks
     from lightning_tpp.layout import measure_link, profile_model, search_layouts
     from lightning_tpp.layout.strategy import _device, block_times, link_size
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return_freed_blocks()  # the allocator the steps run under, as the strategy's setup fixes it before it times
     dist.init_process_group("gloo")
     module = lit(args.model)
     profile = profile_model(module, seq_len=SEQ)

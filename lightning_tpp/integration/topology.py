@@ -16,7 +16,6 @@ from typing_extensions import override
 
 from lightning_tpp._compat import default_store, set_rank_zero
 from lightning_tpp.core.comm import TPGroup
-from lightning_tpp.core.heap import return_freed_blocks
 from lightning_tpp.core.mesh import MeshDims, build_mesh, resolve_dims
 from lightning_tpp.core.seeding import agree_with_rank0
 from lightning_tpp.experts.expert_parallel import ExpertGroup, check_ep, expert_group
@@ -111,8 +110,6 @@ class MeshTopology:
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.root_device.type == "cpu":  # resident memory follows what tensors hold (see core/heap.py)
-            return_freed_blocks()
         self._set_world_ranks()
         self._process_group_backend = self._process_group_backend or dist.Backend.default_device_backend_map.get(
             self.root_device.type, "gloo")

@@ -82,13 +82,3 @@ def test_tied_embedding_and_head_stay_one_vocab_parallel_parameter(plumbing) -> 
     _, ranks = plumbing
     assert all(r["tied"] for r in ranks)
     assert all(r["wte_local_shape"] == (32, 32) for r in ranks)  # vocab 64 split over tp=2
-
-
-def test_cpu_ranks_return_freed_blocks(plumbing) -> None:
-    """The strategy fixed glibc's mmap threshold on its CPU ranks, once (core/heap.py); no-op without glibc."""
-    import platform
-    import sys
-
-    _, ranks = plumbing
-    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
-    assert all(r["heap"] == ("set" if glibc else "unavailable", 1) for r in ranks), [r["heap"] for r in ranks]

@@ -64,11 +64,11 @@ def test_setup_allocates_only_the_share(tmp_path: Path) -> None:
     the strategy cuts it and materialises its shards (eagerly it holds the whole model at least once: 1.0 x; measured
     here: ~0.40 x, the rank's quarter plus process-group buffers and one module at full size). The peak is the
     rank's own (``VmHWM``): ``ru_maxrss`` carries the parent's high-water mark through (v)fork + exec, and grew with
-    the pytest process (55 MiB alone, 80 MiB after other tests). The ranks run as a user's do, without
-    ``MALLOC_MMAP_THRESHOLD_``: the strategy fixes glibc's mmap threshold itself (core/heap.py), so that freed large
-    blocks leave resident memory."""
+    the pytest process (55 MiB alone, 80 MiB after other tests). The ranks run with ``MALLOC_MMAP_THRESHOLD_=65536``,
+    the setting docs/memory.md gives CPU users who want resident memory to follow what tensors hold (glibc's dynamic
+    threshold keeps freed large blocks in the heap)."""
     run_ranks(Path(__file__).parent / "worker_meta_memory.py", 4, [str(tmp_path), "2", "2"], timeout=300,
-              fresh=True).check()
+              fresh=True, env={"MALLOC_MMAP_THRESHOLD_": "65536"}).check()
     import transformers
     import torch
 

@@ -13,7 +13,6 @@ import torchmetrics
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ModelSummary
 
 from lightning_tpp import TensorPipeStrategy
-from lightning_tpp.core.heap import return_freed_blocks
 from models import VOCAB, LitLM, token_dataset
 
 
@@ -74,7 +73,6 @@ def main() -> None:
         "gathered": model.gathered,
         "summary_total": summary._summary(trainer, model).total_parameters,
         "summary_rows": summary_rows(summary, trainer, model),
-        "heap": (return_freed_blocks(), return_freed_blocks.cache_info().misses),
         "best": ckpt.best_model_path,
         "tied": model.model.transformer.wte.weight is model.model.lm_head.weight,
         "wte_local_shape": tuple(model.model.transformer.wte.weight.shape),
