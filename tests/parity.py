@@ -105,7 +105,10 @@ def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, s
     if in_order_receives:  # NCCL's way (messages of a pair matched in posting order), exercised on gloo
         class InOrder(L.Callback):
             def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-                trainer.strategy._engine._early = False
+                transport = trainer.strategy._engine.transport
+                # set where the transport reads it (a renamed attribute would leave gloo's order untested, silently)
+                assert "early" in vars(transport) and transport.early is True, vars(transport).keys()
+                transport.early = False
 
         callbacks.append(InOrder())
     trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=steps, logger=False,

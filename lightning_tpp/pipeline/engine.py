@@ -109,15 +109,6 @@ class PipelineEngine:
         self.parking = GradientParking([p for chunk in self.chunk_params for p in chunk], self.tied)
 
     @property
-    def _early(self) -> bool:
-        """Receives posted ahead (gloo); ``False`` is NCCL's in-posting-order path (tests/parity.py sets it)."""
-        return self.transport.early
-
-    @_early.setter
-    def _early(self, value: bool) -> None:
-        self.transport.early = value
-
-    @property
     def trace(self) -> Optional[Trace]:
         return self.executor.trace
 

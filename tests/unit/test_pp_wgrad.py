@@ -135,7 +135,7 @@ def test_autocast_products_match_autograd():
     filed.run()
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         assert q.grad.dtype == torch.float32, name
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-2, atol=1e-2, msg=name)
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_what_is_not_a_weight_product_runs_unchanged():
