@@ -448,17 +448,20 @@ def test_processes_timing_together_meet_before_each_block_size_even_where_one_fa
     assert len(met) == 9  # two optimizer groups, one copy
 
 
-def test_the_wait_for_the_slowest_process_is_measured_at_the_timing_barriers(llama4) -> None:
+def test_the_wait_for_the_slowest_process_is_measured_at_the_timing_barriers(llama4, monkeypatch) -> None:
     """``Meeting`` records the wait at each barrier beyond the least one (the barrier itself) per second of work
     between meetings; the cost model scales the compute of a layout of several processes by it."""
-    import time as clock
+    from lightning_tpp.layout import timing
     from lightning_tpp.layout.timing import Meeting
+    now = [0.0]  # a clock that moves only when the barrier waits or the work runs (no sleeping on busy cores)
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
     waits = iter([0.5, 0.01, 0.03, 0.01])  # the first meeting's wait (before the timing) is not counted
-    meeting = Meeting(barrier=lambda: clock.sleep(next(waits)))
+    meeting = Meeting(barrier=lambda: now.__setitem__(0, now[0] + next(waits)))
     for _ in range(4):
         meeting()
-        clock.sleep(0.1)  # the work between meetings
-    assert meeting.straggle == pytest.approx(0.02 / 0.3, rel=0.3)  # 0.02 s beyond the floor over 0.3 s of work
+        now[0] += 0.1  # the work between meetings
+    monkeypatch.undo()
+    assert meeting.straggle == pytest.approx(0.02 / 0.3)  # 0.02 s beyond the floor over 0.3 s of work
     _, profile = llama4
     times = BlockTimes({("layers", 8): (1e-3, 2e-3)})
     slow = BlockTimes({("layers", 8): (1e-3, 2e-3)}, straggle=0.25)

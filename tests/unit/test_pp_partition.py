@@ -405,8 +405,15 @@ def test_measured_block_costs_follow_the_work() -> None:
             return x
 
     torch.manual_seed(0)
-    costs = measure_block_costs(Net(), [(f"layers.{i}",) for i in range(4)], torch.randn(64, 256), repeats=5)
-    assert len(costs) == 4 and max(costs) == costs[3]
+    net, x = Net(), torch.randn(64, 256)
+    # up to three measurements: a narrow block slowed once by another process on busy cores (0.025 s against the
+    # wide one's 0.004 in one CI run) does not fail it; costs that did not follow the work would fail all three
+    for _ in range(3):
+        costs = measure_block_costs(net, [(f"layers.{i}",) for i in range(4)], x, repeats=5)
+        assert len(costs) == 4
+        if max(costs) == costs[3]:
+            break
+    assert max(costs) == costs[3], costs
     assert balance(costs, 2) == [(0, 3), (3, 4)]
 
 
