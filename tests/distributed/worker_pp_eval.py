@@ -79,7 +79,7 @@ class Record(L.Callback):
     @staticmethod
     def _in_order(trainer) -> None:
         if os.environ.get("IN_ORDER") == "1":  # NCCL's way (receives posted when needed, in order), on gloo
-            trainer.strategy._engine._early = False
+            trainer.strategy._engine.transport.early = False
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._in_order(trainer)
