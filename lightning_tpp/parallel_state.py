@@ -34,7 +34,7 @@ from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.params import ParamNames, ShardIndex
 from lightning_tpp.core.recompute import recompute_blocks
 from lightning_tpp.experts import ExpertParallelConfigError, MoELayer, active_parameters, find_experts, shard_banks
-from lightning_tpp.experts.expert_parallel import ExpertGroup, expert_parameters, reduce_expert_grads, split_experts
+from lightning_tpp.experts.expert_parallel import ExpertGroup, reduce_expert_grads, split_experts
 from lightning_tpp.pipeline.batchnorm import DeferredStatistics, batch_statistics_layers
 from lightning_tpp.pipeline.build import PreparedStages, TiedWeight, finish_stages, format_partition, prepare_stages
 from lightning_tpp.pipeline.engine import PipelineEngine
@@ -123,19 +123,17 @@ class GradientReduction:
     state: ParallelState
     dense: list[nn.Parameter]
     experts: list[nn.Parameter]
-    dp_group: Optional[ProcessGroup]
 
     @staticmethod
-    def of(module: nn.Module, state: ParallelState) -> "GradientReduction":
-        experts = expert_parameters(module)
+    def of(module: nn.Module, state: ParallelState, experts: list[nn.Parameter]) -> "GradientReduction":
+        """``experts``: :func:`expert_parameters` of ``module`` (split over ep, outside FSDP2: the same objects)."""
         split = {id(p) for p in experts}
-        dense = [p for p in module.parameters() if id(p) not in split]
-        return GradientReduction(state, dense, experts, state.groups.dp)
+        return GradientReduction(state, [p for p in module.parameters() if id(p) not in split], experts)
 
     def __call__(self) -> None:
         sum_partial_gradients(self.state.sequence)  # sequence parallelism: each tp rank saw part of the tokens
         sum_block_partials(self.state.tp_blocks)  # replicated parameters used on this rank's heads only
-        average_gradients([p for p in self.dense if p.requires_grad], self.dp_group)
+        average_gradients([p for p in self.dense if p.requires_grad], self.state.groups.dp)
         if self.state.groups.ep is not None:  # averaged over their replicas only
             reduce_expert_grads(self.experts, self.state.groups.ep)
 

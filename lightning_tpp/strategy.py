@@ -247,10 +247,11 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
                                   tp_rank=self._tp_group.rank, tp_size=self._tp_group.size,
                                   prefix=self.config.weights_prefix, strict=module.strict_loading)
             rank_zero_info(loaded.describe())
+        experts = expert_parameters(module)  # split over ep: FSDP2 leaves them, their own reduction averages them
         if self.dims.dp > 1 and self.config.dp_sharding != "no_shard":
             self.precision_plugin.convert_module(module)  # before FSDP2 fixes the dtype it gathers in (bf16-true)
-            shard_state_over_dp(module, state, self.config, keep=expert_parameters(module))
-        state.reduction = GradientReduction.of(module, state)  # the parameters as FSDP2 left them
+            shard_state_over_dp(module, state, self.config, keep=experts)
+        state.reduction = GradientReduction.of(module, state, experts)  # the parameters as FSDP2 left them
         return state
 
     def _observe(self) -> None:
