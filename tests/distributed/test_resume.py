@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import functools
 import re
+import shutil
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -45,15 +47,43 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
     return _uninterrupted(str(tmp_path_factory.mktemp("reference")))
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory, reference) -> Callable[[bool], Path]:
+    """The first phase at tp2 x pp2, saved whole (one file) or sharded (a DCP folder): run once per test run, each
+    checked against one process's first phase; the tests resume from it in other layouts."""
+    ref_first = reference[0]
+
+    @functools.lru_cache(maxsize=None)
+    def save(sharded: bool) -> Path:
+        out = tmp_path_factory.mktemp("sharded" if sharded else "whole")
+        ckpt = out / "run.ckpt"
+        first = _phase(out, "first", 2, 2, ckpt, sharded=sharded)
+        assert_parity(first, ref_first, where=f"first phase tp2pp2 ({'sharded' if sharded else 'whole'})")
+        return ckpt
+
+    return save
+
+
+def _copy(ckpt: Path, to: Path) -> Path:
+    """A copy of a saved checkpoint for one test to resume from (what it resumes may be written again)."""
+    target = to / ckpt.name
+    (shutil.copytree if ckpt.is_dir() else shutil.copy)(ckpt, target)
+    return target
+
+
 @pytest.mark.parametrize(("save", "load"), [pytest.param((2, 2), (2, 2), marks=pytest.mark.slow), ((2, 2), (1, 2)),
                                             ((2, 2), (2, 1)), ((2, 2), (0, 0)), ((0, 0), (2, 2))],
                          ids=["tp2pp2-same", "tp2pp2-to-pp2", "tp2pp2-to-tp2", "tp2pp2-to-one-process",
                               "one-process-to-tp2pp2"])
-def test_resume_across_layouts(tmp_path: Path, reference, save: tuple[int, int], load: tuple[int, int]) -> None:
+def test_resume_across_layouts(tmp_path: Path, reference, saved, save: tuple[int, int], load: tuple[int, int]
+                               ) -> None:
     ref_first, ref_second = reference
-    ckpt = tmp_path / "run.ckpt"
-    first = _phase(tmp_path, "first", *save, ckpt)
-    assert_parity(first, ref_first, where=f"first phase {save}")
+    if save == (2, 2):
+        ckpt = _copy(saved(False), tmp_path)
+    else:
+        ckpt = tmp_path / "run.ckpt"
+        first = _phase(tmp_path, "first", *save, ckpt)
+        assert_parity(first, ref_first, where=f"first phase {save}")
     assert ckpt.is_file()
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     from models import LitLM
@@ -70,14 +100,13 @@ def test_resume_across_layouts(tmp_path: Path, reference, save: tuple[int, int],
 
 @pytest.mark.parametrize("load", [(1, 2), (2, 1), pytest.param((2, 2), marks=pytest.mark.slow), (0, 0)],
                          ids=["to-pp2", "to-tp2", "same", "consolidated"])
-def test_sharded_checkpoint_resumes_in_any_layout(tmp_path: Path, reference, load: tuple[int, int]) -> None:
+def test_sharded_checkpoint_resumes_in_any_layout(tmp_path: Path, reference, saved, load: tuple[int, int]) -> None:
     """save_distributed_checkpoint=True at tp2 x pp2: a folder of shards (DCP) that loads into other layouts; for one
     process without the strategy it is consolidated into one ordinary file first."""
     from lightning_tpp import consolidate
 
-    ref_first, ref_second = reference
-    ckpt = tmp_path / "run.ckpt"
-    _phase(tmp_path, "first", 2, 2, ckpt, sharded=True)
+    ref_second = reference[1]
+    ckpt = _copy(saved(True), tmp_path)
     assert ckpt.is_dir() and (ckpt / ".metadata").is_file()
     if load == (0, 0):
         single = tmp_path / "single.ckpt"
