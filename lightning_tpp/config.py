@@ -15,7 +15,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_tpp.checkpoint.async_save import check_async_save
-from lightning_tpp.core.dp_shard import DPSharding, normalize_sharding
+from lightning_tpp.data_parallel import DPSharding, normalize_sharding
 from lightning_tpp.core.mesh import resolve_dims
 from lightning_tpp.core.token_mean import LossNormalization, check_normalization
 from lightning_tpp.experts.expert_parallel import check_ep

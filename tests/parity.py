@@ -259,7 +259,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
                            accelerator=args.accelerator, in_order_receives=args.in_order_receives,
                            meta=args.meta, seed=rank if args.seed_by_rank else 0)
             if args.dp > 1 and args.dp_sharding != "no_shard":  # FSDP2 must have sharded (nearly) everything
-                from lightning_tpp.core.dp_shard import sharded_numel
+                from lightning_tpp.data_parallel import sharded_numel
 
                 from lightning_tpp.experts.expert_parallel import expert_parameters
 

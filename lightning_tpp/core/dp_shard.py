@@ -1,78 +1,17 @@
-"""Parameters, gradients and optimizer state sharded over the data-parallel ranks with torch's FSDP2 (``fully_shard``).
-
-Applied last, to this rank's stage after tensor parallelism: FSDP2 sees the tensor-parallel shards as ordinary
-parameters and cuts each along dim 0 over the ``dp`` mesh axis (a ``Shard(0)`` DTensor per parameter, its gradient
-and optimizer state alike). Before a module's forward it gathers its parameters, after backward it reduce-scatters
-(averages) the gradients, so no gradient all-reduce over dp is left to do for them.
-
-What is one FSDP unit (one all-gather / reduce-scatter)::
-
-    each block of the repeated block sequence (this rank's)      model.layers.0, model.layers.1, ...
-    for every other parameter: the smallest module holding all   model.embed_tokens, model.norm, lm_head,
-    its aliases (a tied embedding and head: their common parent)  model (tied wte / lm_head)
-    and every module whose forward reads it (core.reads)          mixer (reads F.conv1d(x, self.conv1d.weight))
-
-FSDP2 gathers a unit only for the unit's own forward, so a unit must enclose every read of its parameters, wherever
-the forward makes them: Jamba's Mamba mixer reads ``self.conv1d.weight`` with ``F.conv1d`` without calling
-``self.conv1d``, ``nn.MultiheadAttention`` reads ``out_proj.weight``, a model ``F.linear(h, self.lm_head.weight)``.
-The reads come from one forward of a meta copy at setup (``core.reads.find_reads``); a unit inside the module that
-must enclose a parameter's reads (a block whose weight its parent reads) gives way to the enclosing one, and a
-vocabulary matrix read outside its own module stays with FSDP2. What that forward could not see is found at the
-first call of each module (``core.reads.guard_reads``): gathered where it is read, or a ``ShardedReadError`` saying
-what to do; DTensor's ``got mixed torch.Tensor and DTensor`` never reaches the user.
-
-The vocabulary matrices (an embedding or LM head larger than a block) are no unit by default: they stay cut by rows
-and are computed over dp where they lie (``core.dp_rows``), so FSDP2 never gathers them.
-
-A unit's hooks run when its ``forward`` is called; the LightningModule's own forward may never be (``training_step``
-calls the model), so parameters held only by the LightningModule itself stay replicated and are averaged over dp as
-before (``replicated``).
-
-``sharding``: ``"full_shard"`` (parameters gathered per unit for forward and again for backward; least memory),
-``"shard_grad_op"`` (kept gathered from forward to backward, ZeRO-2-like: one all-gather less per unit and step),
-``"no_shard"`` (everything replicated, gradients all-reduced).
-"""
+"""Parameter utilities for a tensor that may be sharded over the data-parallel ranks (a ``Shard(0)`` DTensor that
+FSDP2 made of a tensor-parallel shard): this rank's part, the whole shard gathered over dp, a value cut as another
+tensor is, and FSDP2's generated unit classes hidden for a ``deepcopy``. Applying FSDP2 (which units, the vocabulary
+matrices computed over dp, where the forward reads each parameter) is ``data_parallel.fsdp``'s."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-from typing import Any, Container, Iterable, Iterator, Literal, Mapping, Optional, Sequence
+from typing import Any, Iterator
 
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_tpp._compat import (
-    fsdp_drop_gather_keepalive,
-    fsdp_lazy_init,
-    fsdp_no_backward_prefetch,
-    fsdp_reduce_now,
-    fsdp_sharded_params,
-    fsdp_state,
-    fsdp_track_gradients,
-    in_place_reduce_scatter,
-)
-from lightning_tpp.core.dp_rows import RowsOverDP, candidates, shard_rows_over_dp
-from lightning_tpp.core.reads import ReadGuard, Reads, find_reads, guard_reads
-
-DPSharding = Literal["full_shard", "shard_grad_op", "no_shard"]
-SHARDINGS: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard")
-
-
-class DPUnitsMismatchError(ValueError):
-    """The dp ranks would shard different FSDP2 units (see ``shard_over_dp``)."""
-
-
-def normalize_sharding(value: Any) -> str:
-    """Lightning's FSDPStrategy spellings (``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``) are accepted too."""
-    name = value.lower() if isinstance(value, str) else value
-    if name not in SHARDINGS:
-        raise ValueError(f"dp_sharding={value!r} must be one of {SHARDINGS}: 'full_shard' (parameters, gradients and "
-                         f"optimizer state sharded over dp), 'shard_grad_op' (the same, parameters kept gathered "
-                         f"between forward and backward) or 'no_shard' (replicated)")
-    return name
+from lightning_tpp._compat import fsdp_state
 
 
 def is_dp_sharded(t: Any) -> bool:
@@ -96,58 +35,6 @@ def shard_dp_like(value: Tensor, like: Tensor) -> Tensor:
     return distribute_tensor(value.to(device=like.device), like.device_mesh, like.placements, src_data_rank=None)
 
 
-@dataclass
-class DPShards:
-    """What ``shard_over_dp`` did: the FSDP units (module names), the parameters left replicated (names) and the
-    mapping from each replaced parameter object to its sharded one."""
-
-    sharding: str
-    units: list[str] = field(default_factory=list)
-    replicated: list[str] = field(default_factory=list)
-    replaced: dict[int, nn.Parameter] = field(default_factory=dict)
-    modules: list[nn.Module] = field(default_factory=list)
-    rows: list[RowsOverDP] = field(default_factory=list)  # vocabulary matrices computed over dp (core.dp_rows)
-    reads: Reads = field(default_factory=Reads)  # where the forward reads each parameter (core.reads)
-    guard: Optional[ReadGuard] = None  # the reads that forward did not see, handled at the first call
-
-    @contextlib.contextmanager
-    def reduce_at_end(self, root: nn.Module) -> Iterator[None]:
-        """Gradients kept unsharded through a pipeline schedule and reduce-scattered once after it, parameters kept
-        gathered from their first backward on (``torch.distributed.pipelining``'s way with FSDP2): needed where
-        weight gradients are added after their backward (zero-bubble's ``W``), when FSDP2 has already reduced."""
-        for m in self.modules:
-            m.set_requires_gradient_sync(False, recurse=False)
-            m.set_reshard_after_backward(False, recurse=False)
-        try:
-            yield
-        finally:
-            for m in self.modules:
-                m.set_requires_gradient_sync(True, recurse=False)
-                m.set_reshard_after_backward(True, recurse=False)
-        fsdp_reduce_now(root)
-
-    def sharded_of(self, p: Tensor) -> Optional[Tensor]:
-        """The sharded parameter whose gathered copy (swapped in during forward) ``p`` is."""
-        for m in self.modules:
-            for sharded, unsharded in fsdp_sharded_params(m):
-                if unsharded is p:
-                    return sharded
-        return None
-
-    def describe(self, total: int, sharded: int) -> str:
-        lines = [f"Data-parallel sharding ({self.sharding}, FSDP2): {len(self.units)} units, "
-                 f"{sharded / max(total, 1):.0%} of this rank's parameters sharded over dp"]
-        if self.rows:
-            lines.append(f"  cut by rows over dp and computed there (tokens exchanged, the matrix never gathered): "
-                         f"{', '.join(r.name for r in self.rows)}")
-        if self.replicated:
-            lines.append(f"  replicated (held by the LightningModule itself, whose forward the step may not call): "
-                         f"{', '.join(self.replicated)}")
-        lines.append(f"  units chosen from where the forward reads each parameter ({self.reads.source}"
-                     f"{'' if self.reads.complete else '; the rest found at the first call of each module'})")
-        return "\n".join(lines)
-
-
 @contextlib.contextmanager
 def fsdp_classes_hidden(module: nn.Module) -> Iterator[dict[int, Any]]:
     """``fully_shard`` makes each unit an instance of a generated ``FSDP<Class>``, which refuses ``deepcopy``: for
@@ -168,145 +55,3 @@ def fsdp_classes_hidden(module: nn.Module) -> Iterator[dict[int, Any]]:
     finally:
         for m, cls in swapped:
             m.__class__ = cls
-
-
-def _inside(name: str, outer: str) -> bool:
-    return outer == "" or name == outer or name.startswith(outer + ".")
-
-
-def _common_parent(names: Iterable[str]) -> str:
-    parts = [n.split(".") if n else [] for n in names]
-    common: list[str] = []
-    for level in zip(*parts):
-        if len(set(level)) != 1:
-            break
-        common.append(level[0])
-    return ".".join(common)
-
-
-def fsdp_units(module: nn.Module, blocks: Sequence[str], skip: Container[int] = (),
-               reads: Optional[Mapping[int, Iterable[str]]] = None) -> tuple[list[str], list[str]]:
-    """The modules to wrap (children before parents) and the parameters that stay replicated (by name); parameters
-    whose id is in ``skip`` are left out (sharded otherwise). ``reads`` (``core.reads``: parameter id -> the modules
-    whose forward reads it) widens a parameter's unit to a module enclosing its readers too: FSDP2 gathers a unit
-    only for the unit's own forward."""
-    holders: dict[int, list[str]] = {}
-    first_name: dict[int, str] = {}
-    for mname, m in module.named_modules(remove_duplicate=False):
-        for pname, p in m._parameters.items():
-            if p is not None and id(p) not in skip:
-                holders.setdefault(id(p), []).append(mname)
-                first_name.setdefault(id(p), f"{mname}.{pname}" if mname else pname)
-    units = set(blocks)
-    replicated = []
-    modules = dict(module.named_modules())
-    needs: dict[int, str] = {}  # parameter -> the module its unit must enclose (its holders and readers)
-    for pid, names in holders.items():
-        parent = _common_parent([*names, *((reads or {}).get(pid, ()))])
-        if parent == "":
-            replicated.append(first_name[pid])
-            continue
-        needs[pid] = parent
-        if any(_inside(parent, b) for b in blocks):
-            continue
-        # a tensor-parallel block outside the blocks (a conditioning MLP) is one unit: its first-call check gathers
-        # all of its weights at its entry, before its layers' own calls would
-        parts = parent.split(".")
-        tp_block = next((a for a in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
-                         if getattr(modules.get(a), "_tpp_block", None) is not None), None)
-        units.add(tp_block or parent)
-    return _enclosing(units, needs, holders), replicated
-
-
-def _enclosing(units: set[str], needs: dict[int, str], holders: dict[int, list[str]]) -> list[str]:
-    """``units`` children first, without those that would take a parameter read outside them: FSDP2 gives a
-    parameter to the first unit wrapped (the innermost) holding it, so a unit inside the module that must enclose
-    the parameter's readers (a block whose weight its parent reads) gives way to the enclosing one."""
-    while True:
-        ordered = sorted(units, key=lambda n: (-n.count("."), n))  # children before the parents that enclose them
-        narrow = None
-        for pid, need in needs.items():
-            owner = next((u for u in ordered if any(_inside(h, u) for h in holders[pid])), None)
-            if owner is not None and not _inside(need, owner):
-                narrow = owner
-                break
-        if narrow is None:
-            return ordered
-        units.discard(narrow)
-
-
-def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str], sharding: str,
-                  vocab_exchange: bool = True, keep: Sequence[nn.Parameter] = ()) -> DPShards:
-    """``fully_shard`` each unit of ``module`` (this rank's stage, tensor-parallel shards as plain parameters) over the
-    1-d ``mesh``; with ``vocab_exchange``, the vocabulary matrices cut by rows instead (``core.dp_rows``); ``keep``
-    stays as it is (not sharded, gradients not reduced). Units and vocabulary matrices follow where the forward reads
-    each parameter (``core.reads``), and reads it could not see are guarded at the first call. Returns what was done,
-    with old parameter -> new parameter (FSDP2 replaces the objects)."""
-    from torch.distributed.fsdp import fully_shard
-
-    before = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
-    reads = find_reads(module)
-    names = called_where_read(module, candidates(module, blocks), reads.readers) if vocab_exchange else []
-    rows, moved = shard_rows_over_dp(module, names, mesh)
-    units, replicated = fsdp_units(module, blocks, skip={id(p) for p in (*moved.values(), *keep)},
-                                   reads=reads.readers)
-    _check_same_units(units, mesh)
-    ignored = {module.get_parameter(n) for n in replicated} | set(moved.values()) | set(keep)
-    modules = dict(module.named_modules())
-    # gloo (CPU): a reduce-scatter that neither clones its input nor keeps it (nor the gradient FSDP2 leaks through
-    # it), no all-gather buffer kept for overlap, no all-gather issued ahead in backward (a CPU collective does not
-    # overlap compute: the next unit's gathered parameters would only sit beside this unit's weight and gradient)
-    cpu = dist.get_backend(mesh.get_group()) == "gloo"
-    for name in units:
-        fully_shard(modules[name], mesh=mesh, reshard_after_forward=sharding == "full_shard",
-                    ignored_params=ignored or None)
-        reduce_scatter = in_place_reduce_scatter() if cpu else None
-        if reduce_scatter is not None:
-            modules[name].set_custom_reduce_scatter(reduce_scatter)
-            fsdp_track_gradients(modules[name], reduce_scatter)
-        if cpu:
-            fsdp_drop_gather_keepalive(modules[name])
-            fsdp_no_backward_prefetch(modules[name])
-    # one root enclosing every unit (FSDP2 shares its per-step state through the root): the LightningModule, with its
-    # own parameters ignored, made the root now; it keeps the user's class (no method of FSDP's is called on it)
-    cls = type(module)
-    fully_shard(module, mesh=mesh, reshard_after_forward=sharding == "full_shard", ignored_params=ignored or None)
-    fsdp_lazy_init(module)
-    module.__class__ = cls
-    replaced = {id(p): m._parameters[name] for m, name, p in before if m._parameters[name] is not p}
-    guard = guard_reads(module, [modules[n] for n in units], rows)
-    return DPShards(sharding, units, replicated, replaced, [modules[n] for n in units], rows, reads, guard)
-
-
-def called_where_read(module: nn.Module, names: Sequence[str], reads: Mapping[int, Iterable[str]]) -> list[str]:
-    """The vocabulary matrices (``core.dp_rows.candidates``) whose weight and bias are read only inside a module
-    holding them: computed over dp in that module's forward, a matrix read elsewhere (``F.linear(h,
-    self.lm_head.weight)`` in the model's forward) would meet its rows there; FSDP2 gathers it instead. A weight tied
-    between candidates goes to FSDP2 from all of them."""
-    held: dict[int, list[str]] = {}
-    for mname, m in module.named_modules(remove_duplicate=False):
-        for p in m._parameters.values():
-            if p is not None:
-                held.setdefault(id(p), []).append(mname)
-    params = {n: [p for p in (module.get_submodule(n)._parameters.get(k) for k in ("weight", "bias")) if p is not None]
-              for n in names}
-    outside = {id(p) for ps in params.values() for p in ps
-               if not all(any(_inside(r, h) for h in held[id(p)]) for r in reads.get(id(p), ()))}
-    return [n for n in names if not any(id(p) in outside for p in params[n])]
-
-
-def _check_same_units(units: list[str], mesh: DeviceMesh) -> None:
-    """The dp ranks must wrap the same units (else their collectives would not match and the step would hang): the
-    reads come from a forward each rank ran on its own."""
-    gathered: list[Any] = [None] * mesh.size()
-    dist.all_gather_object(gathered, units, group=mesh.get_group())
-    if any(g != units for g in gathered):
-        raise DPUnitsMismatchError(f"the data-parallel ranks chose different FSDP2 units from their forward's reads: "
-                                   f"{gathered}; a forward whose module calls depend on the rank cannot be sharded "
-                                   f"over dp this way: use dp_sharding='no_shard'")
-
-
-def sharded_numel(module: nn.Module) -> tuple[int, int]:
-    """(this rank's parameters, those sharded over dp), counted as tensor-parallel shards."""
-    params = list(module.parameters())
-    return sum(p.numel() for p in params), sum(p.numel() for p in params if isinstance(p, DTensor))

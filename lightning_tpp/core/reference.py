@@ -27,7 +27,7 @@ def reference_copy(block: nn.Module, group: TPGroup, shards: ShardIndex) -> nn.M
     memo: dict[int, Any] = {id(o): o for o in slots(block)}
     for p in block.parameters():
         spec = shards.spec(p)
-        if spec is not None or is_dp_sharded(p):  # a weight computed over dp (core.dp_rows): its rows gathered
+        if spec is not None or is_dp_sharded(p):  # a weight computed over dp (data_parallel.rows): its rows gathered
             whole = gather_dp(p.detach())
             memo[id(p)] = nn.Parameter(whole if spec is None else gather_with_spec(whole, spec, group),
                                        requires_grad=False)

@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from lightning_tpp.core.comm import TPGroup
-from lightning_tpp.core.dp_rows import candidates
-from lightning_tpp.core.dp_shard import fsdp_units
+from lightning_tpp.data_parallel import candidates, fsdp_units
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.experts.expert_parallel import check_ep, expert_parameters
 from lightning_tpp.pipeline.partition import Partition
@@ -144,10 +143,11 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     ``2 * pp`` as in the strategy; 1 without a pipeline). ``forward(model, ids)`` replaces the default call
     (``model(ids)`` and a cross-entropy on the logits; a Hugging Face model's own loss). ``balance``,
     ``split_points``, ``blocks`` and ``tp_plan`` are the strategy's. ``backend`` is the process groups' ("nccl" on
-    GPUs; "gloo" for CPU processes, where FSDP2 runs with ``core.dp_shard``'s CPU collectives). ``vocab_exchange``
-    is the strategy's (vocabulary matrices computed over dp, ``core.dp_rows``, instead of gathered). See the module
-    docstring for the method. ``snapshot``: a ``SpikeGuard(action="rollback")`` keeps a copy of each rank's
-    parameters and optimizer state in host memory (``RankMemory.snapshot``, not part of the device ``total``)."""
+    GPUs; "gloo" for CPU processes, where FSDP2 runs with ``data_parallel.fsdp``'s CPU collectives).
+    ``vocab_exchange`` is the strategy's (vocabulary matrices computed over dp, ``data_parallel.rows``, instead of
+    gathered). See the module docstring for the method. ``snapshot``: a ``SpikeGuard(action="rollback")`` keeps a
+    copy of each rank's parameters and optimizer state in host memory (``RankMemory.snapshot``, not part of the
+    device ``total``)."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not one of {tuple(OPTIMIZER_STATES)}")
     if backend not in ("nccl", "gloo"):
@@ -221,12 +221,12 @@ def _gathered(cut: nn.Module, partition: Optional[Partition], splits_backward: b
               exchanged_tokens: int, dp: int) -> int:
     """What dp sharding holds whole beside the shards, at its most. FSDP2: during the backward of the largest unit
     its gathered parameters, its unsharded gradient and the reduce-scatter's input copy of it (FSDP2 keeps the
-    gradient alive through the reduce-scatter), with the next block prefetched; over gloo (``core.dp_shard``'s CPU
+    gradient alive through the reduce-scatter), with the next block prefetched; over gloo (``data_parallel.fsdp``'s CPU
     collectives) two of the three at a time (the gradient is freed after its copy-in) and nothing prefetched. Under
     a schedule that splits backward (zero-bubble): the stage's parameters and gradients, which stay whole until the
-    schedule ends. The vocabulary matrices computed over dp (``core.dp_rows``; ``exchanged_tokens`` per micro-batch
-    and rank, 0 when they are FSDP2 units) are never gathered: what they hold is their all-to-all's buffers, the
-    send and the receive side of a head's logits (``_exchange_bytes``)."""
+    schedule ends. The vocabulary matrices computed over dp (``data_parallel.rows``; ``exchanged_tokens`` per
+    micro-batch and rank, 0 when they are FSDP2 units) are never gathered: what they hold is their all-to-all's
+    buffers, the send and the receive side of a head's logits (``_exchange_bytes``)."""
     blocks = block_names(cut, partition)
     exchanged = candidates(cut, blocks) if exchanged_tokens else []
     rows = {id(p) for n in exchanged for p in cut.get_submodule(n).parameters()}

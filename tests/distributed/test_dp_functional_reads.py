@@ -8,9 +8,10 @@ sequence; a vocabulary matrix computed over dp where it is called, with one), th
 (``_aux``). Before, each such read met a still-sharded DTensor: ``aten.convolution.default: got mixed torch.Tensor
 and DTensor``.
 
-The reads are found at setup by one forward of a meta copy (``core.reads.find_reads``); a forward the copy cannot
-run (``_opaque``: it looks at a token id's value) has them found in the first step (``core.reads.ReadGuard``), where
-a read no unit can gather is an error that says what to do, never DTensor's."""
+The reads are found at setup by one forward of a meta copy (``data_parallel.reads.find_reads``); a forward the copy
+cannot run (``_opaque``: it looks at a token id's value) has them found in the first step
+(``data_parallel.reads.ReadGuard``), where a read no unit can gather is an error that says what to do, never
+DTensor's."""
 
 from __future__ import annotations
 

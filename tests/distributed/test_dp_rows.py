@@ -1,5 +1,5 @@
-"""Vocabulary matrices cut by rows over dp (``core.dp_rows``): outputs, input gradients and weight gradients against
-the whole layer, in 3 processes; and the tensor-parallel all-gather of a large tensor, received in pieces."""
+"""Vocabulary matrices cut by rows over dp (``data_parallel.rows``): outputs, input gradients and weight gradients
+against the whole layer, in 3 processes; and the tensor-parallel all-gather of a large tensor, received in pieces."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_row_counts_follow_dtensor() -> None:
     import torch
     from torch.distributed.tensor.placement_types import Shard
 
-    from lightning_tpp.core.dp_rows import row_counts
+    from lightning_tpp.data_parallel.rows import row_counts
 
     for rows in (0, 1, 2, 7, 16, 17):
         for parts in (1, 2, 3, 4):

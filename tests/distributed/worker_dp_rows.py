@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_tpp.core.dp_rows import shard_rows_over_dp
+from lightning_tpp.data_parallel import shard_rows_over_dp
 
 
 class ScaledEmbedding(nn.Embedding):  # Gemma's: the subclass's forward scales the lookup

@@ -46,7 +46,7 @@ def test_tp1_pp2_parity_nccl(tmp_path: Path) -> None:
 
 
 def test_dp2_vocab_exchange_nccl(tmp_path: Path) -> None:
-    """FSDP2 over dp on NCCL with the embedding and head computed over dp (``core.dp_rows``: all-gather of the
+    """FSDP2 over dp on NCCL with the embedding and head computed over dp (``data_parallel.rows``: all-gather of the
     tokens, all-to-all of the logits on the GPUs), a tied embedding/head included."""
     models = ["nanogpt", "hf_gpt2"]
     run_ranks(ROOT / "tests" / "parity.py", 2, ["--models", ",".join(models), "--dp", "2", "--out", str(tmp_path),

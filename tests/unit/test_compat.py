@@ -275,7 +275,7 @@ def test_dcp_save_plan_cache() -> None:
 
 def test_fsdp2_internals(tmp_path: Path) -> None:
     """FSDP2's state, its parameters (sharded and gathered), explicit root initialisation and a reduce-scatter run
-    outside backward: what ``core.dp_shard`` and the pipeline rely on (one-rank process group, destroyed after)."""
+    outside backward: what ``data_parallel.fsdp`` and the pipeline rely on (one-rank process group, destroyed after)."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
@@ -307,8 +307,8 @@ def test_fsdp2_internals(tmp_path: Path) -> None:
 
 
 def test_fsdp2_custom_comms_on_gloo(tmp_path: Path) -> None:
-    """The in-place reduce-scatter and the dropped all-gather buffer that ``core.dp_shard`` installs over gloo: FSDP2
-    still takes them (its interface is private), and gradients come out as with its own (one-rank group)."""
+    """The in-place reduce-scatter and the dropped all-gather buffer that ``data_parallel.fsdp`` installs over gloo:
+    FSDP2 still takes them (its interface is private), and gradients come out as with its own (one-rank group)."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh

@@ -1,6 +1,6 @@
-"""Where the forward reads each parameter (``core.reads.find_reads``, one forward of a meta copy) and the FSDP2 units
-and vocabulary matrices chosen from it (``core.dp_shard.fsdp_units``, ``called_where_read``): a parent reading its
-child's weight functionally makes the unit a module enclosing the read (issue #44 item 3)."""
+"""Where the forward reads each parameter (``data_parallel.reads.find_reads``, one forward of a meta copy) and the
+FSDP2 units and vocabulary matrices chosen from it (``data_parallel.fsdp.fsdp_units``, ``called_where_read``): a parent
+reading its child's weight functionally makes the unit a module enclosing the read (issue #44 item 3)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_tpp.core.dp_rows import candidates
-from lightning_tpp.core.dp_shard import called_where_read, fsdp_units
-from lightning_tpp.core.reads import find_reads, probe_input
+from lightning_tpp.data_parallel.fsdp import called_where_read, fsdp_units
+from lightning_tpp.data_parallel.reads import find_reads, probe_input
+from lightning_tpp.data_parallel.rows import candidates
 
 
 class Mixer(nn.Module):

@@ -1,13 +1,12 @@
-"""Which modules become FSDP2 units (``core.dp_shard.fsdp_units``), which are computed over dp by rows instead
-(``core.dp_rows.candidates``), and the dp_sharding argument."""
+"""Which modules become FSDP2 units (``data_parallel.fsdp.fsdp_units``), which are computed over dp by rows instead
+(``data_parallel.rows.candidates``), and the dp_sharding argument."""
 
 from __future__ import annotations
 
 import pytest
 from torch import nn
 
-from lightning_tpp.core.dp_rows import candidates
-from lightning_tpp.core.dp_shard import fsdp_units, normalize_sharding
+from lightning_tpp.data_parallel import candidates, fsdp_units, normalize_sharding
 
 
 class TiedLM(nn.Module):

@@ -125,8 +125,8 @@ def test_dp_sharding_divides_the_states() -> None:
         estimate_memory(llama, dp=2, backend="mpi", **kw)
     zb = estimate_memory(llama, dp=2, vocab_exchange=False, **{**kw, "schedule": "zero-bubble"}).ranks[0]
     assert zb.gathered == 2 * zb.param_count * 2 * 4  # the stage's tp shard (twice its dp part), params + grads
-    # by default the embedding is computed over dp (core.dp_rows): never gathered; its exchange holds the lookup of
-    # every dp rank's tokens (tokens x hidden), less than a block here
+    # by default the embedding is computed over dp (data_parallel.rows): never gathered; its exchange holds the lookup
+    # of every dp rank's tokens (tokens x hidden), less than a block here
     rank = sharded.ranks[0]
     assert rank.gathered == pytest.approx(3 * block + block, rel=0.05)
     zb = estimate_memory(llama, dp=2, **{**kw, "schedule": "zero-bubble"}).ranks[0]

@@ -1,7 +1,7 @@
 """Batch statistics under micro-batching (pipeline.batchnorm) in one process: running statistics accumulated over
 the micro-batches of a step and committed once equal a layer's update from the whole batch; the normalisation of each
 micro-batch is unchanged; eval is untouched; a recomputation is not counted; the warning names the layers; and
-``sync_batchnorm`` converts over the dp group only (integration.sync_batchnorm)."""
+``sync_batchnorm`` converts over the dp group only (data_parallel.sync_batchnorm)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_tpp.core.recompute import recompute_blocks
-from lightning_tpp.integration.sync_batchnorm import SyncBatchNormDeviceError, sync_batchnorm_over_dp
+from lightning_tpp.data_parallel import SyncBatchNormDeviceError, sync_batchnorm_over_dp
 from lightning_tpp.pipeline.batchnorm import DeferredStatistics, batch_statistics_layers, microbatch_warning
 from models import TinyResNet
 

@@ -10,7 +10,7 @@ its head with ``F.linear(h, self.lm_head.weight)``. A unit made of the child wou
   the random generators) on the LightningModule's ``example_input_array``, else, as the pipeline partitioner does, on
   token ids of shape ``(1, 8)`` given to the smallest module holding every parameter when it holds an
   ``nn.Embedding``. A ``TorchFunctionMode`` records, for each parameter an op receives, the innermost module whose
-  forward is running; ``core.dp_shard`` then makes each unit a module enclosing every read of its parameters.
+  forward is running; ``data_parallel.fsdp`` then makes each unit a module enclosing every read of its parameters.
 - ``guard_reads`` (after sharding; what that forward could not see: no input at setup, a forward that fails on the
   meta device, a branch the example did not take): the first call of each module runs observed. An op receiving a
   parameter that is still sharded is a read outside its unit: the unit is gathered there and, from then on, before
@@ -341,5 +341,5 @@ def _called_message(param: str, unit: str, where: str) -> str:
 
 def guard_reads(root: nn.Module, units: Sequence[nn.Module], rows: Sequence[Any]) -> ReadGuard:
     """A :class:`ReadGuard` on ``root``: its FSDP2 ``units`` and the vocabulary matrices computed over dp (``rows``,
-    ``core.dp_rows.RowsOverDP``)."""
+    ``data_parallel.rows.RowsOverDP``)."""
     return ReadGuard(root, units, rows)
