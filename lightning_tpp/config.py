@@ -310,7 +310,7 @@ class TensorPipeConfig:
 def planning_config(tp: int, pp: int, virtual: int = 1, *, balance: Union[str, Sequence[int]] = "params",
                     split_points: Optional[Sequence[str]] = None, blocks: Optional[Union[str, Sequence[str]]] = None,
                     tp_plan: Union[str, Mapping[str, str]] = "auto", ep: int = 1) -> TensorPipeConfig:
-    """The config the memory planner and the layout profile cut a meta copy with (``parallel_state.cut``): the cut
+    """The config the memory planner and the layout profile cut a meta copy with (``steps.run``): the cut
     of a run at these degrees, no first-call checks (a meta copy computes nothing)."""
     return TensorPipeConfig(tp=tp, pp=pp, ep=ep, microbatches=pp, virtual_stages=virtual,
                             schedule="interleaved-1f1b" if virtual > 1 else "1f1b", balance=balance,

@@ -3,9 +3,7 @@
 Setup order (runs for every fit/validate/test/predict; a module that already holds a ``ParallelState`` adopts it)::
 
     init process group -> mesh (dp, pp, tp) and groups          (integration.topology)
-      -> model to device -> ranks agree, rank 0's weights broadcast  (reliability.preflight)
-      -> sync_batchnorm: BatchNorm to SyncBatchNorm over the dp group  (integration.sync_batchnorm)
-      -> parallel_state.build_state: names -> pipeline stages -> tensor-parallel plan -> apply -> engine
+      -> model to device -> the setup steps (lightning_tpp.steps.STEPS: agree ... stages ... tp ... dp, reduction)
       -> precision -> optimizers
 
 Per optimizer step: the Trainer's closure runs ``training_step`` (under a pipeline: the whole schedule,
@@ -22,50 +20,42 @@ from typing import Any, Callable, Generator, Literal, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_tpp._compat import StrategyRegistryType, layer_sync_requested, optimizers_to_device
 from lightning_tpp.checkpoint.async_save import AsyncSaver
 from lightning_tpp.checkpoint.state import check_state_layout
-from lightning_tpp.checkpoint.weights import covered_names, load_weights
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.config import TensorPipeConfig
-from lightning_tpp.core.dp_shard import DPSharding
-from lightning_tpp.core.grads import broadcast_module
-from lightning_tpp.core.materialize import has_meta, move_real
+from lightning_tpp.data_parallel import DPSharding
+from lightning_tpp.core.materialize import move_real
 from lightning_tpp.core.mesh import MeshDims
-from lightning_tpp.core.params import ParamNames, ShardIndex
+from lightning_tpp.core.params import ShardIndex
 from lightning_tpp.core.token_mean import GlobalTokenMean, LossNormalization
 from lightning_tpp.integration.checkpointing import CheckpointMixin, torch_optimizer
-from lightning_tpp.integration.collectives import ReplicaCollectives
+from lightning_tpp.integration.collectives import ReplicaCollectives, metrics_over
 from lightning_tpp.integration.launchers import make_launcher
 from lightning_tpp.integration.pipeline_steps import PipelineSteps
 from lightning_tpp.integration.precision import GlobalNormClippingStrategy
 from lightning_tpp.integration.summary import count_whole_model
-from lightning_tpp.integration.sync_batchnorm import sync_batchnorm_over_dp
 from lightning_tpp.integration.topology import MeshTopology
 from lightning_tpp.layout.strategy import AutoLayout
-from lightning_tpp.parallel_state import (GradientReduction, Materialization, ParallelState, ProcessGroups,
-                                         build_state, shard_state_over_dp)
+from lightning_tpp.parallel_state import ParallelState, ProcessGroups
+from lightning_tpp.steps import run as run_steps
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.metrics import PipelineMetrics
-from lightning_tpp.experts.expert_parallel import ExpertGroup, expert_parameters
 from lightning_tpp.integration.expert_load import ExpertLoad
 from lightning_tpp.pipeline.schedule import ScheduleLike
 from lightning_tpp.reliability.nonfinite import finite_everywhere
-from lightning_tpp.reliability.preflight import check_agreement, model_structure
-from lightning_tpp.reliability.watch import FailureWatch, SignalReport, rank_report
+from lightning_tpp.reliability.preflight import model_structure
+from lightning_tpp.reliability.watch import FailureWatch, SignalReport
 from lightning_tpp.tensor_parallel.plan import TPPlan
 
 
@@ -140,8 +130,8 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         self._async_saver = AsyncSaver(timeout) if async_save else None
         self._metrics: Optional[PipelineMetrics] = None
         self._expert_load: Optional[ExpertLoad] = None  # tokens per expert, logged under moe/
-        self._signal_report: Optional[SignalReport] = None
-        self._watch: Optional[FailureWatch] = None
+        self._signal_report: Optional[SignalReport] = None  # the hang report on SIGUSR1 (MeshTopology)
+        self._watch: Optional[FailureWatch] = None  # the failure watch (MeshTopology)
         self._skip_backward = False
         self._skip_manual_steps = False  # a non-finite loss met manual_backward in this training_step
         self.nonfinite_replicas: list[int] = []  # dp replicas of the last non-finite loss (SpikeGuard records them)
@@ -150,11 +140,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         self._process_group_backend = process_group_backend  # the backend in use once set up
         self._num_nodes = 1
         self._dims: Optional[MeshDims] = None
-        self._mesh: Optional[DeviceMesh] = None
-        self._tp_group = TPGroup(None, 0, 1)
-        self._dp_group: Optional[ProcessGroup] = None
-        self._pp_group: Optional[ProcessGroup] = None
-        self._ep_group: Optional[ExpertGroup] = None
+        self._groups = ProcessGroups(None, TPGroup(None, 0, 1), None, None)  # the mesh's (setup_environment)
 
     @property
     def parallel_state(self) -> ParallelState:
@@ -173,10 +159,6 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
     @property
     def _engine(self) -> Optional[PipelineEngine]:
         return self._state.engine if self._state is not None else None
-
-    @property
-    def _param_names(self) -> ParamNames:
-        return self.parallel_state.names
 
     @override
     def _configure_launcher(self) -> None:  # Lightning's hook for a strategy's launcher (DDPStrategy overrides it too)
@@ -198,17 +180,16 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
             state.attach(module)
         else:  # a second run, or a second Trainer: the model is already cut; keep the groups its layers use
             state.check_same(self._config(), self.dims)
-            self._mesh, self._tp_group = state.groups.mesh, state.groups.tp
-            self._pp_group, self._dp_group, self._ep_group = state.groups.pp, state.groups.dp, state.groups.ep
+            self._groups = state.groups
         self._state = state
         if state.engine is not None:
             executor = state.engine.executor
-            executor.normalization, executor.dp_group, executor.dp_size = (self.config.loss_normalization, self._dp_group,
+            executor.normalization, executor.dp_group, executor.dp_size = (self.config.loss_normalization, self._groups.dp,
                                                                            self.dims.dp)
         self._observe()
         self.model = self.precision_plugin.convert_module(self.model)
-        self._use_dp_groups_for_metrics(module)
-        self._patch_trainer(trainer)
+        metrics_over(module, self._groups.dp)  # torchmetrics: tp (and pp) replicas are not extra samples
+        count_whole_model(trainer.callbacks)  # type: ignore[attr-defined]  (whole-model counts in ModelSummary)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -217,41 +198,14 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
             optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self, module: nn.Module) -> ParallelState:
-        on_meta = has_meta(module)
-        check_agreement({**self._fingerprint(module), "built on the meta device": on_meta})
-        broadcast_module(module, src=0)  # what exists already (an eager model); meta tensors are initialised per rank
-        if self.config.pp > 1:
-            if not module.automatic_optimization:
-                raise ValueError("pipeline parallelism (pp>1) runs forward and backward inside the schedule and "
-                                 "needs automatic optimization; set automatic_optimization = True or use pp=1")
-            if getattr(self.precision_plugin, "scaler", None) is not None:
-                raise ValueError("pipeline parallelism (pp>1) does not support a loss-scaling GradScaler "
-                                 "(precision='16-mixed'): every stage would have to agree on each step's scale and "
-                                 "skip decision. Use precision='bf16-mixed' (no scaler needed) or '32-true'")
-        sync_batchnorm_over_dp(module, convert=self._sync_batchnorm, dp=self.dims.dp, group=self._dp_group,
-                               device=self.root_device)  # before the cut: Trainer(sync_batchnorm=True), over dp only
-        groups = ProcessGroups(self._mesh, self._tp_group, self._pp_group, self._dp_group, self._ep_group)
-        self._tp_group.stream.seed = seed = self._agreed_seed()  # the strategy's own draws derive from it
-        meta = None
-        if on_meta:  # what a weights file fills is only allocated (strict or not, the rest is initialised)
-            loaded = covered_names(self.config.weights, names=ParamNames.of(module), prefix=self.config.weights_prefix,
-                                   module=module) \
-                if self.config.weights is not None else frozenset()
-            meta = Materialization(self.root_device, seed, loaded)
-        state = build_state(module, self.config, self.dims, groups, rank=self.global_rank, device=self.root_device,
-                            meta=meta)
+        """The setup steps (``lightning_tpp.steps``), all of them, on this rank."""
+        state = run_steps(module, self.config, self._groups, dims=self.dims, rank=self.global_rank, device=self.root_device,
+                          live=True, fingerprint=self._fingerprint(module), sync_batchnorm=self._sync_batchnorm,
+                          loss_scaling=getattr(self.precision_plugin, "scaler", None) is not None,
+                          convert=self.precision_plugin.convert_module).state
+        assert state is not None
         state.config = self._config()
         state.layout = self.layout_choice  # layout="auto": what was chosen (None when the degrees were given)
-        if self.config.weights is not None:
-            loaded = load_weights(module, self.config.weights, names=state.names, shards=state.shards,
-                                  tp_rank=self._tp_group.rank, tp_size=self._tp_group.size,
-                                  prefix=self.config.weights_prefix, strict=module.strict_loading)
-            rank_zero_info(loaded.describe())
-        experts = expert_parameters(module)  # split over ep: FSDP2 leaves them, their own reduction averages them
-        if self.dims.dp > 1 and self.config.dp_sharding != "no_shard":
-            self.precision_plugin.convert_module(module)  # before FSDP2 fixes the dtype it gathers in (bf16-true)
-            shard_state_over_dp(module, state, self.config, keep=experts)
-        state.reduction = GradientReduction.of(module, state, experts)  # the parameters as FSDP2 left them
         return state
 
     def _observe(self) -> None:
@@ -263,23 +217,9 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         if self._expert_load is not None:
             self._expert_load.remove()
         self._expert_load = ExpertLoad(self.lightning_module, layers, counts=coords["tp"] == 0,
-                                       traffic=self._ep_group.traffic if self._ep_group is not None else None,
+                                       traffic=self._groups.ep.traffic if self._groups.ep is not None else None,
                                        ) if layers else None
-        if self._watch is not None:
-            engine = self._engine
-            label = f"rank {self.global_rank} {coords}"
-            self._watch.describe = lambda: rank_report(label, engine.describe_activity if engine else None)
-            if self._signal_report is None:
-                self._signal_report = SignalReport(self._watch.describe)
-                self._signal_report.install()
-
-    def _agreed_seed(self) -> int:
-        """The seed a meta-built model is initialised from, and the strategy's own random stream: rank 0's
-        (``seed_everything``'s on every rank)."""
-        seed = torch.tensor([torch.initial_seed() % (2 ** 63)], dtype=torch.int64, device=self.root_device)
-        if dist.is_available() and dist.is_initialized():
-            dist.broadcast(seed, src=0)
-        return int(seed.item())
+        self._watch_describes(f"rank {self.global_rank} {coords}", self._engine)
 
     def _config(self) -> dict[str, str]:
         """The arguments that decide how the model is cut and run, as compared across runs (adoption)."""
@@ -306,21 +246,6 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         """What every rank must agree on before the model is cut: every argument (but print_plan), the model."""
         return {"configuration": {**self.config.agreement(), "sync_batchnorm": repr(self._sync_batchnorm)},
                 "model": model_structure(module), "seed": os.environ.get("PL_GLOBAL_SEED")}
-
-    def _use_dp_groups_for_metrics(self, module: nn.Module) -> None:
-        """torchmetrics sync over the world by default; tp (and pp) replicas are not extra samples."""
-        try:
-            from torchmetrics import Metric
-        except ImportError:  # pragma: no cover - torchmetrics is a dependency
-            return
-        for m in module.modules():
-            if isinstance(m, Metric) and m.process_group is None:
-                m.process_group = self._dp_group
-
-    def _patch_trainer(self, trainer: "pl.Trainer") -> None:
-        """Whole-model parameter counts in the user's ModelSummary callbacks (global-norm gradient clipping comes
-        with the precision plugin: see ``precision_plugin``)."""
-        count_whole_model(trainer.callbacks)  # type: ignore[attr-defined]
 
     @property
     def whole_model_totals(self) -> Optional[tuple[int, int]]:
@@ -367,11 +292,11 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._skip_manual_steps = False
         if self.lightning_module is not None:  # the strategy's own random stream moves on per training batch
-            self._tp_group.stream.start_step(self.lightning_module.trainer.fit_loop.total_batch_idx)
+            self._groups.tp.stream.start_step(self.lightning_module.trainer.fit_loop.total_batch_idx)
         if self._engine is not None:
             out = self._pipeline_training_step(*args, **kwargs)
         elif self.config.loss_normalization == "global" and self.dims.dp > 1:  # a token mean over every replica's tokens
-            with GlobalTokenMean(self._dp_group, self.dims.dp, self.root_device):
+            with GlobalTokenMean(self._groups.dp, self.dims.dp, self.root_device):
                 out = super().training_step(*args, **kwargs)
         else:
             out = super().training_step(*args, **kwargs)
@@ -391,7 +316,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
 
     def _finite_everywhere(self, loss: Tensor) -> bool:
         step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
-        return finite_everywhere(loss, dims=self.dims, rank=self.global_rank, dp_group=self._dp_group,
+        return finite_everywhere(loss, dims=self.dims, rank=self.global_rank, dp_group=self._groups.dp,
                                  policy=self.config.on_nonfinite, step=step, found=self.nonfinite_replicas)
 
     @override
@@ -420,7 +345,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         out = super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
         inner = torch_optimizer(optimizer)
         if self.dims.tp > 1 and id(inner) not in self._checked_optimizers and self.lightning_module is not None:
-            check_state_layout(inner, self._param_names.local(self.lightning_module), self.parallel_state.shards,
+            check_state_layout(inner, self.parallel_state.names.local(self.lightning_module), self.parallel_state.shards,
                                self.dims.tp)  # once: state exists now
             self._checked_optimizers.add(id(inner))
         return out
@@ -444,30 +369,17 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         """This rank failed: tell every other rank who failed, where and why, so that none waits for it."""
         if self._watch is None:
             return
-        where = self._engine.describe_position() if self._engine is not None else ""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         stage = getattr(getattr(trainer, "state", None), "stage", None)
         coords = self.dims.coords(self.global_rank) if self._dims is not None else {}
-        message = (f"rank {self.global_rank} {coords} failed during {stage.value if stage else 'setup'}{where}: "
-                   f"{type(exception).__name__}: {str(exception)[:500]}")
-        if isinstance(exception, (dist.DistBackendError, RuntimeError)):  # a peer may be gone: name it
-            silent = self._watch.silent_ranks()
-            if silent:
-                message = (f"rank(s) {silent} stopped responding (killed or lost); rank {self.global_rank} {coords} "
-                           f"noticed{where}: {type(exception).__name__}: {str(exception)[:300]}")
-        self._watch.report(message)
+        self._watch.report_exception(exception, label=f"rank {self.global_rank} {coords}",
+                                     during=stage.value if stage else "setup",
+                                     where=self._engine.describe_position() if self._engine is not None else "")
 
     @override
     def teardown(self) -> None:
         self.finish_async_saves(failed=self._watch is not None and self._watch.reported)
-        if self._signal_report is not None:
-            self._signal_report.uninstall()
-            self._signal_report = None
-        if self._watch is not None:
-            self._watch.stop()
-            if not self._watch.reported:  # no rank exits (taking the store with it) while another still uses it
-                self.barrier("lightning_tpp-teardown")
-            self._watch = None
+        self._stop_watch()
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()

@@ -30,6 +30,8 @@ from lightning_tpp.checkpoint.dcp import (
     sharded_meta,
 )
 from lightning_tpp.checkpoint.async_save import AsyncSaver
+from lightning_tpp.config import TensorPipeConfig
+from lightning_tpp.parallel_state import ParallelState, ProcessGroups
 from lightning_tpp.reliability import elastic
 from lightning_tpp.checkpoint.files import atomic_save
 from lightning_tpp.checkpoint.rng import rng_state, set_rng_state
@@ -50,11 +52,12 @@ def torch_optimizer(optimizer: Any) -> Optimizer:
 
 
 class CheckpointMixin:
-    """Expects the strategy's ``parallel_state``, ``_tp_group``, ``_pp``, ``_mesh``, ``dims``, ``_param_names``,
-    ``_save_sharded``."""
+    """Strategy mixin: the checkpoint hooks, reading the strategy's ``config``, ``parallel_state`` and groups."""
 
+    config: TensorPipeConfig
+    parallel_state: ParallelState
+    _groups: ProcessGroups
     _restored_sharded: bool
-    _save_sharded: bool
     _async_saver: Optional[AsyncSaver]  # async_save=True: the save in flight
 
     def _gather_stages(self, obj: Any) -> Optional[list[Any]]:
@@ -62,7 +65,7 @@ class CheckpointMixin:
         coords = self.dims.coords(self.global_rank)
         dst = self.dims.rank_of(dp=coords["dp"], pp=0, tp=coords["tp"])
         out: Optional[list[Any]] = [None] * self.dims.pp if self.global_rank == dst else None
-        dist.gather_object(obj, out, dst=dst, group=self._pp_group)
+        dist.gather_object(obj, out, dst=dst, group=self._groups.pp)
         return out
 
     @property
@@ -84,7 +87,7 @@ class CheckpointMixin:
     def whole_model_state(self) -> dict[str, Any]:
         """The single-device ``state_dict`` (on the first stage's ranks; collective over tp and pp)."""
         assert self.lightning_module is not None
-        state = full_state_dict(self.lightning_module, self._tp_group, self.parallel_state.shards)
+        state = full_state_dict(self.lightning_module, self._groups.tp, self.parallel_state.shards)
         if self.config.pp == 1:
             return state
         stages = self._gather_stages({k: v.cpu() for k, v in state.items()})
@@ -99,7 +102,7 @@ class CheckpointMixin:
         if self.config.pp > 1:  # this stage's entries; the other stages' keys are not "unexpected" here
             own = self.lightning_module.state_dict().keys()
             state = {k: v for k, v in state.items() if k in own}
-        load_full_state_dict(self.lightning_module, state, self._tp_group, self.parallel_state.shards, strict=strict)
+        load_full_state_dict(self.lightning_module, state, self._groups.tp, self.parallel_state.shards, strict=strict)
 
     @override  # type: ignore[misc]
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -109,21 +112,21 @@ class CheckpointMixin:
         if self.config.save_distributed_checkpoint:
             return {}
         optimizer = torch_optimizer(optimizer)
-        named = named_optimizer_state(optimizer, self.lightning_module, self._param_names, self._tp_group,
+        named = named_optimizer_state(optimizer, self.lightning_module, self.parallel_state.names, self._groups.tp,
                                       self.parallel_state.shards)
         if self.config.pp > 1:
             stages = self._gather_stages(named)
             if stages is None:
                 return {}
             named = merge_named(stages)
-        return indexed_optimizer_state(named, self._param_names)
+        return indexed_optimizer_state(named, self.parallel_state.names)
 
     @override  # type: ignore[misc]
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None
         for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
             optimizer = torch_optimizer(optimizer)
-            load_indexed_optimizer_state(optimizer, self.lightning_module, state, self._param_names, self._tp_group,
+            load_indexed_optimizer_state(optimizer, self.lightning_module, state, self.parallel_state.names, self._groups.tp,
                                          self.parallel_state.shards)
             optimizer_to_device(optimizer, self.root_device)
 
@@ -157,26 +160,26 @@ class CheckpointMixin:
 
     def _layout(self) -> Layout:
         state = self.parallel_state
-        if state.dp is not None and self._tp_group.size > 1 and getattr(self, "_tp_dp_mesh", None) is None:
-            self._tp_dp_mesh = tp_dp_mesh(self._mesh)  # column-parallel shards split again over dp
-        return Layout(self._mesh, self._tp_group, state.shards, getattr(self, "_tp_dp_mesh", None))
+        if state.dp is not None and self._groups.tp.size > 1 and getattr(self, "_tp_dp_mesh", None) is None:
+            self._tp_dp_mesh = tp_dp_mesh(self._groups.mesh)  # column-parallel shards split again over dp
+        return Layout(self._groups.mesh, self._groups.tp, state.shards, getattr(self, "_tp_dp_mesh", None))
 
     def _save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
         assert self.lightning_module is not None
         module, optimizers = self.lightning_module, [torch_optimizer(o) for o in self.optimizers]
-        groups = named_param_groups(optimizers, module, self._param_names)
+        groups = named_param_groups(optimizers, module, self.parallel_state.names)
         if self.config.pp > 1:  # every stage's parameter names in each group
             stages = self._gather_stages(groups)
             if stages is not None:
                 groups = merge_param_groups(stages)
         saver = self._async_saver  # the save in flight was waited for by save_checkpoint
         if saver is None or not self._in_fit_loop():
-            save_sharded(path, checkpoint, module, optimizers, self._param_names, self._layout(),
+            save_sharded(path, checkpoint, module, optimizers, self.parallel_state.names, self._layout(),
                          is_global_zero=self.is_global_zero, param_groups=groups)
             return
         layout = self._layout()
-        entries = sharded_entries(module, optimizers, self._param_names, layout)
-        meta = sharded_meta(checkpoint, self._param_names, groups) if self.is_global_zero else None
+        entries = sharded_entries(module, optimizers, self.parallel_state.names, layout)
+        meta = sharded_meta(checkpoint, self.parallel_state.names, groups) if self.is_global_zero else None
         saver.save(entries, partial_path(path), path, meta, layout)  # partial_path cleared by rank 0 before
         # save_checkpoint's collective
 
@@ -242,7 +245,7 @@ class CheckpointMixin:
         if self._restored_sharded:
             assert self.lightning_module is not None
             return load_sharded(Path(path), self.lightning_module,
-                                [torch_optimizer(o) for o in self.optimizers], self._param_names,
+                                [torch_optimizer(o) for o in self.optimizers], self.parallel_state.names,
                                 self._layout(), lambda p: self._load_file(p, weights_only),
                                 strict=self.lightning_module.strict_loading, weights_only=weights_only)
         return self._load_file(checkpoint_path, weights_only)

@@ -8,17 +8,30 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup, ReduceOp
 from typing_extensions import override
 
 from lightning_tpp._compat import all_gather_ddp_if_available, distributed_is_initialized, sync_ddp_if_available
+from lightning_tpp.parallel_state import ProcessGroups
+
+
+def metrics_over(module: nn.Module, group: Optional[ProcessGroup]) -> None:
+    """torchmetrics sync over the world by default: the metrics of ``module`` that name no group sync over ``group``
+    (the dp replicas; tp and pp ranks hold the same samples)."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return
+    for m in module.modules():
+        if isinstance(m, Metric) and m.process_group is None:
+            m.process_group = group
 
 
 class ReplicaCollectives:
-    """Strategy mixin. Expects ``_dp_group``, ``root_device`` and ``world_size``."""
+    """Strategy mixin: collectives over the dp replicas (``_groups.dp``)."""
 
-    _dp_group: Optional[ProcessGroup]
+    _groups: ProcessGroups
     root_device: torch.device
     world_size: int
 
@@ -42,7 +55,7 @@ class ReplicaCollectives:
     def _replica_group(self, group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
         """The world (Lightning's default) means "every replica": tp/pp ranks of one replica hold the same values,
         they are not more samples. An explicitly chosen sub-group is kept."""
-        return self._dp_group if group is None or group is dist.group.WORLD else group
+        return self._groups.dp if group is None or group is dist.group.WORLD else group
 
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,

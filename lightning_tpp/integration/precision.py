@@ -17,12 +17,11 @@ from typing import Any, Callable, Optional, TypeVar, Union
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.distributed import ProcessGroup
 from typing_extensions import override
 
-from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.grads import clip_by_global_norm, global_grad_norm
 from lightning_tpp.integration.subclass import Swappable, swap_in
+from lightning_tpp.parallel_state import ParallelState, ProcessGroups
 
 Clip = Callable[[Optimizer, Union[int, float]], None]
 P = TypeVar("P", bound=Optional[Precision])
@@ -51,15 +50,12 @@ def with_global_norm(plugin: P, clip: Clip) -> P:
 
 class GlobalNormClippingStrategy:
     """Strategy mixin: the precision plugin the Trainer assigns clips by the global norm (over tp and pp; a tied
-    weight counted once, on its lowest stage). Expects ``lightning_module``, ``parallel_state``, ``_tp_group`` and
-    ``_pp_group``."""
+    weight counted once, on its lowest stage), over the strategy's ``parallel_state`` and groups."""
 
     _precision_plugin: Optional[Precision]
     lightning_module: Any
-    parallel_state: Any
-    _tp_group: TPGroup
-    _pp_group: Optional[ProcessGroup]
-    _dp_group: Optional[ProcessGroup]
+    parallel_state: ParallelState
+    _groups: ProcessGroups
 
     @property
     @override
@@ -77,9 +73,9 @@ class GlobalNormClippingStrategy:
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params, counted = self._norm_params(optimizer)
         clip_by_global_norm(counted, float(clip_val),
-                            sharded=self.parallel_state.shards, tp_rank=self._tp_group.rank,
-                            groups=[self._tp_group.group, self._pp_group], apply_to=params,
-                            dp_group=self._dp_group)
+                            sharded=self.parallel_state.shards, tp_rank=self._groups.tp.rank,
+                            groups=[self._groups.tp.group, self._groups.pp], apply_to=params,
+                            dp_group=self._groups.dp)
 
     def _norm_params(self, optimizer: Optimizer) -> tuple[list[Tensor], list[Tensor]]:
         """(every local parameter of ``optimizer``, those whose gradient this rank counts in the global norm)."""
@@ -92,5 +88,5 @@ class GlobalNormClippingStrategy:
         """The 2-norm of the whole model's gradients, over every tp, pp and dp shard, as clipping measures it (the
         same value on every rank; a collective: every rank calls it). ``SpikeGuard`` watches it."""
         return global_grad_norm(self._norm_params(optimizer)[1], sharded=self.parallel_state.shards,
-                                tp_rank=self._tp_group.rank, groups=[self._tp_group.group, self._pp_group],
-                                dp_group=self._dp_group)
+                                tp_rank=self._groups.tp.rank, groups=[self._groups.tp.group, self._groups.pp],
+                                dp_group=self._groups.dp)

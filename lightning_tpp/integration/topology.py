@@ -5,22 +5,22 @@ from __future__ import annotations
 
 import atexit
 import functools
-from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_tpp._compat import default_store, set_rank_zero
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.mesh import MeshDims, build_mesh, resolve_dims
 from lightning_tpp.core.seeding import agree_with_rank0
-from lightning_tpp.experts.expert_parallel import ExpertGroup, check_ep, expert_group
+from lightning_tpp.config import TensorPipeConfig
+from lightning_tpp.experts.expert_parallel import check_ep, expert_group
+from lightning_tpp.parallel_state import ProcessGroups
 from lightning_tpp.reliability.restart import init_processes
-from lightning_tpp.reliability.watch import FailureWatch, job_store
+from lightning_tpp.reliability.watch import FailureWatch, SignalReport, job_store, rank_report
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,23 +31,16 @@ def _destroy_process_group_at_exit() -> None:
 
 
 class MeshTopology:
-    """Strategy mixin. Expects the strategy's ``_tp``, ``_pp``, ``_dp_arg``, ``_timeout``, ``_process_group_backend``,
-    ``_watch`` and Lightning's ``parallel_devices``, ``cluster_environment``, ranks and ``world_size``."""
+    """Strategy mixin: the process group, the mesh and this rank's groups (``setup_environment``), from the strategy's
+    ``config``; Lightning's ``parallel_devices``, ``cluster_environment``, ranks and ``world_size``."""
 
-    _tp: int
-    _pp: int
-    _dp_arg: Union[int, str]
-    _timeout: Optional[timedelta]
-    _process_group_backend: Optional[str]
-    _watch: Optional[FailureWatch]
-    _num_nodes: int
+    config: TensorPipeConfig
+    _groups: ProcessGroups
     _dims: Optional[MeshDims]
-    _mesh: Optional[DeviceMesh]
-    _tp_group: TPGroup
-    _dp_group: Optional[ProcessGroup]
-    _pp_group: Optional[ProcessGroup]
-    _ep: int
-    _ep_group: Optional[ExpertGroup]
+    _watch: Optional[FailureWatch]
+    _signal_report: Optional[SignalReport]
+    _process_group_backend: Optional[str]
+    _num_nodes: int
     parallel_devices: Optional[list[torch.device]]
     cluster_environment: Any
     local_rank: int
@@ -87,15 +80,15 @@ class MeshTopology:
     def device_mesh(self) -> Any:
         """The ``("dp", "pp", "tp")`` DeviceMesh."""
         self.dims  # noqa: B018 - raises before setup
-        return self._mesh
+        return self._groups.mesh
 
     @property
     def tp_group(self) -> TPGroup:
-        return self._tp_group
+        return self._groups.tp
 
     @property
     def dp_group(self) -> Optional[ProcessGroup]:
-        return self._dp_group
+        return self._groups.dp
 
     @property
     @override
@@ -122,19 +115,39 @@ class MeshTopology:
         agree_with_rank0(self.root_device)  # the user's streams as rank 0 holds them (DDP reseeds them instead)
         self._before_mesh()  # layout="auto" sets tp, pp and dp here (lightning_tpp.layout.strategy)
         self._dims = resolve_dims(self.world_size, self.config.tp, self.config.pp, self.config.dp)
-        self._mesh = build_mesh(self._dims, self.root_device.type)
+        mesh = build_mesh(self._dims, self.root_device.type)
         coords = self._dims.coords(self.global_rank)
-        self._tp_group = TPGroup(self._mesh.get_group("tp"), coords["tp"], self._dims.tp)
-        self._dp_group = self._mesh.get_group("dp")
-        self._pp_group = self._mesh.get_group("pp")
+        ep = None
         if self.config.ep > 1:
             check_ep(self.config.ep, dp=self._dims.dp, tp=self._dims.tp)
-            self._ep_group = expert_group(self._mesh, self.config.ep, rank=self.global_rank, dp=self._dims.dp)
+            ep = expert_group(mesh, self.config.ep, rank=self.global_rank, dp=self._dims.dp)
+        self._groups = ProcessGroups(mesh, TPGroup(mesh.get_group("tp"), coords["tp"], self._dims.tp),
+                                     mesh.get_group("pp"), mesh.get_group("dp"), ep)
         if self._watch is None and self.world_size > 1:
             seconds = self.config.timeout.total_seconds() if self.config.timeout is not None else 1800.0
             self._watch = FailureWatch(job_store(default_store()), self.global_rank, self.world_size,
                                        timeout=min(seconds, 60.0))
             self._watch.start()
+
+    def _watch_describes(self, label: str, engine: Any) -> None:
+        """The hang report (on SIGUSR1, and when the failure watch stops this rank): this rank's ``label`` and what
+        its pipeline ``engine`` (if any) is doing."""
+        if self._watch is None:
+            return
+        self._watch.describe = lambda: rank_report(label, engine.describe_activity if engine else None)
+        if self._signal_report is None:
+            self._signal_report = SignalReport(self._watch.describe)
+            self._signal_report.install()
+
+    def _stop_watch(self) -> None:
+        if self._signal_report is not None:
+            self._signal_report.uninstall()
+            self._signal_report = None
+        if self._watch is not None:
+            self._watch.stop()
+            if not self._watch.reported:  # no rank exits (taking the store with it) while another still uses it
+                self.barrier("lightning_tpp-teardown")  # type: ignore[attr-defined]
+            self._watch = None
 
     def _before_mesh(self) -> None:
         """Processes exist, the mesh does not yet: where a searched layout decides its degrees."""

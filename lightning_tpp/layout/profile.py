@@ -2,7 +2,7 @@
 
 Nothing here allocates: the model (or a meta copy of it) runs on the meta device three times per tensor-parallel
 size measured (tp = 1 and tp = 2): the memory planner's own measurement of the bytes each block saves for backward
-(``memory.activations``, with activation checkpointing off and on), its cut (``parallel_state.cut``) for the
+(``memory.activations``, with activation checkpointing off and on), its cut (the setup steps, ``steps.run``) for the
 parameters each block keeps, and one forward under ``FlopCounterMode`` for each block's FLOPs. Every figure that
 tensor parallelism changes is kept as :class:`Scaled` (``whole`` at tp = 1, of which ``cut`` divides by tp), fitted
 from the two sizes, so a layout's figure is arithmetic, not another meta run::
@@ -27,14 +27,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.meta_ops import DataDependentOnMeta
 from lightning_tpp.experts.detect import MoELayer, find_experts, top_k
 from lightning_tpp.memory.activations import ForwardFn, _default_forward, activations_per_stage, meta_copy
 from lightning_tpp.config import planning_config
-from lightning_tpp.parallel_state import cut
-from lightning_tpp.pipeline.partition import find_block_sequences, plan_partition
+from lightning_tpp.steps import meta_groups, run
+from lightning_tpp.pipeline.partition import block_sequence, find_block_sequences, plan_partition
 from lightning_tpp.tensor_parallel import TensorParallelConfigError, check_divisible
 
 KEEP = 3  # blocks measured per container: the first (beside the embeddings), one inside, the last (beside the head)
@@ -172,8 +171,9 @@ def profile_model(module: nn.Module, *, seq_len: int, dtype: torch.dtype = torch
 def _profile(module: nn.Module, copy: nn.Module, lengths: Mapping[str, int], seq_len: int, dtype: torch.dtype,
              forward: Optional[ForwardFn], blocks: Any, tp_plan: Any, max_tp: int) -> ModelProfile:
     """The figures of ``copy`` (``module`` on meta, its stacks shortened to the first blocks: ``lengths``)."""
-    n = len(plan_partition(copy, 1, blocks=blocks).members)
-    partition = plan_partition(copy, n, blocks=blocks)  # a stage per block: the planner's per-stage bytes per block
+    sequence = block_sequence(copy, blocks)
+    n = len(sequence.members)  # a stage per block: the planner's per-stage bytes per block
+    partition = plan_partition(copy, n, sequence=sequence)
     flops, flops_total = _flops(copy, partition.names, seq_len, forward)
     layers = find_experts(copy)
     routed = [_routed(copy, layers, names) for names in partition.members]
@@ -302,13 +302,11 @@ def _at_tp(copy: nn.Module, partition: Any, tp: int, seq_len: int, dtype: torch.
            blocks: Any, tp_plan: Any, ep: int = 1) -> tuple[Any, Any]:
     """Per block at tensor-parallel size ``tp`` (and expert-parallel ``ep``): parameters kept, bytes saved
     (checkpointing on, and off), and the parameters outside the blocks on the first and last stage."""
-    dims = MeshDims(1, 1, tp)
     twin = meta_copy(copy, dtype)
     config = planning_config(tp, 1, 1, blocks=blocks, tp_plan=tp_plan, ep=ep)
-    _, plan, _ = cut(twin, config, dims, pp_rank=0, device=torch.device("meta"), tp_group=TPGroup(None, 0, tp),
-                     ep_group=TPGroup(None, 0, ep) if ep > 1 else None)
-    if tp > 1:
-        check_divisible(plan, tp)
+    state = run(twin, config, meta_groups(config), dims=MeshDims(1, 1, tp), until="coverage").state
+    assert state is not None
+    plan = state.plan
     modules = dict(twin.named_modules())
     params = [float(sum(p.numel() for b in names for p in modules[b].parameters())) for names in partition.members]
     inside = {id(p) for names in partition.members for b in names for p in modules[b].parameters()}

@@ -1,7 +1,7 @@
 """Memory planner: the bytes each rank of a (tp, pp, dp) layout will hold, worked out on the meta device.
 
-For every pipeline rank, a meta copy of the model is cut the way ``parallel_state.build_state`` cuts the real one,
-with the same functions: ``pipeline.build.prepare_stages`` (``find_block_sequences`` + ``plan_partition``, balanced
+For every pipeline rank, a meta copy of the model is cut by the strategy's own setup steps (``steps.run(until="coverage")``),
+the same functions: ``pipeline.build.prepare_stages`` (``find_block_sequences`` + ``plan_partition``, balanced
 by parameters or by the given block counts; other stages' units become stand-ins, tied weights stay on every stage
 that uses them) -> ``tensor_parallel.detect`` + the Hugging Face plan + ``tp_plan`` -> ``apply_plan``. The
 parameters left on that copy are the rank's own, in their tensor-parallel shapes::

@@ -17,16 +17,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from lightning_tpp._compat import TorchDispatchMode, storage_key, tree_flatten, tree_map
-from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.config import planning_config
 from lightning_tpp.core.meta_ops import DataDependentOnMeta
-from lightning_tpp.core.params import ShardIndex
 from lightning_tpp.core.mesh import MeshDims
-from lightning_tpp.experts import find_experts, shard_banks
-from lightning_tpp.experts.expert_parallel import split_experts
-from lightning_tpp.pipeline.partition import Partition, plan_partition
+from lightning_tpp.pipeline.partition import Partition, PipelinePartitionError, block_sequence
 from lightning_tpp.pipeline.stage import meta_twin
 from lightning_tpp.pipeline.wgrad import deferred_product
-from lightning_tpp.tensor_parallel import TPPlan, apply_plan
+from lightning_tpp.steps import meta_groups, run
+from lightning_tpp.tensor_parallel import TPPlan
 
 ForwardFn = Callable[[nn.Module, Tensor], Any]  # (model, token ids of one micro-batch) -> what backward starts from
 
@@ -69,8 +67,8 @@ def block_names(module: nn.Module, partition: Optional[Partition]) -> tuple[str,
     if partition is not None:
         return tuple(n for members in partition.members for n in members)
     try:
-        return tuple(n for members in plan_partition(module, 1).members for n in members)
-    except ValueError:  # no block sequence: nothing to checkpoint per block
+        return tuple(n for members in block_sequence(module, ordered=False).members for n in members)
+    except PipelinePartitionError:  # no block sequence: nothing to checkpoint per block
         return ()
 
 
@@ -93,14 +91,8 @@ def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks:
     """Run one micro-batch forward on a meta copy cut by ``plan``; attribute every saved tensor to the stage (and
     block) whose module is running, or else to the stage that ran last (the loss goes to the last stage)."""
     copy = meta_copy(module, dtype)
-    group = TPGroup(None, 0, dims.tp)
-    if dims.tp > 1:
-        apply_plan(copy, plan, group, verify=False)
-        shard_banks(copy, [layer for layer in find_experts(copy) if plan.styles.get(layer.experts) == "experts"],
-                    group, ShardIndex(), verify=False)  # each expert's intermediate features cut, as planned
-    split = [layer for layer in find_experts(copy) if plan.styles.get(layer.experts) == "ep"]
-    if split:  # whole experts per rank, the tokens exchanged (spread evenly on meta)
-        split_experts(copy, split, TPGroup(None, 0, ep), group, ShardIndex(), verify=False)
+    config = planning_config(dims.tp, 1, ep=ep)
+    run(copy, config, meta_groups(config), dims=MeshDims(1, 1, dims.tp), until="experts", plan=plan)
     modules = dict(copy.named_modules())
     out = _Measured()
     running: list[str] = []

@@ -12,7 +12,6 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.data_parallel import candidates, fsdp_units
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.experts.expert_parallel import check_ep, expert_parameters
@@ -20,7 +19,7 @@ from lightning_tpp.pipeline.partition import Partition
 from lightning_tpp.pipeline.auto import AUTO, AUTO_CANDIDATES, AUTO_MEASURE, settle_auto
 from lightning_tpp.pipeline.schedule import ScheduleLike, actions, resolve
 from lightning_tpp.config import planning_config
-from lightning_tpp.parallel_state import cut
+from lightning_tpp.steps import meta_groups, run
 from lightning_tpp.tensor_parallel import TPPlan
 from lightning_tpp.memory.activations import ForwardFn, activations_per_stage, block_names, meta_copy
 
@@ -266,13 +265,14 @@ def _cut(module: nn.Module, dims: MeshDims, pp_rank: int, virtual: int, dtype: t
          balance: Union[str, Sequence[int]], split_points: Optional[Sequence[str]],
          blocks: Optional[Union[str, Sequence[str]]], tp_plan: Union[str, Mapping[str, str]], ep: int = 1
          ) -> tuple[nn.Module, TPPlan, Optional[Partition]]:
-    """A meta copy of ``module`` cut for ``pp_rank`` as ``parallel_state.build_state`` cuts it (tp rank 0)."""
+    """A meta copy of ``module`` cut for ``pp_rank`` by the setup steps, as the strategy cuts it (tp rank 0)."""
     copy = meta_copy(module, dtype)
     config = planning_config(dims.tp, dims.pp, virtual, balance=balance, split_points=split_points, blocks=blocks,
                              tp_plan=tp_plan, ep=ep)
-    stages, plan, _ = cut(copy, config, dims, pp_rank=pp_rank, device=torch.device("meta"),
-                          tp_group=TPGroup(None, 0, dims.tp), ep_group=TPGroup(None, 0, ep) if ep > 1 else None)
-    return copy, plan, stages.partition if stages is not None else None
+    state = run(copy, config, meta_groups(config), dims=dims, rank=dims.rank_of(dp=0, pp=pp_rank, tp=0),
+                until="coverage").state
+    assert state is not None
+    return copy, state.plan, state.stages.partition if state.stages is not None else None
 
 
 def _state_bytes(cut: nn.Module, optimizer: str, dp: int) -> tuple[int, int, int, int]:

@@ -25,11 +25,10 @@ from lightning_tpp._compat import tree_flatten
 from lightning_tpp.core.mesh import MeshDims, reused
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.partition import (
+    BlockSequence,
     Partition,
     PipelinePartitionError,
     ancestor_parameters,
-    describe,
-    find_block_sequences,
     forward_modules,
     minor_stack,
     plan_partition,
@@ -136,15 +135,14 @@ def measure_block_costs(module: nn.Module, members: Sequence[Sequence[str]], exa
     return [3.0 * min(r[i] for r in per_repeat) for i in range(len(members))]  # backward ~ 2x forward
 
 
-def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: int, device: torch.device,
-                   blocks: Optional[Union[str, Sequence[str]]], balance: Union[str, Sequence[int]],
-                   split_points: Optional[Sequence[str]],
-                   weight: Optional[Callable[[nn.Module], float]] = None) -> PreparedStages:
-    """This rank's stages of ``module``, the other stages' units stood in for; ``weight`` a module's cost when
-    stages are balanced by it (default: its parameters)."""
+def prepare_stages(module: nn.Module, sequence: BlockSequence, *, dims: MeshDims, pp_rank: int, virtual: int,
+                   device: torch.device, balance: Union[str, Sequence[int]], split_points: Optional[Sequence[str]],
+                   found: bool = True, weight: Optional[Callable[[nn.Module], float]] = None) -> PreparedStages:
+    """This rank's stages of ``module`` cut along ``sequence`` (its block sequence, :func:`block_sequence`; ``found``:
+    by the partitioner, not named with ``blocks=``), the other stages' units stood in for; ``weight`` a module's cost
+    when stages are balanced by it (default: its parameters)."""
     stages = dims.pp * virtual
-    containers = find_block_sequences(module, stages=stages) if blocks is None else (
-        (blocks,) if isinstance(blocks, str) else tuple(blocks))
+    containers = sequence.containers
     costs = None
     if balance == "time":
         example = getattr(module, "example_input_array", None)
@@ -156,13 +154,12 @@ def prepare_stages(module: nn.Module, *, dims: MeshDims, pp_rank: int, virtual: 
             raise PipelinePartitionError("balance='time' measures each block by running it, but the model is on the "
                                          "meta device (built in configure_model or with empty_init=True); use "
                                          "balance='params' or blocks per stage, e.g. balance=[3, 5]")
-        members = describe(module, containers, zip_siblings=blocks is None)[0]
-        costs = torch.tensor(measure_block_costs(module, members, example), device=device)
+        costs = torch.tensor(measure_block_costs(module, sequence.members, example), device=device)
         dist.broadcast(costs, src=0)  # every rank must cut at the same places
         costs = costs.tolist()
-    if blocks is None and (note := minor_stack(module, containers)) is not None:
+    if found and (note := minor_stack(module, containers)) is not None:
         rank_zero_info(note)
-    partition = plan_partition(module, stages, blocks=blocks,
+    partition = plan_partition(module, stages, sequence=sequence,
                                balance_by=balance if not isinstance(balance, str) else "params",
                                split_points=split_points, block_costs=costs,
                                **({"weight": weight} if weight is not None else {}))

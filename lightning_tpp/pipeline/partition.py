@@ -69,6 +69,30 @@ class Partition:
         return owners
 
 
+@dataclass(frozen=True)
+class BlockSequence:
+    """The model's block sequence, found once per setup (:func:`block_sequence`) and read by every step that needs
+    it: the partition, activation checkpointing, sequence parallelism, FSDP2's units, the coverage report."""
+
+    containers: tuple[str, ...]  # FQNs of the containers of the blocks, in order
+    members: tuple[tuple[str, ...], ...]  # FQNs of the modules of each block
+    pre: tuple[str, ...]
+    post: tuple[str, ...]
+    middle: tuple[tuple[str, int], ...]
+
+
+def block_sequence(model: nn.Module, blocks: "str | Sequence[str] | None" = None, *, stages: int = 2,
+                   ordered: bool = True) -> BlockSequence:
+    """The block sequence of ``model``: found (:func:`find_block_sequences`), or the ``blocks`` containers run one
+    after the other. ``ordered``: the modules outside the blocks placed by the forward's order (one meta forward,
+    :func:`forward_order`; what a pipeline's first and last stage need), else by registration. Raises
+    :class:`PipelinePartitionError` when there is none."""
+    containers = find_block_sequences(model, stages=stages) if blocks is None else (
+        (blocks,) if isinstance(blocks, str) else tuple(blocks))
+    order = forward_order(model, containers) if ordered else None
+    return BlockSequence(containers, *describe(model, containers, zip_siblings=blocks is None, order=order))
+
+
 def _inside(name: str, outer: str) -> bool:
     """``name`` is a strict descendant of ``outer`` (the root is ``""``)."""
     return name != outer and (outer == "" or name.startswith(outer + "."))
@@ -277,15 +301,9 @@ def forward_modules(module: nn.Module, name: str) -> list[str]:
     return [name]
 
 
-def block_modules(model: nn.Module, members: Optional[Sequence[Sequence[str]]] = None, *,
-                  blocks: "str | Sequence[str] | None" = None) -> list[str]:
+def block_modules(model: nn.Module, members: Sequence[Sequence[str]]) -> list[str]:
     """The modules whose forward the blocks run (each block member, or the children of a member that is a list), in
-    order: of ``members`` (a partition's), else of the block sequence of ``model`` (found, or the ``blocks``
-    containers). Raises :class:`PipelinePartitionError` when the model has no block sequence."""
-    if members is None:
-        containers = find_block_sequences(model) if blocks is None else (
-            (blocks,) if isinstance(blocks, str) else tuple(blocks))
-        members = describe(model, containers, zip_siblings=blocks is None)[0]
+    order."""
     modules = dict(model.named_modules())
     return [n for block in members for m in block for n in forward_modules(modules[m], m)]
 
@@ -392,15 +410,17 @@ def minor_stack(model: nn.Module, containers: Sequence[str]) -> Optional[str]:
 
 
 def plan_partition(model: nn.Module, stages: int, *, blocks: "str | Sequence[str] | None" = None,
+                   sequence: Optional[BlockSequence] = None,
                    balance_by: "Sequence[int] | str" = "params", split_points: Optional[Sequence[str]] = None,
                    block_costs: Optional[Sequence[float]] = None,
                    weight: Callable[[nn.Module], float] = _params) -> Partition:
-    """Choose the stage bounds: ``split_points`` > explicit ``balance`` counts > costs (measured, or each module's
-    ``weight``: its parameters, or what a token runs through of them)."""
-    containers = find_block_sequences(model, stages=stages) if blocks is None else (
-        (blocks,) if isinstance(blocks, str) else tuple(blocks))
-    members, pre, post, middle = describe(model, containers, zip_siblings=blocks is None,
-                                          order=forward_order(model, containers))
+    """Choose the stage bounds of ``sequence`` (found from ``blocks`` when not given): ``split_points`` > explicit
+    ``balance`` counts > costs (measured, or each module's ``weight``: its parameters, or what a token runs through of
+    them)."""
+    if sequence is None:
+        sequence = block_sequence(model, blocks, stages=stages)
+    containers, members, pre, post, middle = (sequence.containers, sequence.members, sequence.pre, sequence.post,
+                                              sequence.middle)
     label = ", ".join(repr(c) for c in containers)
     modules = dict(model.named_modules())
     if stages > len(members):

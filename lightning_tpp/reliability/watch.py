@@ -37,6 +37,8 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
+import torch.distributed as dist
+
 _ABORT = "tpp/abort"
 
 
@@ -111,6 +113,17 @@ class FailureWatch:
         if first != message:
             self._die(first)
         print(f"[lightning_tpp rank {self.rank}] {message}", file=sys.stderr, flush=True)
+
+    def report_exception(self, exception: BaseException, *, label: str, during: str, where: str = "") -> None:
+        """This rank (``label``: its rank and coordinates) failed ``during`` a stage of the run (``where``: in the
+        pipeline schedule): :meth:`report` it, naming the ranks that went silent when a peer may be gone."""
+        message = f"{label} failed during {during}{where}: {type(exception).__name__}: {str(exception)[:500]}"
+        if isinstance(exception, (dist.DistBackendError, RuntimeError)):
+            silent = self.silent_ranks()
+            if silent:
+                message = (f"rank(s) {silent} stopped responding (killed or lost); {label} noticed{where}: "
+                           f"{type(exception).__name__}: {str(exception)[:300]}")
+        self.report(message)
 
     def _first(self, message: str) -> str:
         """Put ``message`` in the store as the failure report unless one is there, and return the one that is: a

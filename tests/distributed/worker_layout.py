@@ -105,7 +105,7 @@ def main() -> None:
     chosen = strategy.parallel_state.layout
     info = {"layout": asdict(chosen), "dims": [strategy.dims.dp, strategy.dims.pp, strategy.dims.tp],
             "measured_peak": peak.peak,
-            "ep_group": strategy._ep_group.size if strategy._ep_group is not None else 1}
+            "ep_group": strategy._groups.ep.size if strategy._groups.ep is not None else 1}
     if strategy.layout_ranking is not None:
         best = strategy.layout_ranking.best
         info.update(memory=best.memory.total, candidates=len(strategy.layout_ranking.ranked),

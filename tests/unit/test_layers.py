@@ -5,7 +5,9 @@ the peer subpackages never import each other. Documented in docs/architecture.md
     5  strategy.py                                   Lightning glue: orders the steps
     4  integration/, memory/, incidents/             Lightning extension points (checkpoint hooks, precision, summary,
                                                      launcher); the memory planner; the spike guard (a callback)
-    3  parallel_state.py                             ParallelState: what was decided for one model
+  3.5  steps.py                                      the setup steps, in order (the strategy, the memory planner
+                                                     and the layout profile run them)
+    3  parallel_state.py                             ParallelState: what was decided for one model; ModelMap
   2.5  config.py                                     TensorPipeConfig: the arguments, validated (reads the peers'
                                                      argument checks)
     2  tensor_parallel/  pipeline/  experts/  data_parallel/  checkpoint/  reliability/     peers: none imports another
@@ -23,8 +25,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_tpp"
 LAYERS = {"_compat": 0, "core": 1, "tensor_parallel": 2, "pipeline": 2, "experts": 2, "checkpoint": 2, "reliability": 2,
-          "data_parallel": 2,
-          "config": 2.5, "parallel_state": 3, "memory": 4, "integration": 4, "incidents": 4, "layout": 4.5, "strategy": 5,
+          "data_parallel": 2, "config": 2.5, "parallel_state": 3, "steps": 3.5, "memory": 4, "integration": 4,
+          "incidents": 4, "layout": 4.5, "strategy": 5,
           "__init__": 6, "__main__": 6}  # layout: the layout search reads the memory planner; the strategy calls it
 
 

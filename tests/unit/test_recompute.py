@@ -17,7 +17,7 @@ from torch.utils.checkpoint import CheckpointError
 from lightning_tpp import TensorPipeStrategy
 from lightning_tpp.core.recompute import is_recomputed, recompute_blocks
 from lightning_tpp.pipeline.executor import Executor, _MicroBatch
-from lightning_tpp.pipeline.partition import block_modules
+from lightning_tpp.pipeline.partition import block_modules, block_sequence
 from lightning_tpp.pipeline.wgrad import DeferWeightGrads, WeightGrads
 from models import NanoGPT, token_dataset
 
@@ -156,10 +156,12 @@ def test_state_in_the_arguments_is_changed_once() -> None:
 
 
 def test_block_modules_of_a_model_and_of_lists_unpacked_by_the_forward() -> None:
-    assert block_modules(NanoGPT()) == BLOCKS
+    gpt = NanoGPT()
+    assert block_modules(gpt, block_sequence(gpt, ordered=False).members) == BLOCKS
     model = nn.Module()
     model.layers = nn.ModuleList([nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]) for _ in range(2)])
-    assert block_modules(model) == ["layers.0.0", "layers.0.1", "layers.1.0", "layers.1.1"]
+    assert block_modules(model, block_sequence(model, ordered=False).members) == [
+        "layers.0.0", "layers.0.1", "layers.1.0", "layers.1.1"]
 
 
 class _Flat(L.LightningModule):
