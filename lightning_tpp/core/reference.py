@@ -1,21 +1,30 @@
 """A parallel module checked against its original: a copy with the original classes and whole (gathered) weights,
-run on the same inputs, and the first difference between the two outputs. Used by every first-call check (tensor-
-parallel blocks and layers, sequence-parallel elements, expert banks)."""
+run on the same inputs, and the first difference between the two outputs. The first-call checks of every swapped
+module kind (tensor-parallel blocks and layers, sequence-parallel elements, expert banks cut over tp or split over
+ep) are the two functions at the end, :func:`check_forward` and :func:`check_gradients`, with one error contract
+(:class:`Mismatch`)::
+
+    first call:  copies of the inputs -> original (whole weights, eval) -> parallel (eval) -> first difference
+                 -> every rank of the group agrees -> all raise the same Mismatch, or all go on
+"""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
+from lightning_tpp._compat import outside_function_modes, outside_saved_tensors_hooks, tree_flatten
 from lightning_tpp.core.comm import TPGroup, all_reduce_flag, gather_with_spec
 from lightning_tpp.core.dp_shard import fsdp_classes_hidden, gather_dp, is_dp_sharded
 from lightning_tpp.core.params import ShardIndex
 from lightning_tpp.core.swap import slots, unswap
-from lightning_tpp.core.walk import tensors_in
+from lightning_tpp.core.walk import VERIFYING, tensors_in
 
 
 class TensorParallelMismatchError(RuntimeError):
@@ -112,18 +121,210 @@ def first_difference(got: Any, want: Any, group: TPGroup, path: str = "output") 
     return None
 
 
+def summed(g: Tensor, group: TPGroup) -> Tensor:
+    """``g`` added up over the ranks of ``group`` (a copy)."""
+    g = g.clone()
+    torch.distributed.all_reduce(g, group=group.group)
+    return g
+
+
 def whole_or_part(got: Tensor, want: Tensor, group: TPGroup) -> Optional[str]:
     """How a replicated parameter's gradient on this rank stands to the original's, decided by every rank of ``group``
     together: ``"whole"`` (it is the original's), ``"part"`` (the ranks' gradients sum to it: the parameter was used
     on this rank's share only, a per-head norm), or None (neither: a mismatch)."""
     whole = first_difference(got, want, group) is None
-    summed = got.clone()
-    torch.distributed.all_reduce(summed, group=group.group)
-    part = first_difference(summed, want, group) is None
+    total = summed(got, group)
+    part = first_difference(total, want, group) is None
     if whole and part:  # values far below the tolerance's floor (a norm's gradient of 1e-6 on a small micro-batch):
         # the nearer one (a part is off by the other ranks' parts, a whole one summed by tp - 1 times itself)
-        whole = bool((got - want).abs().max() <= (summed - want).abs().max())
+        whole = bool((got - want).abs().max() <= (total - want).abs().max())
         part = not whole
     if all_reduce_flag(whole, group.group):
         return "whole"
     return "part" if all_reduce_flag(part, group.group) else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the first-call checks, one for the forward and one for the gradients, whatever the module kind
+
+Key = tuple[str, Any]  # where an input is in a call: ("arg", position) or ("kw", name)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """How a first-call check fails, for every kind of swapped module: every rank of the group decides together,
+    and all raise ``error`` with ``{kind} {name!r} ({cls}) {claim}: {problem}. {cause}; {fix}`` (a rank whose own
+    comparison passed names ``others`` as the problem)."""
+
+    kind: str  # "tensor-parallel mlp block", "expert parallelism of", "sequence parallelism: block", ...
+    name: str  # the module's name in the model, as tp_plan= names it
+    cls: str  # its class, as the user knows it
+    cause: str  # what the parallel version probably does not model
+    claim: str = "does not match the original model on this rank"
+    fix: str = ""  # empty: keep it replicated with tp_plan={name: 'replicate'}, or pass verify=False
+    error: type[Exception] = TensorParallelMismatchError
+    others: str = "another tp rank differs"
+
+    def raised(self, problem: Optional[str]) -> Exception:
+        fix = self.fix or (f"keep it replicated with tp_plan={{'{self.name}': 'replicate'}}, or pass verify=False "
+                           f"to skip this check")
+        return self.error(f"{self.kind} {self.name!r} ({self.cls}) {self.claim}: {problem or self.others}. "
+                          f"{self.cause}; {fix}")
+
+
+def _agreed(ok: bool, group: TPGroup, also: Sequence[Optional[ProcessGroup]]) -> bool:
+    """``ok`` on every rank of ``group``, then of each of ``also`` (the same decision everywhere)."""
+    ok = all_reduce_flag(ok, group.group)
+    for other in also:
+        ok = all_reduce_flag(ok, other)
+    return ok
+
+
+@contextlib.contextmanager
+def _verifying(on: bool = True) -> Iterator[None]:
+    """Forwards that are not the model's run (:data:`~lightning_tpp.core.walk.VERIFYING`)."""
+    token = VERIFYING.set(True) if on else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            VERIFYING.reset(token)
+
+
+def _forward(ref: nn.Module, args: tuple, kwargs: dict) -> Any:
+    return ref.forward(*args, **kwargs)
+
+
+def check_forward(module: nn.Module, args: tuple, kwargs: dict, *, group: TPGroup, shards: ShardIndex,
+                  parallel: Callable[[tuple, dict], Any], mismatch: Mismatch,
+                  reference: Callable[[nn.Module, tuple, dict], Any] = _forward,
+                  whole: Optional[Callable[[tuple, dict], tuple[tuple, dict]]] = None,
+                  layouts: Sequence[Callable[[], None]] = (), also: Sequence[Optional[ProcessGroup]] = (),
+                  mark_parallel: bool = True) -> None:
+    """``parallel(args, kwargs)`` (the swapped module's forward) against ``reference(original, args, kwargs)`` (its
+    :func:`reference_copy`), each on its own copies of this call's inputs (``whole(args, kwargs)``: as the original
+    takes them), in eval mode without gradients; an error of the parallel forward is a mismatch. The ranks of
+    ``group`` (then of each of ``also``) decide together; a mismatch raises ``mismatch``. ``layouts``: functions
+    that re-cut the module in another layout (a fused projection's other order), tried in turn before failing.
+    ``mark_parallel=False``: the parallel forward runs as the model's own run (not
+    :data:`~lightning_tpp.core.walk.VERIFYING`: what is swapped inside it checks itself there)."""
+    problem = None
+    with torch.no_grad(), against_reference(module, group, shards) as ref:
+        a, k = isolated(args, kwargs)
+        with _verifying():
+            want = reference(ref, *(whole(a, k) if whole is not None else (a, k)))
+        for relayout in (None, *layouts):
+            if relayout is not None:
+                with _verifying():
+                    relayout()
+            with _verifying(mark_parallel):
+                try:
+                    problem = first_difference(parallel(*isolated(args, kwargs)), want, group)
+                except Exception as err:  # noqa: BLE001 - local shapes the forward cannot take (a misread layer
+                    # order, an index over the whole width): any error of the parallel forward is a mismatch
+                    problem = f"the parallel forward raised {type(err).__name__}: {err}"
+            if _agreed(problem is None, group, also):
+                return
+    raise mismatch.raised(problem)
+
+
+def _leaves(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[tuple[Key, Tensor]]]:
+    """Copies of the call's inputs in which each floating tensor that needs a gradient is a new leaf."""
+    args, kwargs = isolated(args, kwargs)
+    made: list[tuple[Key, Tensor]] = []
+
+    def leaf(key: Key, t: Any) -> Any:
+        if not isinstance(t, Tensor) or not t.is_floating_point() or not t.requires_grad:
+            return t
+        made.append((key, t.detach().requires_grad_(True)))
+        return made[-1][1]
+
+    return (tuple(leaf(("arg", i), a) for i, a in enumerate(args)),
+            {n: leaf(("kw", n), v) for n, v in kwargs.items()}, made)
+
+
+def _graded(out: Any) -> Optional[Tensor]:
+    """The output that is differentiated: the first tensor of it that has a gradient."""
+    return next((t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.requires_grad), None)
+
+
+def check_gradients(module: nn.Module, args: tuple, kwargs: dict, *, group: TPGroup, shards: ShardIndex,
+                    parallel: Callable[[tuple, dict], Any], mismatch: Mismatch,
+                    reference: Callable[[nn.Module, tuple, dict], Any] = _forward,
+                    whole: Optional[Callable[[tuple, dict], tuple[tuple, dict]]] = None,
+                    replicated: Optional[Callable[[str, Tensor, Tensor, Tensor], Optional[str]]] = None,
+                    input_parts: Callable[[Key], bool] = lambda key: False, output_dim: Optional[int] = None,
+                    mark_parallel: bool = True) -> None:
+    """The gradients of the swapped module's inputs and parameters (shards gathered) against its original's on the
+    same inputs, for one random output gradient (the same on every rank), both in eval mode: catches what the
+    forward check cannot (a backward that loses or doubles a part). Runs outside the step's function modes and
+    saved-tensor hooks; any error is a mismatch, decided and raised as in :func:`check_forward`. What differs by kind:
+
+    * ``whole(args, kwargs)``: the inputs as the original takes them (sequence parallelism: the stream gathered);
+    * ``input_parts(key)``: an input whose gradient each rank holds a part of (summed over the group first);
+    * ``output_dim``: the dimension along which the parallel output is this rank's part of the original's (None: an
+      output of another shape, a per-head one, is left to the forward check);
+    * ``replicated(name, param, grad, original's grad)``: the problem with a replicated parameter's gradient, which
+      may be each rank's part (a per-head norm: the caller records it, to be summed over tp); default: compared whole.
+    """
+    problem = None
+    with outside_function_modes(), outside_saved_tensors_hooks(), against_reference(module, group, shards) as ref, \
+            _verifying(mark_parallel):
+        try:
+            ref_params = dict(ref.named_parameters())
+            named = [(n, q) for n, q in module.named_parameters() if q.requires_grad and n in ref_params]
+            for n, _ in named:  # the gathered copies of shards (replicated parameters are the module's own)
+                ref_params[n].requires_grad_(True)
+            a, k, inputs = _leaves(args, kwargs)
+            got = _graded(parallel(a, k)) if inputs or named else None  # (else nothing of it trains)
+            want = None
+            if got is not None:
+                a, k, ref_inputs = _leaves(*(whole(*isolated(args, kwargs)) if whole is not None else (args, kwargs)))
+                with _verifying():
+                    want = _graded(reference(ref, a, k))
+            if got is not None and want is not None and (got.shape == want.shape or output_dim is not None):
+                gen = torch.Generator(device="cpu").manual_seed(20261)
+                cotangent = torch.randn(want.shape, generator=gen, dtype=torch.float32).to(want)
+                part = cotangent if got.shape == want.shape else \
+                    cotangent.narrow(output_dim, group.rank * got.shape[output_dim], got.shape[output_dim])
+                mine = torch.autograd.grad(got, [t for _, t in inputs] + [q for _, q in named], part,
+                                           allow_unused=True)
+                theirs = torch.autograd.grad(want, [t for _, t in ref_inputs] + [ref_params[n] for n, _ in named],
+                                             cotangent, allow_unused=True)
+                problem = _first_gradient_difference(inputs, named, mine, theirs, group, shards, replicated,
+                                                     input_parts)
+            # (else nothing to differentiate, or a per-head output: the forward check has compared it)
+        except Exception as err:  # noqa: BLE001 - any error of the parallel backward is a mismatch
+            problem = f"its backward raised {type(err).__name__}: {err}"
+    if not _agreed(problem is None, group, ()):
+        raise mismatch.raised(problem)
+
+
+def _first_gradient_difference(inputs: list[tuple[Key, Tensor]], named: list[tuple[str, Tensor]],
+                               mine: Sequence[Optional[Tensor]], theirs: Sequence[Optional[Tensor]],
+                               group: TPGroup, shards: ShardIndex,
+                               replicated: Optional[Callable[[str, Tensor, Tensor, Tensor], Optional[str]]],
+                               input_parts: Callable[[Key], bool]) -> Optional[str]:
+    """The gradients of the inputs, then of the parameters (see :func:`check_gradients`): the first difference.
+    The collectives run on every rank, whatever was found before."""
+    problem = None
+    for (key, _), g, w in zip(inputs, mine, theirs):
+        if g is not None and input_parts(key):
+            g = summed(g, group)
+        if w is not None:
+            problem = problem or first_difference(g, w, group, f"gradient of input {key[1]!r}")
+    for (name, q), g, w in zip(named, mine[len(inputs):], theirs[len(inputs):]):
+        if g is None or w is None:
+            if (g is None) != (w is None):
+                problem = problem or f"gradient of {name!r}: {'none' if g is None else 'one'} on this rank, " \
+                                     f"{'none' if w is None else 'one'} in the original"
+            continue
+        info = shards.get(q)
+        if info is not None:
+            found = first_difference(gather_with_spec(g, info.spec, group), w, group, f"gradient of {name!r}")
+        elif replicated is not None:
+            found = replicated(name, q, g, w)
+        else:
+            found = first_difference(g, w, group, f"gradient of {name!r}")
+        problem = problem or found
+    return problem

@@ -20,16 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_tpp.core.comm import TPGroup, all_reduce_flag
+from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.grads import reduce_gradients
 from lightning_tpp.core.mesh import reused
 from lightning_tpp.core.params import ShardIndex, ShardInfo
-from lightning_tpp.core.reference import TensorParallelMismatchError, against_reference, first_difference, isolated
+from lightning_tpp.core.reference import Mismatch, check_forward
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
 from lightning_tpp.core.swap import original_class, set_local_attr, swap_class
 from lightning_tpp.core.walk import VERIFYING
@@ -165,26 +164,15 @@ def split_experts(model: nn.Module, layers: list[MoELayer], group: TPGroup, tp: 
 
 def _verify(module: nn.Module, x: Tensor, index: Tensor, weight: Tensor) -> None:
     """The exchanged layer's output on this call's tokens against the original class with every expert (gathered
-    over the ep group), once; every rank of the group decides alike."""
+    over the ep group), once; every rank of the stage decides alike (over the ep group, then over its replicas: the
+    other ep groups)."""
     st: EPBank = module._tpp_ep  # type: ignore[assignment]
-    token = VERIFYING.set(True)
-    try:
-        with torch.no_grad(), against_reference(module, st.group, st.shards) as ref:
-            (a, _) = isolated((x, index, weight), {})
-            want = ref.forward(*a)
-            try:
-                problem = first_difference(module._ep_forward(x, index, weight), want, st.group)  # type: ignore
-            except Exception as err:  # noqa: BLE001 - any error of the exchange is a mismatch
-                problem = f"the expert-parallel forward raised {type(err).__name__}: {err}"
-    finally:
-        VERIFYING.reset(token)
-    # every rank of the stage decides together: over the ep group, then over its replicas (the other ep groups)
-    if not all_reduce_flag(all_reduce_flag(problem is None, st.group.group), _replicas(st.group)):
-        raise TensorParallelMismatchError(
-            f"expert parallelism of {st.name!r} ({original_class(module).__name__}) does not match the original "
-            f"model on this rank: {problem or 'another rank differs'}. Its forward probably does something beyond "
-            f"computing each (token, expert) row on its own; use tp for its experts instead (ep=1), or pass "
-            f"verify=False to skip this check")
+    check_forward(module, (x, index, weight), {}, group=st.group, shards=st.shards, also=[_replicas(st.group)],
+                  parallel=lambda a, k: module._ep_forward(*a),  # type: ignore[operator]
+                  mismatch=Mismatch("expert parallelism of", st.name, original_class(module).__name__,
+                                    "Its forward probably does something beyond computing each (token, expert) row "
+                                    "on its own", fix="use tp for its experts instead (ep=1), or pass verify=False "
+                                    "to skip this check", others="another rank differs"))
 
 
 def _replicas(group: TPGroup) -> Optional[ProcessGroup]:

@@ -23,13 +23,13 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 
-from lightning_tpp.core.comm import TPGroup, all_reduce_flag, copy_to_tp, reduce_from_tp
+from lightning_tpp.core.comm import TPGroup, copy_to_tp, reduce_from_tp
 from lightning_tpp.core.params import ShardIndex, ShardInfo
 from lightning_tpp.core.sharding import shard_tensor
 from lightning_tpp.core.swap import original_class, set_local_attr, swap_class
 from lightning_tpp.core.walk import VERIFYING
+from lightning_tpp.core.reference import Mismatch, check_forward
 from lightning_tpp.experts.detect import ExpertBank, MoELayer
-from lightning_tpp.core.reference import TensorParallelMismatchError, against_reference, first_difference, isolated
 
 _WIDTH_NAMES = ("intermediate_dim", "intermediate_size", "moe_intermediate_size", "expert_dim", "ffn_dim")
 
@@ -139,22 +139,8 @@ def shard_banks(model: nn.Module, layers: list[MoELayer], group: TPGroup, shards
 def verify_bank(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """The bank's output on this call's inputs against the original class with whole weights."""
     st: BankState = module._tpp_experts  # type: ignore[assignment]
-    token = VERIFYING.set(True)
-    try:
-        with torch.no_grad(), against_reference(module, st.group, st.shards) as ref:
-            a, k = isolated(args, kwargs)
-            want = ref.forward(*a, **k)
-            a, k = isolated(args, kwargs)
-            try:
-                got = _reduced(module._local_forward(a, k), st.group)  # type: ignore[attr-defined]
-                problem = first_difference(got, want, st.group)
-            except Exception as err:  # noqa: BLE001 - any error of the parallel forward is a mismatch
-                problem = f"the parallel forward raised {type(err).__name__}: {err}"
-    finally:
-        VERIFYING.reset(token)
-    if not all_reduce_flag(problem is None, st.group.group):
-        raise TensorParallelMismatchError(
-            f"expert tensor parallelism of {st.name!r} ({original_class(module).__name__}) does not match the original "
-            f"model on this rank: {problem or 'another tp rank differs'}. Its forward probably does something the "
-            f"bank layout (up {st.bank.up}, down {st.bank.down}, transposed={st.bank.transposed}) does not model; "
-            f"keep it whole with tp_plan={{'{st.name}': 'replicate'}}, or pass verify=False to skip this check")
+    check_forward(module, args, kwargs, group=st.group, shards=st.shards,
+                  parallel=lambda a, k: _reduced(module._local_forward(a, k), st.group),  # type: ignore[operator]
+                  mismatch=Mismatch("expert tensor parallelism of", st.name, original_class(module).__name__,
+                                    f"Its forward probably does something the bank layout (up {st.bank.up}, down "
+                                    f"{st.bank.down}, transposed={st.bank.transposed}) does not model"))

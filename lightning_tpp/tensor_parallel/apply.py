@@ -25,19 +25,18 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_tpp._compat import MHA_FAST_PATH_FLAG, outside_function_modes, outside_saved_tensors_hooks, tree_flatten
+from lightning_tpp._compat import MHA_FAST_PATH_FLAG
 from lightning_tpp.core.dp_shard import local, shard_dp_like
-from lightning_tpp.core.comm import TPGroup, TPScope, all_reduce_flag, gather_with_spec
+from lightning_tpp.core.comm import TPGroup, TPScope, gather_with_spec
 from lightning_tpp.core.grads import all_reduce_coalesced
 from lightning_tpp.core.params import ShardIndex, ShardInfo
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
 from lightning_tpp.core.swap import original_class, set_local_attr, swap_class
 from lightning_tpp.core.reference import (
-    TensorParallelMismatchError,
-    against_reference,
+    Mismatch,
+    check_forward,
+    check_gradients,
     first_difference,
-    isolated,
-    reference_copy,
     whole_or_part,
 )
 from lightning_tpp.core.walk import VERIFYING
@@ -51,8 +50,13 @@ from lightning_tpp.tensor_parallel.layers import (
 )
 from lightning_tpp.tensor_parallel.heads import WholeHeads, to_local_heads
 from lightning_tpp.tensor_parallel.rng import following
-from lightning_tpp.tensor_parallel.sequence import block_inputs, block_output, in_sequence_region, saved_as_shards
-from lightning_tpp.tensor_parallel.plan import (
+from lightning_tpp.tensor_parallel.sequence_region import (
+    block_inputs,
+    block_output,
+    in_sequence_region,
+    saved_as_shards,
+)
+from lightning_tpp.tensor_parallel.plan_types import (
     GROUP_NAMES,
     HEAD_DIM_NAMES,
     HEAD_NAMES,
@@ -166,8 +170,7 @@ class _TPBlock:
         if st.grads_pending and self.training and torch.is_grad_enabled() and not VERIFYING.get() \
                 and not in_sequence_region():  # type: ignore[attr-defined]  (sequence parallelism checks its own)
             st.grads_pending = False
-            with outside_function_modes(), outside_saved_tensors_hooks():  # a check of its own, not the step's
-                verify_block_gradients(self, args, kwargs)  # type: ignore[arg-type]
+            verify_block_gradients(self, args, kwargs)  # type: ignore[arg-type]
         st.scope.enter()
         try:
             if not (self.training and st.draws is not False) or VERIFYING.get():  # type: ignore[attr-defined]
@@ -361,107 +364,49 @@ def layer_check(name: str, shards: ShardIndex) -> Any:
     gathered): its output against the original class's forward with the whole weight, on the same inputs."""
 
     def check(layer: nn.Module, args: tuple, kwargs: dict, got: Any) -> None:
-        group = layer._tpp_layer.group  # type: ignore[union-attr]
-        token = VERIFYING.set(True)
-        try:
-            with torch.no_grad():
-                a, k = isolated(args, kwargs)
-                want = reference_copy(layer, group, shards).forward(*a, **k)
-                problem = first_difference(got.detach() if isinstance(got, Tensor) else got, want, group)
-        finally:
-            VERIFYING.reset(token)
-        if not all_reduce_flag(problem is None, group.group):
-            raise TensorParallelMismatchError(
-                f"tensor-parallel layer {name!r} ({original_class(layer).__name__}) does not match the original "
-                f"model on this rank: {problem or 'another tp rank differs'}. Its forward probably does something "
-                f"the parallel layer does not model; keep it replicated with tp_plan={{'{name}': 'replicate'}}, or "
-                f"pass verify=False to skip this check")
+        got = got.detach() if isinstance(got, Tensor) else got
+        check_forward(layer, args, kwargs, group=layer._tpp_layer.group, shards=shards,  # type: ignore[union-attr]
+                      parallel=lambda a, k: got, mismatch=Mismatch(
+                          "tensor-parallel layer", name, original_class(layer).__name__,
+                          "Its forward probably does something the parallel layer does not model"))
 
     return check
 
 
+def _block_reference(st: BlockState) -> Any:
+    """How a block's original runs: an attention's per-head side tensors (a position bias) whole."""
+
+    def run(ref: nn.Module, args: tuple, kwargs: dict) -> Any:
+        with WholeHeads(st.info.heads, st.scope.group) if st.info.kind == "attention" else contextlib.nullcontext():
+            return ref.forward(*args, **kwargs)
+
+    return run
+
+
 def verify_block_gradients(block: nn.Module, args: tuple, kwargs: dict) -> None:
-    """At the block's first training call: the gradients of its inputs and parameters (shards gathered) against the
-    original block's on the same inputs, for one random output gradient (the same on every tp rank), both in eval
-    mode. Catches what the forward check cannot (a backward that loses or doubles a part). A replicated parameter
-    whose gradient here is one part of the original's, summed over tp (a norm applied to each of this rank's heads:
-    Qwen3's ``q_norm``), goes in ``partial``: training sums it over tp before the optimizer steps
+    """At the block's first training call: :func:`~lightning_tpp.core.reference.check_gradients`. A replicated
+    parameter whose gradient here is one part of the original's, summed over tp (a norm applied to each of this
+    rank's heads: Qwen3's ``q_norm``), goes in ``partial``: training sums it over tp before the optimizer steps
     (:func:`sum_block_partials`); one that matches neither way is a mismatch."""
     st: BlockState = block._tpp_block  # type: ignore[assignment]
     group = st.scope.group
-    problem = None
 
-    def leaves(a: tuple, k: dict) -> tuple[tuple, dict, list[Tensor]]:
-        a, k = isolated(a, k)
-        made: list[Tensor] = []
+    def replicated(name: str, q: Tensor, g: Tensor, w: Tensor) -> Optional[str]:
+        owner, _, attr = name.rpartition(".")
+        entry = (block.get_submodule(owner), attr)
+        declared = entry in st.partial  # by a Hugging Face plan (``_declared_partials``)
+        how = whole_or_part(g, w, group)
+        if how == "part" and not declared:
+            st.partial.append(entry)
+        elif how == "whole" and declared:  # measured whole on every rank: a sum over tp would multiply it
+            st.partial.remove(entry)
+        return first_difference(g, w, group, f"gradient of {name!r}") if how is None else None
 
-        def leaf(t: Any) -> Any:
-            if not isinstance(t, Tensor) or not t.is_floating_point() or not t.requires_grad:
-                return t
-            made.append(t.detach().requires_grad_(True))
-            return made[-1]
-
-        return tuple(leaf(x) for x in a), {n: leaf(v) for n, v in k.items()}, made
-
-    def first(out: Any) -> Optional[Tensor]:
-        return next((t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.requires_grad), None)
-
-    token = VERIFYING.set(True)
-    try:
-        with against_reference(block, group, st.shards) as ref:
-            ref_params = dict(ref.named_parameters())
-            named = [(n, q) for n, q in block.named_parameters() if q.requires_grad and n in ref_params]
-            for n, _ in named:  # the gathered copies of shards (replicated parameters are the block's own)
-                ref_params[n].requires_grad_(True)
-            a, k, inputs = leaves(args, kwargs)
-            if not inputs and not named:
-                return  # nothing of it trains
-            got = first(block.forward(*a, **k))
-            a, k, ref_inputs = leaves(args, kwargs)
-            with WholeHeads(st.info.heads, group) if st.info.kind == "attention" else contextlib.nullcontext():
-                want = first(ref.forward(*a, **k))
-            if got is None or want is None or got.shape != want.shape:
-                return  # nothing to differentiate, or a per-head output: the forward check has compared it
-            gen = torch.Generator(device="cpu").manual_seed(20261)
-            cotangent = torch.randn(want.shape, generator=gen, dtype=torch.float32).to(want)
-            mine = torch.autograd.grad(got, inputs + [q for _, q in named], cotangent, allow_unused=True)
-            theirs = torch.autograd.grad(want, ref_inputs + [ref_params[n] for n, _ in named], cotangent,
-                                         allow_unused=True)
-            for i, (g, w) in enumerate(zip(mine[:len(inputs)], theirs[:len(inputs)])):
-                if g is not None and w is not None:
-                    problem = problem or first_difference(g, w, group, f"gradient of input {i}")
-            modules = dict(block.named_modules())
-            for (name, q), g, w in zip(named, mine[len(inputs):], theirs[len(inputs):]):
-                if g is None or w is None:
-                    if (g is None) != (w is None):
-                        problem = problem or f"gradient of {name!r}: {'none' if g is None else 'one'} on this rank, " \
-                                             f"{'none' if w is None else 'one'} in the original"
-                    continue
-                info = st.shards.get(q)
-                if info is not None:
-                    problem = problem or first_difference(gather_with_spec(g, info.spec, group), w, group,
-                                                          f"gradient of {name!r}")
-                    continue
-                owner, _, attr = name.rpartition(".")
-                entry = (modules[owner], attr)
-                declared = entry in st.partial  # by a Hugging Face plan (``_declared_partials``)
-                how = whole_or_part(g, w, group)
-                if how == "part" and not declared:
-                    st.partial.append(entry)
-                elif how == "whole" and declared:  # measured whole on every rank: a sum over tp would multiply it
-                    st.partial.remove(entry)
-                elif how is None:
-                    problem = problem or first_difference(g, w, group, f"gradient of {name!r}")
-    except Exception as err:  # noqa: BLE001 - any error of the parallel backward is a mismatch
-        problem = f"its backward raised {type(err).__name__}: {err}"
-    finally:
-        VERIFYING.reset(token)
-    if not all_reduce_flag(problem is None, group.group):
-        raise TensorParallelMismatchError(
-            f"tensor-parallel {st.info.kind} block {st.name!r} ({type(block).__name__}) computes the right outputs "
-            f"but not the original model's gradients on this rank: {problem or 'another tp rank differs'}. Its "
-            f"backward probably depends on something the automatic plan does not model; keep it replicated with "
-            f"tp_plan={{'{st.name}': 'replicate'}}, or pass verify=False to skip this check")
+    check_gradients(block, args, kwargs, group=group, shards=st.shards, parallel=lambda a, k: block.forward(*a, **k),
+                    reference=_block_reference(st), replicated=replicated, mismatch=Mismatch(
+                        f"tensor-parallel {st.info.kind} block", st.name, type(block).__name__,
+                        "Its backward probably depends on something the automatic plan does not model",
+                        claim="computes the right outputs but not the original model's gradients on this rank"))
 
 
 def block_states(model: nn.Module) -> list[BlockState]:
@@ -483,31 +428,15 @@ def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:
     st: BlockState = block._tpp_block  # type: ignore[assignment]
     group = st.scope.group
     fused = {n: specs for n, specs in st.info.fused.items() if len(specs) > 1}
+
+    def layout(i: int) -> Any:
+        def recut() -> None:
+            for name, specs in fused.items():
+                _reshard(st.layers.get(name, block), specs[min(i, len(specs) - 1)], group, st.shards)
+        return recut
+
     attempts = max((len(s) for s in fused.values()), default=1)
-    problem = None
-    token = VERIFYING.set(True)
-    try:
-        with torch.no_grad(), against_reference(block, group, st.shards) as ref:
-            a, k = isolated(args, kwargs)
-            with WholeHeads(st.info.heads, group) if st.info.kind == "attention" else contextlib.nullcontext():
-                want = ref.forward(*a, **k)
-            for i in range(attempts):
-                if i:
-                    for name, specs in fused.items():
-                        layer = st.layers.get(name, block)
-                        _reshard(layer, specs[min(i, len(specs) - 1)], group, st.shards)
-                a, k = isolated(args, kwargs)
-                try:
-                    problem = first_difference(block.forward(*a, **k), want, group)
-                except Exception as err:  # noqa: BLE001 - local shapes the forward cannot take (a misread layer order,
-                    # an index over the whole width): any error of the parallel forward is a mismatch
-                    problem = f"the parallel forward raised {type(err).__name__}: {err}"
-                if all_reduce_flag(problem is None, group.group):
-                    return
-    finally:
-        VERIFYING.reset(token)
-    raise TensorParallelMismatchError(
-        f"tensor-parallel {st.info.kind} block {st.name!r} ({type(block).__name__}) does not match the original "
-        f"model on this rank: {problem or 'another tp rank differs'}. Its forward probably does something the "
-        f"automatic plan does not model; keep it replicated with tp_plan={{'{st.name}': 'replicate'}}, or pass "
-        f"verify=False to skip this check")
+    check_forward(block, args, kwargs, group=group, shards=st.shards, parallel=lambda a, k: block.forward(*a, **k),
+                  reference=_block_reference(st), layouts=[layout(i) for i in range(1, attempts)],
+                  mismatch=Mismatch(f"tensor-parallel {st.info.kind} block", st.name, type(block).__name__,
+                                    "Its forward probably does something the automatic plan does not model"))

@@ -26,7 +26,7 @@ from lightning_tpp.core.swap import original_class
 from lightning_tpp.tensor_parallel.kv_share import summed_shared
 from lightning_tpp.tensor_parallel.loss import VocabShardedLogits
 from lightning_tpp.tensor_parallel.rng import mark_replicated, mark_sharded
-from lightning_tpp.tensor_parallel.sequence import column_input, row_reduce
+from lightning_tpp.tensor_parallel.sequence_region import column_input, row_reduce
 
 
 @dataclass
@@ -49,6 +49,11 @@ def is_transposed_linear(module: nn.Module) -> bool:
     """Hugging Face ``Conv1D`` (GPT-2): ``y = x @ W + b`` with ``W`` of shape ``(in, out)``."""
     return (original_class(module).__name__ == "Conv1D" and hasattr(module, "nf")
             and getattr(module, "weight", None) is not None)
+
+
+def is_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` or a ``Conv1D``."""
+    return isinstance(module, nn.Linear) or is_transposed_linear(module)
 
 
 def linear_dims(module: nn.Module) -> tuple[int, int]:

@@ -37,7 +37,7 @@ from torch import nn
 
 from lightning_tpp.core.sharding import ShardSpec
 from lightning_tpp.tensor_parallel.layers import is_transposed_linear, linear_dims
-from lightning_tpp.tensor_parallel.plan import BlockInfo
+from lightning_tpp.tensor_parallel.plan_types import BlockInfo
 from lightning_tpp.tensor_parallel.trace import input_names, trace_flow
 
 INNER_NAMES = ("intermediate_size", "d_inner", "d_ssm", "inner_size", "ssm_size", "expand_dim")

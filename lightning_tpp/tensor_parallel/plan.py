@@ -9,92 +9,32 @@ Recognised, bottom-up over the module tree (a module's linear layers are claimed
 * MLP: linear layers ``D->F, [D->F,] F->D'`` (plain or gated, e.g. SwiGLU), with no head count  -> columns + row.
 * token embedding / LM head: an ``nn.Embedding(V, D)`` and a linear ``D->V`` (tied or not)  -> vocab parallel.
 
-Everything else stays replicated. A :class:`TPPlan` maps module names to styles; ``tp_plan=`` entries (globs) and a
-Hugging Face model's own ``base_model_tp_plan`` / ``_tp_plan`` are laid over it.
+Everything else stays replicated. A :class:`~lightning_tpp.tensor_parallel.plan_types.TPPlan` maps module names to
+styles; ``tp_plan=`` entries (globs) and a Hugging Face model's own plans are laid over it
+(:mod:`~lightning_tpp.tensor_parallel.overrides`).
 """
 
 from __future__ import annotations
 
-import fnmatch
-import warnings
-from dataclasses import dataclass, field
-from typing import Any, Collection, Mapping, Optional, Sequence, Union
+from typing import Any, Collection, Mapping, Optional, Union
 
 from torch import nn
 
 from lightning_tpp.core.sharding import ShardSpec
 from lightning_tpp.tensor_parallel.kv_share import plain_kv_spec, shared_specs
-from lightning_tpp.tensor_parallel.layers import is_transposed_linear, linear_dims
+from lightning_tpp.tensor_parallel.layers import is_linear, is_transposed_linear, linear_dims
+from lightning_tpp.tensor_parallel.mixer import mixer
+from lightning_tpp.tensor_parallel.plan_types import (
+    HEAD_DIM_NAMES,
+    HEAD_NAMES,
+    KV_NAMES,
+    BlockInfo,
+    TensorParallelConfigError,
+    TPPlan,
+)
 from lightning_tpp.tensor_parallel.trace import input_names, trace_flow
 
 SMALL_VOCAB = 32  # an embedding with fewer rows (a label table) is kept whole: a vocabulary split saves nothing
-
-STYLES = ("colwise", "rowwise", "colwise_gather", "vocab", "mha", "replicate")
-
-HEAD_NAMES = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nhead", "heads", "nheads", "num_head",
-              "n_attn_heads", "num_q_heads", "n_heads_q")
-KV_NAMES = ("n_kv_head", "n_kv_heads", "num_key_value_heads", "num_kv_heads", "kv_heads", "n_query_groups",
-            "num_kv_head", "n_kv", "nkv")
-# query heads per K/V head (Hugging Face's repeat_kv count): local too when K/V heads are fewer than tp
-GROUP_NAMES = ("num_key_value_groups", "n_rep", "num_kv_groups", "kv_groups", "q_per_kv", "num_queries_per_kv")
-HEAD_DIM_NAMES = ("head_dim", "head_size", "d_head", "dim_head", "attention_head_size", "d_k", "kv_channels",
-                  "key_value_proj_dim", "hd")
-WIDTH_HINTS = ("embd", "embed", "dim", "hidden", "width", "d_model", "inner", "all_head", "split", "n_state")
-
-# Hugging Face tp-plan style names -> ours (per module type where it differs).
-_HF_STYLES = {"colwise": "colwise", "local_colwise": "colwise", "rowwise": "rowwise", "local_rowwise": "rowwise",
-              "colwise_rep": "colwise_gather", "colwise_gather_output": "colwise_gather", "rowwise_rep": "rowwise",
-              "embedding_rowwise": "vocab", "replicated_with_grad_allreduce": "replicate"}
-
-
-class TensorParallelConfigError(ValueError):
-    """A model/tp combination that cannot be tensor-parallelised as asked."""
-
-
-@dataclass
-class BlockInfo:
-    """A group of layers parallelised together (one ``copy_to_tp`` scope, one numerical check)."""
-
-    kind: str  # "attention" | "mlp" | "mha" | "custom"
-    layers: list[str] = field(default_factory=list)  # FQNs of the parallel layers inside
-    heads: int = 0
-    kv_heads: int = 0
-    head_dim: int = 0
-    fused: dict[str, list[ShardSpec]] = field(default_factory=dict)  # layer FQN -> candidate layouts, first = default
-    sizes: dict[str, int] = field(default_factory=dict)  # what tp must divide, e.g. {"num_heads": 16}
-    rows: list[str] = field(default_factory=list)  # the row-parallel layers (default: the last one of ``layers``)
-    # row layers whose all-reduced output only this rank's channels read (a Mamba mixer's x_proj): the gradient of
-    # that output is a part on each rank, all-reduced too
-    rejoin: list[str] = field(default_factory=list)
-    cut: dict[str, ShardSpec] = field(default_factory=dict)  # other parameters cut with the channels (FQN -> layout):
-    # a depthwise convolution, per-head A / D (:mod:`~lightning_tpp.tensor_parallel.mixer`)
-    local_attrs: dict[str, int] = field(default_factory=dict)  # attributes (FQN) set to their per-rank value
-
-    def row_layers(self) -> list[str]:
-        return self.rows or self.layers[-1:]
-
-
-@dataclass
-class TPPlan:
-    """``styles`` (module FQN -> style) is the plan; ``blocks`` says how layers group; ``notes`` what fell back."""
-
-    styles: dict[str, str] = field(default_factory=dict)
-    blocks: dict[str, BlockInfo] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    whole: dict[str, str] = field(default_factory=dict)  # module with linear layers left whole -> why
-    # modules a Hugging Face plan marks "replicated_with_grad_allreduce" (Qwen3's per-head q_norm / k_norm): whole on
-    # every rank, each rank's gradient a part (its heads), summed over tp inside a planned block
-    grad_allreduce: list[str] = field(default_factory=list)
-
-    def block_of(self, layer: str) -> Optional[str]:
-        for name, block in self.blocks.items():
-            if layer in block.layers or layer == name:
-                return name
-        return None
-
-
-def _is_linear(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear) or is_transposed_linear(m)
 
 
 def _int_attr(obj: Any, names: tuple[str, ...]) -> Optional[int]:
@@ -123,7 +63,7 @@ def _child_linears(module: nn.Module, prefix: str, claimed: set[str], depth: int
         fqn = f"{prefix}.{name}" if prefix else name
         if isinstance(child, nn.MultiheadAttention):
             continue
-        if _is_linear(child):
+        if is_linear(child):
             if fqn not in claimed:
                 out.append((fqn, child))
         elif depth > 1:
@@ -223,7 +163,7 @@ def _mlp(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]]) -> Opti
         return None  # an MLP returns to the width it came from (d -> h -> d)
     if isinstance(module, nn.Sequential):  # only parameter-free layers (activations, dropout) between
         between = list(module)[list(module).index(lins[0][1]) + 1: list(module).index(lins[-1][1])]
-        if any(any(True for _ in m.parameters()) for m in between if not _is_linear(m)):
+        if any(any(True for _ in m.parameters()) for m in between if not is_linear(m)):
             return None
     return BlockInfo("mlp", [n for n, _ in lins], sizes={"hidden": first[1]})
 
@@ -245,7 +185,7 @@ def _sequential_pairs(fqn: str, module: nn.Module, claimed: set[str], tp: int) -
     pending: Optional[tuple[str, nn.Module]] = None
     for name, child in module.named_children():
         child_fqn = f"{fqn}.{name}" if fqn else name
-        if _is_linear(child) and child_fqn not in claimed:
+        if is_linear(child) and child_fqn not in claimed:
             if pending is None:
                 pending = (child_fqn, child)
                 continue
@@ -390,7 +330,7 @@ def _vocab(model: nn.Module, claimed: set[str], tp: int, plan: TPPlan,
     for e_name, emb in embeddings.items():
         if e_name in claimed:
             continue
-        heads = [(n, m) for n, m in local + remote if n not in claimed and _is_linear(m)
+        heads = [(n, m) for n, m in local + remote if n not in claimed and is_linear(m)
                  and linear_dims(m) == (emb.embedding_dim, emb.num_embeddings)]
         tied = [(n, m) for n, m in heads if m.weight is emb.weight]
         if not heads:
@@ -423,12 +363,12 @@ def _widening(model: nn.Module, claimed: set[str], tp: int, plan: TPPlan, remote
     output is one vector per sample). A patch embedding (pixels -> d) does not read the model's width; a layer of a
     module left whole for a reason (``plan.whole``: an attention not understood) stays whole with it."""
     total = sum(p.numel() for p in model.parameters())
-    widths = [linear_dims(m)[0] for _, m in model.named_modules() if _is_linear(m)]
+    widths = [linear_dims(m)[0] for _, m in model.named_modules() if is_linear(m)]
     width = max(set(widths), key=widths.count) if widths else 0
     entries = {f"{n}.{c}" if n else c for n, m in model.named_modules() if isinstance(m, nn.ModuleList)
                for c, _ in m.named_children()}
     for name, m in model.named_modules():
-        if name in claimed or name in remote or not _is_linear(m) or plan.styles.get(name):
+        if name in claimed or name in remote or not is_linear(m) or plan.styles.get(name):
             continue
         d_in, d_out = linear_dims(m)
         parent = name.rpartition(".")[0]
@@ -448,8 +388,6 @@ def detect(model: nn.Module, tp: int, *, check: bool = True,
     mapping to meta copies of them, an embedding here is paired with its head there (and the reverse).
     ``check=False`` leaves the divisibility check (:func:`check_divisible`) to the caller, who may first lay a
     ``tp_plan`` over the result (e.g. replicate the block that does not divide)."""
-    from lightning_tpp.tensor_parallel.mixer import mixer  # (it builds BlockInfo)
-
     plan = TPPlan()
     if tp == 1:
         return plan
@@ -512,97 +450,3 @@ def _ordered(plan: TPPlan, model: nn.Module) -> TPPlan:
     plan.styles = dict(sorted(plan.styles.items(), key=lambda kv: order.get(kv[0], 0)))
     plan.blocks = dict(sorted(plan.blocks.items(), key=lambda kv: order.get(kv[0], 0)))
     return plan
-
-
-def hf_plan(model: nn.Module) -> dict[str, str]:
-    """Styles from Hugging Face models' own tp plans (``config.base_model_tp_plan`` and the class's ``_tp_plan``)."""
-    out: dict[str, str] = {}
-    for fqn, m in model.named_modules():
-        config = getattr(m, "config", None)
-        if not hasattr(m, "base_model_prefix") or config is None:
-            continue
-        prefix = f"{fqn}." if fqn else ""
-        base = getattr(m, m.base_model_prefix, None)
-        base_prefix = f"{prefix}{m.base_model_prefix}." if isinstance(base, nn.Module) else prefix
-        for pattern, style in (getattr(config, "base_model_tp_plan", None) or {}).items():
-            out[base_prefix + pattern] = style
-        for pattern, style in (getattr(type(m), "_tp_plan", None) or {}).items():
-            out[prefix + pattern] = style
-    return out
-
-
-def overlay(model: nn.Module, plan: TPPlan, overrides: Mapping[str, str], *, source: str, strict: bool,
-            whole_model: Optional[Sequence[str]] = None, remote: Collection[str] = ()) -> None:
-    """Lay ``overrides`` (module-name glob -> style) over ``plan`` in place.
-
-    ``strict`` (user plans): unknown styles and globs that match nothing raise. Hugging Face plans use styles we do not
-    model (sequence parallel, packed experts); those entries are skipped with a note. Under pipeline parallelism
-    ``whole_model`` lists the module names of all stages: a glob may match modules that other stages hold.
-    """
-    modules = dict(model.named_modules())
-    names = list(whole_model) if whole_model is not None else list(modules)
-    entries: list[tuple[str, str, Optional[str]]] = []  # (module, style given, our style or None)
-    for pattern, raw in overrides.items():
-        if strict and not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-            raise TensorParallelConfigError(f"{source} entry {pattern!r} matches no module; module names look like "
-                                            f"{[n for n in names if n][:5]}")
-        for name in modules:
-            if fnmatch.fnmatchcase(name, pattern) and name not in remote:
-                style = raw if strict else _HF_STYLES.get(raw)  # (a module held by another stage is skipped)
-                if style == "rowwise" and isinstance(modules[name], nn.Embedding):
-                    style = "vocab"
-                if style not in STYLES:
-                    if strict:
-                        raise TensorParallelConfigError(f"{source} style {raw!r} for {name!r} is not one of "
-                                                        f"{STYLES}")
-                    style = None
-                entries.append((name, raw, style))
-                if raw == "replicated_with_grad_allreduce" and not strict and name not in plan.grad_allreduce:
-                    plan.grad_allreduce.append(name)
-    # a block with one style we do not model keeps the automatic plan (checked numerically at its first call) for
-    # all its layers: half of a foreign plan (a gathered qkv with our row-parallel output) would not fit together.
-    # A layer of no planned block goes with the module holding it, unless that holds blocks (a model): DeepSeek-V3's
-    # attention (transformers 5.25) has q_b_proj / kv_b_proj colwise and o_proj rowwise around kv_a_proj_with_mqa's
-    # "mla_kv_a_proj"; the three alone leave the rope key's gradient summed over one rank's heads only
-    def unit(name: str) -> str:
-        block = plan.block_of(name)
-        if block is not None:
-            return block
-        parent = name.rpartition(".")[0]
-        holder = modules.get(parent)
-        holds = holder is None or any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in holder.modules())
-        return name if holds else parent
-
-    foreign = {unit(n) for n, _, style in entries if style is None}
-    for name, raw, style in entries:
-        if style is None:
-            plan.notes.append(f"{name}: Hugging Face style {raw!r} is not supported here; left as planned")
-            continue
-        split = style in ("colwise", "rowwise") or plan.block_of(name) is not None  # a layer whole on its own
-        if split and unit(name) in foreign:  # (a gathered output, a vocabulary) is applied as before
-            plan.notes.append(f"{name}: Hugging Face style {raw!r} not applied: a layer of {unit(name)} has a style "
-                              f"not supported here, and half of a plan does not fit together; left as planned")
-            continue
-        _set_style(plan, name, modules[name], style, source)
-
-
-def _set_style(plan: TPPlan, name: str, m: nn.Module, style: str, source: str) -> None:
-    if style == "replicate":
-        plan.styles.pop(name, None)
-        block = plan.blocks.pop(name, None)
-        for layer in block.layers if block else []:
-            plan.styles.pop(layer, None)
-        owner = plan.block_of(name)
-        if owner is not None and owner != name:  # one layer of a block out: the whole block stays replicated
-            warnings.warn(f"{source}: replicating {name} replicates its whole block {owner}", stacklevel=3)
-            _set_style(plan, owner, m, "replicate", source)
-        return
-    want = {"colwise": _is_linear, "rowwise": _is_linear, "colwise_gather": _is_linear,
-            "vocab": lambda x: isinstance(x, nn.Embedding), "mha": lambda x: isinstance(x, nn.MultiheadAttention)}
-    if not want[style](m):
-        raise TensorParallelConfigError(f"{source} style {style!r} does not fit {name!r} ({type(m).__name__})")
-    plan.styles[name] = style
-    if plan.block_of(name) is None and style in ("colwise", "rowwise"):
-        parent = name.rsplit(".", 1)[0] if "." in name else ""
-        block = plan.blocks.setdefault(parent, BlockInfo("custom"))
-        block.layers.append(name)

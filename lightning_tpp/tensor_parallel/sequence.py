@@ -33,8 +33,6 @@ rest; one that matches neither way is an error.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -42,54 +40,28 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_tpp._compat import (
-    enclosing_saved_tensors_hooks,
-    outside_function_modes,
-    outside_saved_tensors_hooks,
-    tree_flatten,
-    tree_map,
-    tree_unflatten,
-)
-from lightning_tpp.core.comm import (
-    TPGroup,
-    all_gather_seq,
-    all_reduce_flag,
-    copy_to_tp,
-    gather_seq,
-    reduce_scatter_seq,
-    scatter_seq,
-    seq_alias,
-)
+from lightning_tpp._compat import tree_flatten, tree_unflatten
+from lightning_tpp.core.comm import TPGroup, copy_to_tp, gather_seq, scatter_seq
 from lightning_tpp.core.dp_shard import local
 from lightning_tpp.core.grads import all_reduce_coalesced
 from lightning_tpp.core.params import ShardIndex
+from lightning_tpp.core.reference import (
+    Mismatch,
+    check_forward,
+    check_gradients,
+    first_difference,
+    summed,
+    whole_or_part,
+)
 from lightning_tpp.core.swap import swap_class
 from lightning_tpp.core.walk import VERIFYING
+from lightning_tpp.tensor_parallel.layers import _RowParallel
 from lightning_tpp.tensor_parallel.rng import following
+from lightning_tpp.tensor_parallel.sequence_region import sequence_region
 
 
 class SequenceParallelError(RuntimeError):
     """A block does not compute on sequence shards what it computes on the whole sequence."""
-
-
-@dataclass
-class _Region:
-    """While a block of the sequence runs: the shape of its input shard, and the stream gathered at a
-    tensor-parallel block's entry (id -> shard, gathered, the column layers' alias)."""
-
-    group: TPGroup
-    shard: torch.Size
-    regather: bool = True  # gathered inputs saved for backward as shards (off inside activation checkpointing)
-    gathered: dict[int, list[Any]] = field(default_factory=dict)  # [shard, whole, alias, _Regathered]
-
-    @property
-    def whole(self) -> torch.Size:
-        s = list(self.shard)
-        s[1] *= self.group.size
-        return torch.Size(s)
-
-
-_REGION: contextvars.ContextVar[Optional[_Region]] = contextvars.ContextVar("lightning_tpp_sp_region", default=None)
 
 
 @dataclass
@@ -132,20 +104,6 @@ def _side_inputs(args: tuple, kwargs: dict, where: Optional[tuple[str, Any]], fn
 
     return (tuple(apply(("arg", i), a) for i, a in enumerate(args)),
             {k: apply(("kw", k), v) for k, v in kwargs.items()})
-
-
-class _ShareGrad(torch.autograd.Function):
-    """Identity forward; backward divides by tp: a gradient every tp rank computed whole, entering a sum over
-    them (the element's side inputs are summed over tp at its entry)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, size: int) -> Tensor:
-        ctx.size = size
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Any:
-        return grad / ctx.size, None
 
 
 def _replace(args: tuple, kwargs: dict, where: tuple[str, Any], value: Tensor) -> tuple[tuple, dict]:
@@ -196,8 +154,7 @@ class _SequenceElement:
             _verify(self, args, kwargs, where)  # type: ignore[arg-type]
         if st.grads_pending and self.training and torch.is_grad_enabled() and not st.flat:  # type: ignore[attr-defined]
             st.grads_pending = False
-            with outside_function_modes(), outside_saved_tensors_hooks():  # a check of its own, not the step's
-                _verify_gradients(self, args, kwargs, where)  # type: ignore[arg-type]
+            _verify_gradients(self, args, kwargs, where)  # type: ignore[arg-type]
         return self._sp_forward(args, kwargs, where)
 
     def _sp_forward(self, args: tuple, kwargs: dict, where: tuple[str, Any]) -> Any:
@@ -207,8 +164,7 @@ class _SequenceElement:
             args, kwargs = _replace(args, kwargs, where, gather_seq(stream, st.group))
             out = super().forward(*args, **kwargs)  # type: ignore[misc]
             return out if st.last else _map_first_tensor(out, lambda t: scatter_seq(t, st.group))
-        token = _REGION.set(_Region(st.group, stream.shape, regather=not st.recomputed))
-        try:
+        with sequence_region(st.group, stream.shape, regather=not st.recomputed):
             if not (self.training and st.draws is not False):  # type: ignore[attr-defined]
                 out = super().forward(*args, **kwargs)  # type: ignore[misc]
             else:  # dropout over the shards draws per tp rank, as over a column layer's output
@@ -216,228 +172,65 @@ class _SequenceElement:
                     draws.mark(stream)
                     out = super().forward(*args, **kwargs)  # type: ignore[misc]
                 st.draws = st.draws or draws.dropped
-        finally:
-            _REGION.reset(token)
         return _map_first_tensor(out, lambda t: gather_seq(t, st.group)) if st.last else out
 
 
-def in_sequence_region() -> bool:
-    """Whether a block runs inside the sequence-parallel region (its element checks the gradients there)."""
-    return _REGION.get() is not None
+def _mismatch(element: nn.Module, st: ElementState, claim: str, cause: str) -> Mismatch:
+    return Mismatch("sequence parallelism: block", st.name, type(element).__name__, cause, claim=claim,
+                    fix="train it with sequence_parallel=False", error=SequenceParallelError)
 
 
-def block_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A tensor-parallel block's call inside the region: the stream (tensors of the input shard's shape) gathered."""
-    region = _REGION.get()
-    if region is None:
-        return args, kwargs
-
-    def fn(t: Any) -> Any:
-        if not isinstance(t, Tensor):
-            return t
-        if t.shape != region.shard:  # a side input: replicated inside the block, so its gradient is whole here
-            return _ShareGrad.apply(t, region.group.size) if t.requires_grad and torch.is_grad_enabled() else t
-        whole = gather_seq(t, region.group)
-        region.gathered[id(whole)] = [t, whole, None, None]
-        return whole
-
-    return tuple(fn(a) for a in args), {k: fn(v) for k, v in kwargs.items()}
+def _whole(where: tuple[str, Any], group: TPGroup) -> Any:
+    """A call on this rank's shard of the stream as the original block takes it: on the whole sequence."""
+    return lambda a, k: _replace(a, k, where, gather_seq(_get(a, k, where), group))
 
 
-class _Regathered:
-    """A gathered stream that backward needs (the column layers' input, for their weight gradients), kept as this
-    rank's shard and gathered again the first time backward asks (Megatron-SP): ``1/tp`` of it stays saved. The
-    shard goes through the enclosing saved-tensor hooks (``unpack`` is theirs)."""
-
-    __slots__ = ("packed", "unpack", "group", "whole")
-
-    def __init__(self, packed: Any, unpack: Any, group: TPGroup) -> None:
-        self.packed, self.unpack, self.group, self.whole = packed, unpack, group, None
-
-    def get(self) -> Tensor:
-        if self.whole is None:
-            self.whole = all_gather_seq(self.unpack(self.packed), self.group)
-        return self.whole
-
-
-def _identity(t: Any) -> Any:
-    return t
-
-
-def saved_as_shards() -> contextlib.AbstractContextManager:
-    """Around a tensor-parallel block's forward inside the region: what autograd saves of the gathered stream (or a
-    view of it) is kept as the shard (:class:`_Regathered`); everything else goes to the enclosing hooks, if any
-    (a user's ``save_on_cpu``, a memory tracker), as without this one."""
-    region = _REGION.get()
-    if region is None or not region.regather or not region.gathered or not torch.is_grad_enabled():
-        return contextlib.nullcontext()
-    outer_pack, outer_unpack = enclosing_saved_tensors_hooks() or (_identity, _identity)
-    wholes = {e[1].untyped_storage().data_ptr(): e for e in region.gathered.values()}
-
-    def pack(t: Tensor) -> Any:
-        entry = wholes.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
-        if entry is None or t.dtype != entry[1].dtype:
-            return False, outer_pack(t)
-        if entry[3] is None:
-            entry[3] = _Regathered(outer_pack(entry[0].detach()), outer_unpack, region.group)
-        return True, (entry[3], t.shape, t.stride(), t.storage_offset())
-
-    def unpack(packed: Any) -> Tensor:
-        ours, held = packed
-        if not ours:
-            return outer_unpack(held)
-        regathered, shape, stride, offset = held
-        return regathered.get().as_strided(shape, stride, offset)
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-
-
-def column_input(x: Tensor) -> Optional[Tensor]:
-    """What a column-parallel layer reads when its input is the stream gathered at its block's entry: an alias whose
-    backward reduce-scatters the layer's partial input gradient (Megatron-SP's all-gather backward), shared by the
-    sibling layers that read it (q, k, v). ``None`` for any other input (the layer's own ``copy_to_tp`` applies)."""
-    region = _REGION.get()
-    entry = region.gathered.get(id(x)) if region is not None else None
-    if entry is None or entry[1] is not x or not torch.is_grad_enabled():
-        return None
-    if entry[2] is None:
-        entry[2] = seq_alias(entry[0], x, region.group)
-    return entry[2]
-
-
-def block_output(out: Any) -> Any:
-    """... and its output cut back to this rank's part, where it is still whole (row layers that all-reduced)."""
-    region = _REGION.get()
-    if region is None:
-        return out
-    whole = region.whole
-    return tree_map(lambda t: scatter_seq(t, region.group) if isinstance(t, Tensor) and t.shape == whole else t, out)
-
-
-def row_reduce(y: Tensor) -> Optional[Tensor]:
-    """A row-parallel layer's partial sums reduce-scattered over the sequence, inside the region; ``None`` outside
-    it (the layer all-reduces)."""
-    region = _REGION.get()
-    if region is None or y.shape != region.whole:
-        return None
-    return reduce_scatter_seq(y, region.group)
+def _called(ref: nn.Module, args: tuple, kwargs: dict) -> Any:
+    return ref(*args, **kwargs)
 
 
 def _verify(element: nn.Module, args: tuple, kwargs: dict, where: tuple[str, Any]) -> None:
-    """The block's sequence-parallel output against the original block on the whole sequence."""
-    from lightning_tpp.core.reference import against_reference, first_difference, isolated
-
+    """The block's sequence-parallel output against the original block on the whole sequence (the tensor-parallel
+    blocks inside check themselves on their first call in it)."""
     st: ElementState = element._tpp_sp  # type: ignore[assignment]
-    group = st.group
-    problem = None
-    with torch.no_grad(), against_reference(element, group, st.shards) as ref:
-        a, k = isolated(args, kwargs)
-        a, k = _replace(a, k, where, gather_seq(_get(a, k, where), group))
-        token = VERIFYING.set(True)
-        try:
-            want = ref(*a, **k)
-        finally:
-            VERIFYING.reset(token)
-        a, k = isolated(args, kwargs)
-        try:
-            got = element._sp_forward(a, k, where)  # type: ignore[attr-defined]
-            problem = first_difference(got, want, group)
-        except Exception as err:  # noqa: BLE001 - any error of the sequence-parallel forward is a mismatch
-            problem = f"its forward raised {type(err).__name__}: {err}"
-    if not all_reduce_flag(problem is None, group.group):
-        raise SequenceParallelError(
-            f"sequence parallelism: block {st.name!r} ({type(element).__name__}) does not compute on sequence shards "
-            f"what it computes on the whole sequence: {problem or 'another tp rank differs'}. Its own code probably "
-            f"reads the sequence length or mixes positions outside its attention (or an attention in it is left "
-            f"whole); train it with sequence_parallel=False")
+    check_forward(element, args, kwargs, group=st.group, shards=st.shards, reference=_called,
+                  parallel=lambda a, k: element._sp_forward(a, k, where),  # type: ignore[operator]
+                  whole=_whole(where, st.group), mark_parallel=False, mismatch=_mismatch(
+                      element, st, "does not compute on sequence shards what it computes on the whole sequence",
+                      "Its own code probably reads the sequence length or mixes positions outside its attention (or "
+                      "an attention in it is left whole)"))
 
 
 def _verify_gradients(element: nn.Module, args: tuple, kwargs: dict, where: tuple[str, Any]) -> None:
     """The gradients of the block's inputs and parameters on sequence shards (summed over tp where each rank holds
     a part: the partial parameters and side inputs, as training sums them) against the original block's on the whole
-    sequence, for one random output gradient. Catches what the forward check cannot: a replicated value used on
-    shards inside an attention or MLP block whose gradient would not be summed."""
-    from lightning_tpp.core.comm import gather_with_spec
-    from lightning_tpp.core.reference import against_reference, first_difference, isolated, whole_or_part
-
+    sequence (:func:`~lightning_tpp.core.reference.check_gradients`). Catches what the forward check cannot: a
+    replicated value used on shards inside an attention or MLP block whose gradient would not be summed."""
     st: ElementState = element._tpp_sp  # type: ignore[assignment]
     group = st.group
+    declared = [e for b in element.modules() if (bs := getattr(b, "_tpp_block", None)) is not None
+                for e in bs.partial]  # its tp blocks' (a Hugging Face plan's, summed by sum_block_partials)
+    partial = {id(getattr(m, attr)) for m, attr in st.partial + declared if getattr(m, attr, None) is not None}
 
-    def leaves(a: tuple, k: dict, stream: Tensor) -> tuple[tuple, dict, list[tuple[Any, Tensor]]]:
-        a, k = _replace(*isolated(a, k), where, stream)
-        made: list[tuple[Any, Tensor]] = []
+    def replicated(name: str, q: Tensor, g: Tensor, w: Tensor) -> Optional[str]:
+        if id(q) in partial or id(st.shards.stored(q)) in partial:
+            return first_difference(summed(g, group), w, group, f"gradient of {name!r}")
+        if whole_or_part(g, w, group) == "part":  # inside a tensor-parallel block, used on this rank's heads (a
+            owner, _, attr = name.rpartition(".")  # per-head norm) or sequence shard only
+            st.partial.append((element.get_submodule(owner), attr))
+            return None
+        return first_difference(g, w, group, f"gradient of {name!r}")
 
-        def leaf(key: Any, t: Any) -> Any:
-            if not isinstance(t, Tensor) or not t.is_floating_point():
-                return t
-            t = t.detach().requires_grad_(t.requires_grad or key == where)
-            if t.requires_grad:
-                made.append((key, t))
-            return t
-
-        return (tuple(leaf(("arg", i), x) for i, x in enumerate(a)),
-                {n: leaf(("kw", n), v) for n, v in k.items()}, made)
-
-    def first(out: Any) -> Tensor:
-        return out if isinstance(out, Tensor) else next(t for t in tree_flatten(out)[0] if isinstance(t, Tensor))
-
-    problem = None
-    with against_reference(element, group, st.shards) as ref:
-        try:
-            named = [(n, q) for n, q in element.named_parameters() if q.requires_grad]
-            ref_params = dict(ref.named_parameters())
-            named = [(n, q) for n, q in named if n in ref_params]
-            for n, _ in named:  # the gathered copies of shards (replicated parameters are the block's own)
-                ref_params[n].requires_grad_(True)
-            stream = _get(args, kwargs, where).detach()
-            a, k, inputs = leaves(args, kwargs, stream)
-            got = first(element._sp_forward(a, k, where))  # type: ignore[attr-defined]
-            a, k, ref_inputs = leaves(args, kwargs, gather_seq(stream, group))
-            token = VERIFYING.set(True)
-            try:
-                want = first(ref(*a, **k))
-            finally:
-                VERIFYING.reset(token)
-            gen = torch.Generator(device="cpu").manual_seed(20260)
-            cotangent = torch.randn(want.shape, generator=gen, dtype=torch.float32).to(want)
-            n_part = got.shape[1]
-            part = cotangent if got.shape == want.shape else cotangent.narrow(1, group.rank * n_part, n_part)
-            mine = torch.autograd.grad(got, [t for _, t in inputs] + [q for _, q in named], part, allow_unused=True)
-            theirs = torch.autograd.grad(want, [t for _, t in ref_inputs] + [ref_params[n] for n, _ in named],
-                                         cotangent, allow_unused=True)
-            declared = [e for b in element.modules() if (bs := getattr(b, "_tpp_block", None)) is not None
-                        for e in bs.partial]  # its tp blocks' (a Hugging Face plan's, summed by sum_block_partials)
-            partial = {id(getattr(m, attr)) for m, attr in st.partial + declared if getattr(m, attr, None) is not None}
-            for i, ((key, _), g) in enumerate(zip(inputs, mine)):
-                if key != where and g is not None:  # a side input: each rank's part of its gradient
-                    g = g.clone()
-                    torch.distributed.all_reduce(g, group=group.group)
-                problem = problem or first_difference(g, theirs[i], group, f"gradient of input {key[1]!r}")
-            for (name, q), g, w in zip(named, mine[len(inputs):], theirs[len(inputs):]):
-                if g is None or w is None:
-                    if (g is None) != (w is None):
-                        problem = problem or f"gradient of {name!r}: {'none' if g is None else 'one'} on shards, " \
-                                             f"{'none' if w is None else 'one'} on the whole sequence"
-                    continue
-                info = st.shards.get(q)
-                if info is not None:
-                    g = gather_with_spec(g, info.spec, group)
-                elif id(q) in partial or id(st.shards.stored(q)) in partial:
-                    g = g.clone()
-                    torch.distributed.all_reduce(g, group=group.group)
-                elif whole_or_part(g, w, group) == "part":  # inside a tensor-parallel block, used on this rank's
-                    owner, _, attr = name.rpartition(".")  # heads (a per-head norm) or sequence shard only
-                    st.partial.append((element.get_submodule(owner), attr))
-                    continue
-                problem = problem or first_difference(g, w, group, f"gradient of {name!r}")
-        except Exception as err:  # noqa: BLE001 - any error of the sequence-parallel backward is a mismatch
-            problem = f"its backward raised {type(err).__name__}: {err}"
-    if not all_reduce_flag(problem is None, group.group):
-        raise SequenceParallelError(
-            f"sequence parallelism: block {st.name!r} ({type(element).__name__}) does not compute on sequence shards "
-            f"the gradients it computes on the whole sequence: {problem or 'another tp rank differs'}. A value "
-            f"shared by all positions (a parameter, a conditioning input) is probably used on shards inside an "
-            f"attention or MLP block, after its output projection; train it with sequence_parallel=False")
+    stream = _get(args, kwargs, where).detach()  # a leaf of its own, its gradient compared with the original's
+    args, kwargs = _replace(args, kwargs, where, stream.requires_grad_(stream.is_floating_point()))
+    check_gradients(element, args, kwargs, group=group, shards=st.shards, reference=_called,
+                    parallel=lambda a, k: element._sp_forward(a, k, where),  # type: ignore[operator]
+                    whole=_whole(where, group), replicated=replicated, input_parts=lambda key: key != where,
+                    output_dim=1, mark_parallel=False, mismatch=_mismatch(
+                        element, st,
+                        "does not compute on sequence shards the gradients it computes on the whole sequence",
+                        "A value shared by all positions (a parameter, a conditioning input) is probably used on "
+                        "shards inside an attention or MLP block, after its output projection"))
 
 
 def apply_sequence_parallel(module: nn.Module, containers: list[list[str]], group: TPGroup, shards: ShardIndex, *,
@@ -492,8 +285,6 @@ def _ancestors(name: str) -> list[str]:
 def _partial_params(element: nn.Module, shards: ShardIndex) -> list[tuple[nn.Module, str]]:
     """(module, attribute) of the replicated parameters that see sequence shards: those outside the element's
     tensor-parallel blocks, and the biases its row layers add after reduce-scattering."""
-    from lightning_tpp.tensor_parallel.layers import _RowParallel
-
     blocks = [m for m in element.modules() if getattr(m, "_tpp_block", None) is not None]
     inside = {id(m) for b in blocks for m in b.modules()}
     out = []

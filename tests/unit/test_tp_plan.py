@@ -1,4 +1,5 @@
-"""Single-process tests of plan detection and overlays in ``lightning_tpp.tensor_parallel.plan`` (no process groups)."""
+"""Single-process tests of plan detection (``lightning_tpp.tensor_parallel.plan``) and overlays (``.overrides``), no
+process groups."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from models import MODELS, EncoderLM, FusedGQAModel, HFCausalLM, HFCausalLMFamil
 from torch import nn
 
 from lightning_tpp.core.sharding import ShardSpec
-from lightning_tpp.tensor_parallel.plan import STYLES, TensorParallelConfigError, TPPlan, detect, hf_plan, overlay
+from lightning_tpp.tensor_parallel import STYLES, TensorParallelConfigError, TPPlan, detect, hf_plan, overlay
 
 
 @pytest.fixture(scope="module")
