@@ -3,14 +3,17 @@
 ``schedules OUT [--pp P --microbatches M --seconds T]``: stages of controlled cost, made of sleeps so that other
 work on the machine does not change them: per micro-batch and pipeline rank the forward takes T, the input gradient
 T and the weight gradient T (a backward 2T), whatever the schedule; each schedule trains a few steps with a
-CSVLogger and a PipelineTimeline. Then ``hang``: rank 1 stops for a few seconds before a send and sends SIGUSR1 to
-rank 0, which must report where it waits; then ``stop``: rank 1 raises there, and the failure watch stops rank 0,
-which reports the same. ``tp2pp2 OUT``: a GPT at tp=2 x pp=2 with a CSVLogger and a PipelineTimeline.
+CSVLogger and a PipelineTimeline, and rank 0 writes the costs each step gave the simulator for
+``pipeline/bubble_theory`` to ``OUT/SCHEDULE/simulator_costs.json``. Then ``hang``: rank 1 stops for a few
+seconds before a send and sends SIGUSR1 to rank 0, which must report where it waits; then ``stop``: rank 1 raises
+there, and the failure watch stops rank 0, which reports the same. ``tp2pp2 OUT``: a GPT at tp=2 x pp=2 with a
+CSVLogger and a PipelineTimeline.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import time
@@ -24,7 +27,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_tpp import PipelineTimeline, TensorPipeStrategy
-from lightning_tpp.pipeline import wgrad
+from lightning_tpp.pipeline import metrics, wgrad
 
 RANK = int(os.environ.get("LOCAL_RANK", "0"))
 WIDTH = 4
@@ -41,6 +44,20 @@ def _sleepy_accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 wgrad._accumulate = _sleepy_accumulate
+
+# The costs each logging step hands the simulator for pipeline/bubble_theory (relative to a forward, from every
+# rank's measured actions), kept so that the test can run the simulator on them itself.
+COSTS: list[dict[str, float]] = []
+_simulator_costs = metrics.simulator_costs
+
+
+def _recorded_simulator_costs(rows: list[list[float]]) -> dict[str, float]:
+    costs = _simulator_costs(rows)
+    COSTS.append(dict(costs))
+    return costs
+
+
+metrics.simulator_costs = _recorded_simulator_costs
 
 
 def _sleep_if(condition: bool, seconds: float) -> None:
@@ -131,9 +148,12 @@ def schedules(args: argparse.Namespace) -> None:
         virtual = 2 if schedule == "interleaved-1f1b" else 1
         strategy = TensorPipeStrategy(pp=pp, microbatches=m, schedule=schedule, virtual_stages=virtual,
                                       print_plan=False)
+        COSTS.clear()
         # two blocks per rank, each taking half of the rank's time per micro-batch
         fit(Blocks(2 * pp, args.seconds / 2), strategy, data, args.out, schedule, devices=pp, steps=args.steps,
             timeline=[args.steps - 1], batch_size=m, png=args.png or schedule == "1f1b")
+        if RANK == 0:
+            (args.out / schedule / "simulator_costs.json").write_text(json.dumps(COSTS))
     if pp != 2 or not args.faults:
         return
     for scenario in ("hang", "stop"):  # the last one ends the processes; no timeline (rank 0 must be in step 1)
