@@ -68,8 +68,8 @@ from lightning_tpp.tensor_parallel import (
     plan_rows,
     whole_kinds,
 )
-from lightning_tpp.tensor_parallel.apply import block_states, unchecked_replicated
-from lightning_tpp.tensor_parallel.sequence import apply_sequence_parallel
+from lightning_tpp.tensor_parallel.apply import block_states, checks_off, unchecked_replicated
+from lightning_tpp.tensor_parallel.sequence import apply_sequence_parallel, sequence_runs
 
 
 @dataclass
@@ -309,7 +309,7 @@ def no_loss_parallel(module: nn.Module, keep: tuple[str, ...] = ()) -> None:
 
 
 def _sequence_parallel(s: Setup) -> None:
-    """The model's block sequence run on sequence shards: one run per stack (an encoder's, then a decoder's)."""
+    """The model's block sequence run on sequence shards (``tensor_parallel.sequence``)."""
     assert s.map is not None and s.state is not None
     if not s.config.sequence_parallel or s.config.tp == 1:
         return
@@ -320,33 +320,11 @@ def _sequence_parallel(s: Setup) -> None:
                          f"nn.ModuleList or nn.Sequential of same-class layers) on sequence shards, and none was "
                          f"found in {type(s.module).__name__}: {err}. Name their container with blocks='<module "
                          f"name>', or use sequence_parallel=False") from err
-    # several members: entries of zipped sibling lists, or a Sequential's layer and the activation after it
-    zipped = [m for m in sequence.members if len({n.rpartition(".")[0] for n in m}) > 1]
-    if zipped:
-        raise ValueError(f"sequence_parallel=True passes the residual stream from block to block on sequence shards; "
-                         f"the blocks {zipped[0]} are entries of sibling lists run in one loop, whose stream the "
-                         f"model's own loop holds. Use sequence_parallel=False")
-    runs: list[list[str]] = []
-    container = lambda name: next((c for c in sequence.containers  # noqa: E731
-                                   if name == c or name.startswith(f"{c}.")), None)
-    for member in (n for block in sequence.members for n in block):
-        for name in _called_blocks(s.module, member):
-            if not runs or container(name) != container(runs[-1][0]):
-                runs.append([])
-            runs[-1].append(name)
+    runs = sequence_runs(s.module, sequence.containers, sequence.members)
     stages = s.state.stages
     s.state.sequence = apply_sequence_parallel(
         s.module, runs, s.groups.tp, s.state.shards, local_names=set(s.state.blocks) if stages is not None else None,
         twins=stages.twins if stages is not None else None, verify=s.config.verify and s.live)
-
-
-def _called_blocks(module: nn.Module, name: str) -> list[str]:
-    """The modules the model calls for block ``name``: the block, or the entries of a list of layers that its loop
-    unpacks and calls one by one (``for attn, ff in self.layers``), in order."""
-    block = module.get_submodule(name)
-    if not isinstance(block, (nn.ModuleList, nn.ModuleDict)):
-        return [name]
-    return [n for child, _ in block.named_children() for n in _called_blocks(module, f"{name}.{child}")]
 
 
 def _recompute(s: Setup) -> None:
@@ -464,7 +442,8 @@ def _dp(s: Setup) -> None:
         s.map.blocks()  # the user's containers: the partitioner says what is wrong with them
     s.convert(s.module)
     state.dp = dp = shard_over_dp(s.module, s.groups.mesh["dp"], blocks=list(state.blocks),
-                                  sharding=config.dp_sharding, vocab_exchange=config.vocab_exchange, keep=s.split)
+                                  sharding=config.dp_sharding, vocab_exchange=config.vocab_exchange, keep=s.split,
+                                  tp_blocks=[b.name for b in state.tp_blocks], quiet=checks_off)
     # FSDP2 gathers a unit for backward when its output's gradient arrives: a loss computed from the head's shards
     # would bypass that output (a head computed over dp has no such hook)
     no_loss_parallel(s.module, keep=tuple(r.name for r in dp.rows))

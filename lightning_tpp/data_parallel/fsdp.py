@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Container, Iterable, Iterator, Literal, Mapping, Optional, Sequence
+from typing import Any, Callable, Collection, Container, Iterable, Iterator, Literal, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -141,9 +141,11 @@ def _common_parent(names: Iterable[str]) -> str:
 
 
 def fsdp_units(module: nn.Module, blocks: Sequence[str], skip: Container[int] = (),
-               reads: Optional[Mapping[int, Iterable[str]]] = None) -> tuple[list[str], list[str]]:
+               reads: Optional[Mapping[int, Iterable[str]]] = None, tp_blocks: Collection[str] = ()
+               ) -> tuple[list[str], list[str]]:
     """The modules to wrap (children before parents) and the parameters that stay replicated (by name); parameters
-    whose id is in ``skip`` are left out (sharded otherwise). ``reads`` (``data_parallel.reads``: parameter id -> the
+    whose id is in ``skip`` are left out (sharded otherwise); ``tp_blocks``: the tensor-parallel blocks (each one unit
+    when it sits outside the blocks). ``reads`` (``data_parallel.reads``: parameter id -> the
     modules whose forward reads it) widens a parameter's unit to a module enclosing its readers too: FSDP2 gathers a
     unit only for the unit's own forward."""
     holders: dict[int, list[str]] = {}
@@ -155,7 +157,6 @@ def fsdp_units(module: nn.Module, blocks: Sequence[str], skip: Container[int] = 
                 first_name.setdefault(id(p), f"{mname}.{pname}" if mname else pname)
     units = set(blocks)
     replicated = []
-    modules = dict(module.named_modules())
     needs: dict[int, str] = {}  # parameter -> the module its unit must enclose (its holders and readers)
     for pid, names in holders.items():
         parent = _common_parent([*names, *((reads or {}).get(pid, ()))])
@@ -168,8 +169,7 @@ def fsdp_units(module: nn.Module, blocks: Sequence[str], skip: Container[int] = 
         # a tensor-parallel block outside the blocks (a conditioning MLP) is one unit: its first-call check gathers
         # all of its weights at its entry, before its layers' own calls would
         parts = parent.split(".")
-        tp_block = next((a for a in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
-                         if getattr(modules.get(a), "_tpp_block", None) is not None), None)
+        tp_block = next((a for a in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if a in tp_blocks), None)
         units.add(tp_block or parent)
     return _enclosing(units, needs, holders), replicated
 
@@ -192,20 +192,22 @@ def _enclosing(units: set[str], needs: dict[int, str], holders: dict[int, list[s
 
 
 def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str], sharding: str,
-                  vocab_exchange: bool = True, keep: Sequence[nn.Parameter] = ()) -> DPShards:
+                  vocab_exchange: bool = True, keep: Sequence[nn.Parameter] = (), tp_blocks: Collection[str] = (),
+                  quiet: Optional[Callable[[nn.Module], None]] = None) -> DPShards:
     """``fully_shard`` each unit of ``module`` (this rank's stage, tensor-parallel shards as plain parameters) over the
     1-d ``mesh``; with ``vocab_exchange``, the vocabulary matrices cut by rows instead (``data_parallel.rows``);
     ``keep`` stays as it is (not sharded, gradients not reduced). Units and vocabulary matrices follow where the
     forward reads each parameter (``data_parallel.reads``), and reads it could not see are guarded at the first call.
-    Returns what was done, with old parameter -> new parameter (FSDP2 replaces the objects)."""
+    ``tp_blocks``: the tensor-parallel blocks; ``quiet``: turns their first-call checks off on the meta copy that
+    finds the reads. Returns what was done, with old parameter -> new parameter (FSDP2 replaces the objects)."""
     from torch.distributed.fsdp import fully_shard
 
     before = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
-    reads = find_reads(module)
-    names = called_where_read(module, candidates(module, blocks), reads.readers) if vocab_exchange else []
+    reads = find_reads(module, quiet=quiet)
+    names = called_where_read(module, candidates(module, blocks, tp_blocks), reads.readers) if vocab_exchange else []
     rows, moved = shard_rows_over_dp(module, names, mesh)
     units, replicated = fsdp_units(module, blocks, skip={id(p) for p in (*moved.values(), *keep)},
-                                   reads=reads.readers)
+                                   reads=reads.readers, tp_blocks=tp_blocks)
     _check_same_units(units, mesh)
     ignored = {module.get_parameter(n) for n in replicated} | set(moved.values()) | set(keep)
     modules = dict(module.named_modules())

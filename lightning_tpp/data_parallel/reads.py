@@ -148,10 +148,11 @@ def _shared(module: nn.Module) -> list[Any]:
     return found
 
 
-def meta_copy(module: nn.Module) -> nn.Module:
+def meta_copy(module: nn.Module, quiet: Optional[Callable[[nn.Module], None]] = None) -> nn.Module:
     """``module`` copied with its parameters and buffers on the meta device (no memory), sharing its process groups
     (``pipeline.stage.meta_twin``, which a tensor-parallel model's groups would stop); a LightningModule's copy has no
-    Trainer. Its tensor-parallel first-call checks are off: they gather real weights (the model's run does them)."""
+    Trainer. ``quiet`` turns the copy's first-call checks off (tensor parallelism's: they gather real weights; the
+    model's run does them)."""
     memo: dict[int, Any] = {id(o): o for o in _shared(module)}
     for p in module.parameters():
         memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
@@ -163,18 +164,14 @@ def meta_copy(module: nn.Module) -> nn.Module:
     for m in twin.modules():
         if isinstance(m, BatchNormBase) and m.momentum is None:  # would read num_batches_tracked's value
             m.momentum = 0.0
-        block = m.__dict__.get("_tpp_block")
-        if block is not None and hasattr(block, "verify_pending"):
-            block.verify_pending = block.grads_pending = False
-        layer = m.__dict__.get("_tpp_layer")
-        if layer is not None and hasattr(layer, "check"):
-            layer.check = None
+    if quiet is not None:
+        quiet(twin)
     return twin
 
 
-def find_reads(module: nn.Module) -> Reads:
+def find_reads(module: nn.Module, quiet: Optional[Callable[[nn.Module], None]] = None) -> Reads:
     """Which module's forward reads each parameter of ``module``, from one forward of a meta copy (module
-    docstring). Never raises: a forward that fails on the meta device leaves what it read until then."""
+    docstring; ``quiet``: see :func:`meta_copy`). Never raises: a forward that fails on the meta device leaves what it read until then."""
     found = probe_input(module)
     if found is None:
         return Reads()
@@ -183,7 +180,7 @@ def find_reads(module: nn.Module) -> Reads:
     complete = False
     token = VERIFYING.set(True)  # extra forwards, not the model's run (pipeline stand-ins call their module)
     try:
-        twin = meta_copy(module.get_submodule(root))
+        twin = meta_copy(module.get_submodule(root), quiet)
         originals = dict(module.get_submodule(root).named_parameters(remove_duplicate=False))
         watched = {id(p): id(originals[n]) for n, p in twin.named_parameters(remove_duplicate=False)}
         stack = _calls(twin, root)

@@ -280,15 +280,15 @@ class _RowsMode(TorchFunctionMode):
                                f"with vocab_exchange=False (FSDP2 gathers the weight instead)") from err
 
 
-def candidates(module: nn.Module, blocks: Sequence[str]) -> list[str]:
+def candidates(module: nn.Module, blocks: Sequence[str], tp_blocks: Sequence[str] = ()) -> list[str]:
     """Names of the modules whose weight is computed over dp, the vocabulary matrices: ``nn.Embedding`` and
-    ``nn.Linear`` (their subclasses and tensor-parallel versions) outside the blocks and outside tensor-parallel
-    blocks, holding only a weight (and a linear's bias) with at least as many rows as columns (vocabulary >= hidden;
-    a rank's tensor-parallel share). A weight tied to another module qualifies only if every module holding it does.
+    ``nn.Linear`` (their subclasses and tensor-parallel versions) outside the blocks and outside the tensor-parallel
+    blocks (``tp_blocks``), holding only a weight (and a linear's bias) with at least as many rows as columns
+    (vocabulary >= hidden; a rank's tensor-parallel share). A weight tied to another module qualifies only if every module holding it does.
     None without blocks (a model without a block sequence keeps FSDP2's units)."""
     if not blocks:
         return []
-    outside = [b for b, m in module.named_modules() if getattr(m, "_tpp_block", None) is not None] + list(blocks)
+    outside = [*tp_blocks, *blocks]
     holders: dict[int, list[str]] = {}
     for name, m in module.named_modules(remove_duplicate=False):
         for p in m._parameters.values():

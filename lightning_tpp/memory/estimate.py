@@ -21,7 +21,8 @@ from lightning_tpp.pipeline.schedule import ScheduleLike, actions, resolve
 from lightning_tpp.config import planning_config
 from lightning_tpp.steps import meta_groups, run
 from lightning_tpp.tensor_parallel import TPPlan
-from lightning_tpp.memory.activations import ForwardFn, activations_per_stage, block_names, meta_copy
+from lightning_tpp.memory.activations import ForwardFn, activations_per_stage, meta_copy
+from lightning_tpp.parallel_state import ParallelState
 
 GiB = 1024 ** 3
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}  # states shaped like the parameter
@@ -171,17 +172,17 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
                           activation_checkpointing, dp_shard, whole, ep=ep)
     cuts = [_cut(module, dims, r, virtual_stages, param_dtype, balance=balance, split_points=split_points,
                  blocks=blocks, tp_plan=tp_plan, ep=ep) for r in range(pp)]
-    report.partition = cuts[0][2]
+    report.partition = cuts[0][1].stages.partition if cuts[0][1].stages is not None else None
     plan = TPPlan()  # the pipeline ranks' plans name disjoint modules: one meta forward measures every stage
-    for _, p, _ in cuts:
-        plan.styles.update(p.styles)
-        plan.blocks.update(p.blocks)
+    for _, state in cuts:
+        plan.styles.update(state.plan.styles)
+        plan.blocks.update(state.plan.blocks)
     per_stage, saved, recompute, waiting, transient = activations_per_stage(
         module, plan, report.partition, dims, mb, seq_len, param_dtype, activation_checkpointing, forward, ep)
     waiting_saved = {g: max(w - (per_stage.get(g, 0) - saved.get(g, 0)), 0) for g, w in waiting.items()}  # not sent
     splitting = [pp > 1 and any(kind in ("I", "W") for kind, _, _ in spec.orders(0, pp, m, virtual_stages))
                  for spec in specs]
-    for r, (rank_copy, _, _) in enumerate(cuts):
+    for r, (rank_copy, rank_state) in enumerate(cuts):
         params, grads, optim, count = _state_bytes(rank_copy, optimizer, dp if dp_shard else 1)
         stages = tuple(c * pp + r for c in range(virtual_stages)) if pp > 1 else (0,)
         extra = max((recompute.get(g, 0) for g in stages), default=0)
@@ -192,7 +193,7 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
                                     [waiting.get(g, 0) for g in stages])
             held_saved = _held(spec, r, pp, m, virtual_stages, [saved.get(g, 0) for g in stages],
                                [waiting_saved.get(g, 0) for g in stages])[1]
-            gathered = _gathered(rank_copy, report.partition, splits, backend,
+            gathered = _gathered(rank_copy, rank_state, splits, backend,
                                  mb * seq_len if vocab_exchange else 0, dp) if dp_shard and dp > 1 else 0
             step = params if optimizer in ("adam", "adamw") else 0
             options.append(RankMemory(r, 0, stages, count, params, grads, optim, held + extra + loss, in_flight,
@@ -216,7 +217,7 @@ def _runs(schedule: ScheduleLike, pp: int, microbatches: int, virtual: int, dp_s
     return [AUTO_MEASURE, *(c for c in AUTO_CANDIDATES if c != AUTO_MEASURE)]
 
 
-def _gathered(cut: nn.Module, partition: Optional[Partition], splits_backward: bool, backend: str,
+def _gathered(cut: nn.Module, state: ParallelState, splits_backward: bool, backend: str,
               exchanged_tokens: int, dp: int) -> int:
     """What dp sharding holds whole beside the shards, at its most. FSDP2: during the backward of the largest unit
     its gathered parameters, its unsharded gradient and the reduce-scatter's input copy of it (FSDP2 keeps the
@@ -226,15 +227,15 @@ def _gathered(cut: nn.Module, partition: Optional[Partition], splits_backward: b
     schedule ends. The vocabulary matrices computed over dp (``data_parallel.rows``; ``exchanged_tokens`` per
     micro-batch and rank, 0 when they are FSDP2 units) are never gathered: what they hold is their all-to-all's
     buffers, the send and the receive side of a head's logits (``_exchange_bytes``)."""
-    blocks = block_names(cut, partition)
-    exchanged = candidates(cut, blocks) if exchanged_tokens else []
+    blocks, tp_blocks = list(state.blocks), [b.name for b in state.tp_blocks]  # what setup's FSDP2 step reads
+    exchanged = candidates(cut, blocks, tp_blocks) if exchanged_tokens else []
     rows = {id(p) for n in exchanged for p in cut.get_submodule(n).parameters()}
     rows |= {id(p) for p in expert_parameters(cut)}  # split over ep: outside FSDP2's units, never gathered
     exchange = max((_exchange_bytes(cut.get_submodule(n), exchanged_tokens, dp) for n in exchanged), default=0)
     if splits_backward:
         return max(exchange, 2 * sum(p.numel() * p.element_size() for p in {id(p): p for p in cut.parameters()
                                                                             if id(p) not in rows}.values()))
-    units, _ = fsdp_units(cut, blocks, skip=rows)
+    units, _ = fsdp_units(cut, blocks, skip=rows, tp_blocks=tp_blocks)
     modules = dict(cut.named_modules())
     claimed: set[int] = set(rows)
     sizes = {}
@@ -264,15 +265,16 @@ def _exchange_bytes(layer: nn.Module, tokens: int, dp: int) -> int:
 def _cut(module: nn.Module, dims: MeshDims, pp_rank: int, virtual: int, dtype: torch.dtype, *,
          balance: Union[str, Sequence[int]], split_points: Optional[Sequence[str]],
          blocks: Optional[Union[str, Sequence[str]]], tp_plan: Union[str, Mapping[str, str]], ep: int = 1
-         ) -> tuple[nn.Module, TPPlan, Optional[Partition]]:
-    """A meta copy of ``module`` cut for ``pp_rank`` by the setup steps, as the strategy cuts it (tp rank 0)."""
+         ) -> tuple[nn.Module, ParallelState]:
+    """A meta copy of ``module`` cut for ``pp_rank`` by the setup steps, as the strategy cuts it (tp rank 0), and what
+    the steps decided for it."""
     copy = meta_copy(module, dtype)
     config = planning_config(dims.tp, dims.pp, virtual, balance=balance, split_points=split_points, blocks=blocks,
                              tp_plan=tp_plan, ep=ep)
     state = run(copy, config, meta_groups(config), dims=dims, rank=dims.rank_of(dp=0, pp=pp_rank, tp=0),
                 until="coverage").state
     assert state is not None
-    return copy, state.plan, state.stages.partition if state.stages is not None else None
+    return copy, state
 
 
 def _state_bytes(cut: nn.Module, optimizer: str, dp: int) -> tuple[int, int, int, int]:

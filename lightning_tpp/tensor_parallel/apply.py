@@ -409,6 +409,18 @@ def verify_block_gradients(block: nn.Module, args: tuple, kwargs: dict) -> None:
                         claim="computes the right outputs but not the original model's gradients on this rank"))
 
 
+def checks_off(model: nn.Module) -> None:
+    """Turn off every first-call check of ``model``'s tensor-parallel blocks and layers (a meta copy that only
+    traces: the checks gather real weights, and the model's own run does them)."""
+    for m in model.modules():
+        block = m.__dict__.get("_tpp_block")
+        if block is not None:
+            block.verify_pending = block.grads_pending = False
+        layer = m.__dict__.get("_tpp_layer")
+        if layer is not None and getattr(layer, "check", None) is not None:
+            layer.check = None
+
+
 def block_states(model: nn.Module) -> list[BlockState]:
     """The tensor-parallel blocks' states of ``model`` (after :func:`apply_plan`)."""
     return [st for m in model.modules() if isinstance(st := getattr(m, "_tpp_block", None), BlockState)]

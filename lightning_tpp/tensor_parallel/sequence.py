@@ -34,7 +34,7 @@ rest; one that matches neither way is an error.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -231,6 +231,35 @@ def _verify_gradients(element: nn.Module, args: tuple, kwargs: dict, where: tupl
                         "does not compute on sequence shards the gradients it computes on the whole sequence",
                         "A value shared by all positions (a parameter, a conditioning input) is probably used on "
                         "shards inside an attention or MLP block, after its output projection"))
+
+
+def sequence_runs(module: nn.Module, containers: Sequence[str], members: Sequence[Sequence[str]]) -> list[list[str]]:
+    """What runs on sequence shards, from the model's block sequence (its ``containers`` and the ``members`` of each
+    block): one run of module names per stack (an encoder's, then a decoder's), each block or the entries of a list
+    of layers that the model's loop unpacks and calls one by one. Blocks of several members (entries of sibling lists
+    zipped in one loop, whose stream the model's loop holds) are refused."""
+    zipped = [m for m in members if len({n.rpartition(".")[0] for n in m}) > 1]
+    if zipped:
+        raise ValueError(f"sequence_parallel=True passes the residual stream from block to block on sequence shards; "
+                         f"the blocks {tuple(zipped[0])} are entries of sibling lists run in one loop, whose stream "
+                         f"the model's own loop holds. Use sequence_parallel=False")
+    runs: list[list[str]] = []
+    container = lambda name: next((c for c in containers if name == c or name.startswith(f"{c}.")), None)  # noqa
+    for member in (n for block in members for n in block):
+        for name in _called_blocks(module, member):
+            if not runs or container(name) != container(runs[-1][0]):
+                runs.append([])
+            runs[-1].append(name)
+    return runs
+
+
+def _called_blocks(module: nn.Module, name: str) -> list[str]:
+    """The modules the model calls for block ``name``: the block, or the entries of a list of layers that its loop
+    unpacks and calls one by one (``for attn, ff in self.layers``), in order."""
+    block = module.get_submodule(name)
+    if not isinstance(block, (nn.ModuleList, nn.ModuleDict)):
+        return [name]
+    return [n for child, _ in block.named_children() for n in _called_blocks(module, f"{name}.{child}")]
 
 
 def apply_sequence_parallel(module: nn.Module, containers: list[list[str]], group: TPGroup, shards: ShardIndex, *,
