@@ -22,8 +22,8 @@ from lightning_tpp.experts.expert_parallel import check_ep
 from lightning_tpp.pipeline.auto import AUTO as AUTO_SCHEDULE
 from lightning_tpp.pipeline.auto import settle_auto
 from lightning_tpp.pipeline.schedule import ScheduleLike
-from lightning_tpp.pipeline.schedule import normalize as normalize_schedule
-from lightning_tpp.pipeline.schedule import resolve as resolve_schedule
+from lightning_tpp.pipeline.schedule_input import normalize as normalize_schedule
+from lightning_tpp.pipeline.schedule_input import resolve as resolve_schedule
 from lightning_tpp.pipeline.schedule import validate as validate_schedule
 
 # the arguments that decide how a model is cut and run: a module already cut adopts only a strategy that agrees on

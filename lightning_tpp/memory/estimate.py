@@ -17,7 +17,8 @@ from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.experts.expert_parallel import check_ep, expert_parameters
 from lightning_tpp.pipeline.partition import Partition
 from lightning_tpp.pipeline.auto import AUTO, AUTO_CANDIDATES, AUTO_MEASURE, settle_auto
-from lightning_tpp.pipeline.schedule import ScheduleLike, actions, resolve
+from lightning_tpp.pipeline.schedule import ScheduleLike, actions
+from lightning_tpp.pipeline.schedule_input import resolve
 from lightning_tpp.config import planning_config
 from lightning_tpp.steps import meta_groups, run
 from lightning_tpp.tensor_parallel import TPPlan

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,18 @@ import torch.distributed as dist
 from lightning_tpp._compat import metric_progress, set_metric_progress
 from lightning_tpp.pipeline.errors import PipelineError
 
-if TYPE_CHECKING:
-    from lightning_tpp.pipeline.engine import PipelineEngine
+
+class LastStage(Protocol):
+    """Where the last stage's step ran (the engine, seen from here): whether this rank holds it, its rank, the pp
+    group, this rank's device."""
+
+    last_rank: int
+    group: Any
+    runtime: Any
+
+    @property
+    def holds_last(self) -> bool: ...
+
 
 LogEntry = tuple[str, Any, dict]  # name, value, keyword options of one self.log call
 
@@ -125,7 +135,7 @@ def _reduce(values: list[Any], reduce_fx: Any, shares: list[Optional[float]]) ->
     return float(t.mean())
 
 
-def replay_logs(engine: PipelineEngine, module: Any, entries: list[LogEntry]) -> None:
+def replay_logs(engine: LastStage, module: Any, entries: list[LogEntry]) -> None:
     """Log on every rank what the last stage's step logged: one value per name and step (micro-batch values are
     reduced with the call's ``reduce_fx``, a mean weighted by their shares where ``entries`` know them, and their
     ``batch_size=`` options summed). A torchmetrics object's state is copied from the last stage into the same

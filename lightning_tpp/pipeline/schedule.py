@@ -207,33 +207,22 @@ for _builtin in _BUILTINS:
     register_schedule(_builtin)
 
 
-def resolve(schedule: ScheduleLike) -> Schedule:
-    """The :class:`Schedule` for a registered name, a ``Schedule``, explicit per-rank action lists or a
-    ``torch.distributed.pipelining`` schedule class."""
+def resolve(schedule: Union[str, Schedule]) -> Schedule:
+    """The :class:`Schedule` of a registered name (or the ``Schedule`` itself). What users pass besides (per-rank
+    action lists, a ``torch.distributed.pipelining`` class) becomes one in ``schedule_input.resolve``."""
     if isinstance(schedule, Schedule):
         return schedule
-    if isinstance(schedule, str):
-        if schedule not in SCHEDULES:
-            raise ScheduleConfigError(
-                f"unknown schedule {schedule!r}: schedule={schedule!r} is not one of {tuple(SCHEDULES)}; pass one "
-                f"of those, add yours with register_schedule(Schedule(name, orders)), or pass a Schedule, per-rank "
-                f"action lists or a torch.distributed.pipelining schedule class")
-        return SCHEDULES[schedule]
-    from lightning_tpp.pipeline.schedule_input import from_actions, from_torch
-
-    if isinstance(schedule, type):
-        return from_torch(schedule)
-    if isinstance(schedule, Sequence):
-        return from_actions(schedule)
-    raise TypeError(f"schedule must be a registered name {tuple(SCHEDULES)}, a Schedule, per-rank action lists or a "
-                    f"torch.distributed.pipelining schedule class, got {type(schedule).__name__}: {schedule!r}")
+    if not isinstance(schedule, str) or schedule not in SCHEDULES:
+        raise ScheduleConfigError(
+            f"unknown schedule {schedule!r}: schedule={schedule!r} is not one of {tuple(SCHEDULES)}; pass one "
+            f"of those, add yours with register_schedule(Schedule(name, orders)), or pass a Schedule, per-rank "
+            f"action lists or a torch.distributed.pipelining schedule class")
+    return SCHEDULES[schedule]
 
 
-def normalize(schedule: ScheduleLike) -> Union[str, Schedule]:
-    """What a strategy keeps: the name of a registered schedule (as before the registry), else the ``Schedule``;
-    either has the same ``repr`` on every rank (ranks compare their configurations)."""
-    spec = resolve(schedule)
-    return spec.name if SCHEDULES.get(spec.name) is spec else spec
+def registered(name: str) -> Optional[Schedule]:
+    """The schedule registered under ``name``, if any."""
+    return SCHEDULES.get(name)
 
 
 def check(schedule: Union[str, Schedule], pp: int, microbatches: int, virtual: int) -> None:

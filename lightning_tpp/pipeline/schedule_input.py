@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
-from lightning_tpp.pipeline.schedule import SCHEDULES, Action, Schedule, ScheduleConfigError
+from lightning_tpp.pipeline.schedule import SCHEDULES, Action, Schedule, ScheduleConfigError, ScheduleLike
+from lightning_tpp.pipeline.schedule import registered as lookup_registered
+from lightning_tpp.pipeline.schedule import resolve as lookup
 
 _TORCH = {"ScheduleGPipe": "gpipe", "Schedule1F1B": "1f1b", "ScheduleInterleaved1F1B": "interleaved-1f1b"}
 _V_SHAPED = ("it places stages in a V (rank r holds stages r and 2*pp-1-r); V-shaped placements are not supported, "
@@ -87,3 +89,23 @@ def _action(action: Any, rank: int, index: int) -> Action:
         raise ScheduleConfigError(f"rank {rank}, action {index}: {action!r} is not (kind, microbatch, chunk) with kind "
                                   f"one of 'F', 'B', 'I', 'W' and non-negative integers, e.g. ('F', 0, 0)")
     return (action[0], action[1], action[2])
+
+
+def resolve(schedule: ScheduleLike) -> Schedule:
+    """The :class:`Schedule` for a registered name, a ``Schedule``, explicit per-rank action lists or a
+    ``torch.distributed.pipelining`` schedule class."""
+    if isinstance(schedule, (str, Schedule)):
+        return lookup(schedule)
+    if isinstance(schedule, type):
+        return from_torch(schedule)
+    if isinstance(schedule, Sequence):
+        return from_actions(schedule)
+    raise TypeError(f"schedule must be a registered name {tuple(SCHEDULES)}, a Schedule, per-rank action lists or a "
+                    f"torch.distributed.pipelining schedule class, got {type(schedule).__name__}: {schedule!r}")
+
+
+def normalize(schedule: ScheduleLike) -> Union[str, Schedule]:
+    """What a strategy keeps: the name of a registered schedule (as before the registry), else the ``Schedule``;
+    either has the same ``repr`` on every rank (ranks compare their configurations)."""
+    spec = resolve(schedule)
+    return spec.name if lookup_registered(spec.name) is spec else spec

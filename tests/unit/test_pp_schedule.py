@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 import lightning_tpp.pipeline.schedule as sched
+import lightning_tpp.pipeline.schedule_input as inputs
 from lightning_tpp.pipeline.schedule import ScheduleConfigError, actions, check, simulate, theoretical_bubble
 
 SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "zb-drain", "zb-lead", "interleaved-1f1b")
@@ -351,7 +352,7 @@ def test_registered_schedule_runs_through_simulate(monkeypatch):
         return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in reversed(range(m))]
 
     spec = sched.register_schedule(sched.Schedule("reversed-gpipe", reversed_gpipe, min_microbatches=1))
-    assert sched.resolve("reversed-gpipe") is spec and sched.normalize(spec) == "reversed-gpipe"
+    assert inputs.resolve("reversed-gpipe") is spec and inputs.normalize(spec) == "reversed-gpipe"
     sched.validate("reversed-gpipe", 3, 2, 1)
     assert simulate("reversed-gpipe", 3, 2).makespan == pytest.approx(simulate("gpipe", 3, 2).makespan)
     with pytest.raises(ScheduleConfigError, match=r"a schedule named 'reversed-gpipe' is already registered .*"
@@ -363,16 +364,16 @@ def test_registered_schedule_runs_through_simulate(monkeypatch):
 
 def test_unregistered_schedule_repr_is_stable():
     spec = sched.Schedule("mine", sched.SCHEDULES["1f1b"].orders)
-    assert sched.normalize(spec) is spec  # not the registered '1f1b' object: kept as a Schedule
+    assert inputs.normalize(spec) is spec  # not the registered '1f1b' object: kept as a Schedule
     assert repr(spec) == ("Schedule(name='mine', orders=lightning_tpp.pipeline.schedule._one_f_one_b, "
                           "min_microbatches='pp', interleaved=False, fixed=None)")
 
 
 def test_action_lists_equal_to_1f1b():
     lists = _one_f_one_b_lists(2, 4)
-    spec = sched.resolve(lists)
+    spec = inputs.resolve(lists)
     assert spec.fixed == (2, 4, 1) and "actions-sha256:" in repr(spec)
-    assert repr(sched.resolve([list(o) for o in lists])) == repr(spec)  # the same lists give the same repr
+    assert repr(inputs.resolve([list(o) for o in lists])) == repr(spec)  # the same lists give the same repr
     sched.validate(spec, 2, 4, 1)
     assert [spec.actions(r, 2, 4) for r in range(2)] == lists
     assert simulate(spec, 2, 4).bubble == pytest.approx(simulate("1f1b", 2, 4).bubble)
@@ -383,7 +384,7 @@ def test_action_lists_equal_to_1f1b():
 
 def test_action_lists_with_split_backwards():
     lists = [actions("zb-drain", r, 2, 4) for r in range(2)]
-    sched.validate(sched.resolve(lists), 2, 4, 1)
+    sched.validate(inputs.resolve(lists), 2, 4, 1)
 
 
 @pytest.mark.parametrize("lists, message", [
@@ -405,20 +406,20 @@ def test_action_lists_with_split_backwards():
 ])
 def test_action_list_errors(lists, message):
     with pytest.raises(ScheduleConfigError, match=message):
-        spec = sched.resolve(lists)
+        spec = inputs.resolve(lists)
         pp, m, v = spec.fixed
         sched.validate(spec, pp, m, v)
 
 
 def test_action_lists_of_wrong_pp():
     with pytest.raises(ScheduleConfigError, match=r"action lists for pp=2, .*but got pp=4; pass pp=2"):
-        sched.validate(sched.resolve(_one_f_one_b_lists(2, 4)), 4, 4, 1)
+        sched.validate(inputs.resolve(_one_f_one_b_lists(2, 4)), 4, 4, 1)
 
 
 def test_torch_pipelining_classes():
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    assert [sched.normalize(c) for c in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)] == \
+    assert [inputs.normalize(c) for c in (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)] == \
         ["gpipe", "1f1b", "interleaved-1f1b"]
 
 
@@ -435,14 +436,14 @@ def test_torch_pipelining_classes_refused(name, message):
     import torch.distributed.pipelining.schedules as torch_schedules
 
     with pytest.raises(ScheduleConfigError, match=message):
-        sched.resolve(getattr(torch_schedules, name))
+        inputs.resolve(getattr(torch_schedules, name))
 
 
 def test_other_classes_and_types_refused():
     with pytest.raises(ScheduleConfigError, match=r"schedule=Counter is a class lightning_tpp cannot run"):
-        sched.resolve(Counter)
+        inputs.resolve(Counter)
     with pytest.raises(TypeError, match=r"schedule must be a registered name .*got int: 3"):
-        sched.resolve(3)
+        inputs.resolve(3)
 
 
 def test_strategy_takes_every_form():
