@@ -22,10 +22,11 @@ cross from stage to stage is not decided here: the stages trace it (see ``_pp_st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_tpp._compat import tree_map
 from lightning_tpp.pipeline.stage import meta_twin
@@ -281,12 +282,25 @@ def forward_order(model: nn.Module, containers: Sequence[str]) -> dict[str, int]
         for n, m in twin.named_modules():
             m.register_forward_pre_hook(lambda mod, args, n=prefix + n if n else root: _first_call(order, n))
         inputs = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, example)
-        with torch.random.fork_rng(devices=[]), torch.device("meta"), torch.no_grad():
+        with torch.random.fork_rng(devices=[]), torch.device("meta"), torch.no_grad(), _TakenTrue():
             twin.eval()
             twin(*inputs) if isinstance(inputs, tuple) else twin(inputs)
     except Exception:  # noqa: BLE001 - what ran before the failure is still in order; the rest by registration
         pass
     return order
+
+
+class _TakenTrue(TorchFunctionMode):
+    """For the order of calls only: a condition on a meta tensor's values (``if mask.all():``, ``.item()``), which the
+    meta device cannot answer, is taken as true (or one), so that the forward goes on and every module after it is
+    seen (Hugging Face's decoder masks ask whether the padding mask is all ones)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if func in (torch.Tensor.__bool__, torch.Tensor.item) and args and isinstance(args[0], torch.Tensor) \
+                and args[0].is_meta and args[0].numel() == 1:
+            return True if func is torch.Tensor.__bool__ or args[0].dtype == torch.bool else \
+                (1.0 if args[0].is_floating_point() else 1)
+        return func(*args, **(kwargs or {}))
 
 
 def _first_call(order: dict[str, int], name: str) -> None:

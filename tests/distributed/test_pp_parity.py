@@ -82,8 +82,11 @@ def test_tp2_pp2_values_crossing_stages(tmp_path: Path) -> None:
 def test_pp4_values_skip_stages(tmp_path: Path) -> None:
     """Four stages, one block each: the conditioning vector goes from stage 0 to stages 1, 2 and 3; in nn.Transformer
     the embedded target goes from stage 0 to stage 2 (past the encoder's second stage) and the encoder's output from
-    stage 1 to stages 2 and 3. Gradients flow back along the same edges and are summed at the sender."""
-    run_and_compare(tmp_path, ["conditioned4", "seq2seq"], pp=4)
+    stage 1 to stages 2 and 3. Gradients flow back along the same edges and are summed at the sender. Hugging Face's
+    BART: the decoder's embedding norm, registered after the decoder's layers and called before them, goes with the
+    encoder's last stage (the meta forward that orders the modules asks whether the decoder's padding mask is all
+    ones; it stopped there and placed the norm on the last stage, after the decoder layer that reads it)."""
+    run_and_compare(tmp_path, ["conditioned4", "seq2seq", "hf_bart"], pp=4)
 
 
 def test_pp2_receives_in_posting_order(tmp_path: Path) -> None:
