@@ -271,3 +271,94 @@ class HFMamba(nn.Module):
 
 MODELS.update({"fused_glu": FusedGLULM, "hf_mid_layer": HFMidLayer, "hybrid": HybridLM, "dict_blocks": DictLM, "hf_jamba": HFJamba, "hf_llava": HFLlava,
                "mamba2": Mamba2LM, "hf_bamba": HFBamba, "hf_mamba": HFMamba})
+
+
+# ---- per-head parameters and side tensors under tp (issue 47 item 3) ----------------------------------------------
+class HFBloom(nn.Module):
+    """Hugging Face's BLOOM: ALiBi slopes built from the head count by the model, outside its attention blocks, and
+    passed to each as a ``(batch * heads, 1, keys)`` tensor that ``baddbmm`` adds to the scores; a fused per-head
+    ``query_key_value`` ([q, k, v] per head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+        cfg = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=DIM, n_layer=2, n_head=HEADS,
+                                       hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False)
+        self.model = transformers.BloomForCausalLM(cfg)
+        self.model.config._attn_implementation = "eager"
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx).logits
+
+
+class SinkAttention(nn.Module):
+    """gpt-oss's attention as its users write it: grouped-query heads, and one learned sink logit per head joined to
+    each row of scores before the softmax and dropped after (``mix`` other than "sinks": a length-``heads`` vector
+    read another way, over the output's first features, not per head; ``needs_mask``: a forward that takes its mask,
+    so that it cannot be traced on made-up inputs at setup)."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS, kv_heads: int = 2, mix: str = "sinks",
+                 needs_mask: bool = False) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.mix = heads, kv_heads, dim // heads, mix
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+        self.sinks = nn.Parameter(torch.randn(heads))
+        self.needs_mask = needs_mask
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        scores = q @ k.transpose(-1, -2) / self.head_dim ** 0.5
+        if mask is None and self.needs_mask:
+            raise ValueError("a mask is needed")  # (as rotary tables are): made-up inputs cannot run it
+        if mask is None:
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+        if self.mix == "sinks":
+            sinks = self.sinks.view(1, -1, 1, 1).expand(b, -1, t, 1)
+            probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
+        out = self.o((probs @ v).transpose(1, 2).reshape(b, t, -1))
+        if self.mix != "sinks":  # the same vector over the first features: not per head
+            out = torch.cat([out[..., :self.heads] * self.sinks, out[..., self.heads:]], dim=-1)
+        return out
+
+
+class SinkBlock(nn.Module):
+    def __init__(self, **kw: object) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.attn = SinkAttention(**kw)  # type: ignore[arg-type]
+        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
+        x = x + self.attn(self.norm1(x), mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class SinkLM(nn.Module):
+    def __init__(self, layers: int = 2, **kw: object) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, DIM), nn.Embedding(SEQ, DIM)
+        self.blocks = nn.ModuleList([SinkBlock(**kw) for _ in range(layers)])
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+MODELS.update({"hf_bloom": HFBloom, "sink_attention": SinkLM,
+               "sink_attention4": lambda: SinkLM(layers=4),
+               "sink_mixed_untraced": lambda: SinkLM(mix="features", needs_mask=True)})

@@ -245,14 +245,15 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
             qw, kvw = info.heads * info.head_dim, info.kv_heads * info.head_dim
             kv = (kvw, info.kv_heads) if info.kv_heads >= group.size else ()  # else K/V stay whole: no repair
             state.shapes = frozenset({qw, *kv, info.heads, info.head_dim * group.size})
-        if info.kind == "mixer":  # channels cut outside the linear layers, and the counts the forward reads
-            for pname, spec in info.cut.items():
-                owner, _, attr = pname.rpartition(".")
-                if attr in modules[owner]._buffers:  # non-persistent (mixer.py): the original comes back in a copy
-                    whole = modules[owner]._buffers[attr]
-                    set_local_attr(modules[owner], attr, shard_tensor(whole, spec, group.rank, group.size))
-                else:
-                    _set_shard(modules[owner], attr, spec, group, done, shards)
+        # channels cut outside the linear layers (a mixer's), an attention's per-head parameters (its sinks)
+        for pname, spec in info.cut.items():
+            owner, _, attr = pname.rpartition(".")
+            if attr in modules[owner]._buffers:  # non-persistent (mixer.py): the original comes back in a copy
+                whole = modules[owner]._buffers[attr]
+                set_local_attr(modules[owner], attr, shard_tensor(whole, spec, group.rank, group.size))
+            else:
+                _set_shard(modules[owner], attr, spec, group, done, shards)
+        if info.kind == "mixer":  # the counts the forward reads
             for aname, value in info.local_attrs.items():
                 owner, _, attr = aname.rpartition(".")
                 set_local_attr(modules[owner], attr, value)
@@ -383,6 +384,15 @@ def _block_reference(st: BlockState) -> Any:
     return run
 
 
+def _cause(st: BlockState, cause: str) -> str:
+    """What a block's mismatch probably comes from: the parameters cut with the heads on their size alone first."""
+    unseen = [n for n, seen in st.info.per_head.items() if not seen]
+    if not unseen:
+        return cause
+    return (f"{cause}; or {unseen} (leading dimension num_heads={st.info.heads}) are not read per head: they were "
+            f"cut with the heads on their size, as its forward could not be traced at setup to tell")
+
+
 def verify_block_gradients(block: nn.Module, args: tuple, kwargs: dict) -> None:
     """At the block's first training call: :func:`~lightning_tpp.core.reference.check_gradients`. A replicated
     parameter whose gradient here is one part of the original's, summed over tp (a norm applied to each of this
@@ -405,7 +415,7 @@ def verify_block_gradients(block: nn.Module, args: tuple, kwargs: dict) -> None:
     check_gradients(block, args, kwargs, group=group, shards=st.shards, parallel=lambda a, k: block.forward(*a, **k),
                     reference=_block_reference(st), replicated=replicated, mismatch=Mismatch(
                         f"tensor-parallel {st.info.kind} block", st.name, type(block).__name__,
-                        "Its backward probably depends on something the automatic plan does not model",
+                        _cause(st, "Its backward probably depends on something the automatic plan does not model"),
                         claim="computes the right outputs but not the original model's gradients on this rank"))
 
 
@@ -451,4 +461,5 @@ def verify_block(block: nn.Module, args: tuple, kwargs: dict) -> None:
     check_forward(block, args, kwargs, group=group, shards=st.shards, parallel=lambda a, k: block.forward(*a, **k),
                   reference=_block_reference(st), layouts=[layout(i) for i in range(1, attempts)],
                   mismatch=Mismatch(f"tensor-parallel {st.info.kind} block", st.name, type(block).__name__,
-                                    "Its forward probably does something the automatic plan does not model"))
+                                    _cause(st, "Its forward probably does something the automatic plan does not "
+                                               "model")))

@@ -21,6 +21,7 @@ from typing import Any, Collection, Mapping, Optional, Union
 from torch import nn
 
 from lightning_tpp.core.sharding import ShardSpec
+from lightning_tpp.tensor_parallel.heads import per_head_parameters
 from lightning_tpp.tensor_parallel.kv_share import plain_kv_spec, shared_specs
 from lightning_tpp.tensor_parallel.layers import is_linear, is_transposed_linear, linear_dims
 from lightning_tpp.tensor_parallel.mixer import mixer
@@ -217,8 +218,10 @@ def _traced(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], bloc
     receives why a module stays whole. Returns ``_UNTRACED`` when the forward does not run on made-up inputs
     (e.g. it needs a mask or rotary tables): the caller falls back to recognising the layout."""
     names = [n for n, _ in lins]
+    skip = _not_per_head(module, lins, blocks)
+    watch = {n: p for n, p in module.named_parameters() if p.dim() and not _under(n, module, skip)}
     try:
-        calls, flow = trace_flow(module, lins)
+        calls, flow = trace_flow(module, lins, watch)
     except Exception as err:  # noqa: BLE001 - any forward may refuse a made-up input
         whole[fqn] = (f"no known layout, and its forward could not be traced with made-up inputs "
                       f"{input_names(module)} ({type(err).__name__}: {str(err)[:120]})")
@@ -258,6 +261,7 @@ def _traced(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], bloc
                 continue
             attn = info
             sizes.update(info.sizes)
+            _cut_per_head(fqn, module, info, skip, flow.scored)
         else:
             hidden = linear_dims(dict(lins)[row])[0]
             gated = _fused_gate(cols, dict(lins), hidden)
@@ -282,6 +286,31 @@ def _traced(fqn: str, module: nn.Module, lins: list[tuple[str, nn.Module]], bloc
     info.layers, info.rows, info.sizes = sorted(layers, key=names.index), rows, sizes
     info.fused.update(fused)
     return info
+
+
+def _not_per_head(module: nn.Module, lins: list[tuple[str, nn.Module]], blocks: frozenset[int]) -> set[int]:
+    """Ids of the modules inside ``module`` whose parameters are never per-head ones: linear layers, blocks."""
+    return {id(m) for _, m in lins} | {id(m) for m in module.modules() if id(m) in blocks or is_linear(m)}
+
+
+def _under(name: str, module: nn.Module, skip: set[int]) -> bool:
+    """Whether parameter ``name`` of ``module`` belongs to a module of ``skip`` or one inside it."""
+    m = module
+    for part in name.split(".")[:-1]:
+        m = getattr(m, part)
+        if id(m) in skip:
+            return True
+    return False
+
+
+def _cut_per_head(fqn: str, module: nn.Module, info: BlockInfo, skip: set[int],
+                  scored: Optional[set[str]] = None) -> None:
+    """The attention's parameters read per head (:func:`~lightning_tpp.tensor_parallel.heads.per_head_parameters`)
+    cut with its heads: contiguous along the leading dimension, as the q projection's columns are."""
+    at = lambda n: f"{fqn}.{n}" if fqn else n  # noqa: E731
+    found = per_head_parameters(module, info.heads, info.head_dim, skip, scored)
+    info.per_head = {at(n): seen for n, seen in found.items()}
+    info.cut.update({at(n): ShardSpec(0) for n in found})
 
 
 def _fused_gate(cols: list[str], lins: Mapping[str, nn.Module], hidden: int) -> Optional[dict[str, list[ShardSpec]]]:
@@ -426,6 +455,8 @@ def detect(model: nn.Module, tp: int, *, check: bool = True,
         if info is _UNTRACED:  # its forward needs more than one input: the layout decides, unless it holds blocks
             holds = any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in module.modules())  # a model
             info = None if holds else _attention(fqn, module, lins, blocks) or _mlp(fqn, module, lins)
+            if info is not None and info.kind == "attention":
+                _cut_per_head(fqn, module, info, _not_per_head(module, lins, blocks))
         if info is None:
             continue
         plan.whole.pop(fqn, None)

@@ -44,6 +44,9 @@ class BlockInfo:
     cut: dict[str, ShardSpec] = field(default_factory=dict)  # other parameters cut with the channels (FQN -> layout):
     # a depthwise convolution, per-head A / D (:mod:`~lightning_tpp.tensor_parallel.mixer`)
     local_attrs: dict[str, int] = field(default_factory=dict)  # attributes (FQN) set to their per-rank value
+    # an attention's parameters read per head (gpt-oss's sinks), cut with the heads (in ``cut``): FQN -> whether a
+    # traced forward saw them meet the scores (False: found by size only, confirmed by the first-call check)
+    per_head: dict[str, bool] = field(default_factory=dict)
 
     def row_layers(self) -> list[str]:
         return self.rows or self.layers[-1:]

@@ -23,6 +23,8 @@ ACROSS = frozenset({"layer_norm", "rms_norm", "group_norm", "batch_norm", "insta
                      "logsumexp", "cumsum", "cumprod", "sort", "topk", "flip", "roll", "argmax", "argmin",
                      "normalize"})
 
+_SCORES = ("scores",)  # the tag of a matrix product of two projections' outputs and of what is computed from it
+
 
 class LinearFlow(Taint):
     """Tags every value of a forward with the linear layers whose outputs it was computed from (the nearest ones: a
@@ -38,18 +40,27 @@ class LinearFlow(Taint):
         # tensors of the module (a parameter, a buffer) followed by name, and the layers whose outputs each met
         # (directly or through what was computed from it: ``-exp(A_log)`` times a projection's output)
         self.watch, self.met = dict(watch or {}), {}
+        # watched tensors whose values met a product of two projections' outputs or what was computed from it (an
+        # attention's scores, probabilities or weighted values): read per head, where the heads are apart
+        self.scored: set[str] = set()
 
     def start(self) -> None:
         self.tags.clear()
         for name, t in self.watch.items():
             self.tags[id(t)] = (t, frozenset([("watched", name)]))
 
+    def layers_of(self, obj: Any) -> frozenset:
+        """The linear layers whose outputs ``obj`` was computed from (not the watched tensors, not the scores)."""
+        return frozenset(t for t in self.of(obj) if isinstance(t, str))
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if self.watch:
             tags = self.of((args, kwargs or {}))
             layers = {t for t in tags if isinstance(t, str)}
-            for tag in tags - layers if layers else ():
+            for tag in (t for t in tags if isinstance(t, tuple) and t[0] == "watched") if layers else ():
                 self.met.setdefault(tag[1], set()).update(layers)
+                if _SCORES in tags:
+                    self.scored.add(tag[1])
         out = super().__torch_function__(func, types, args, kwargs)
         name = getattr(func, "__name__", "")
         operands = list(tensors_in((args, kwargs or {}), set()))
@@ -62,6 +73,8 @@ class LinearFlow(Taint):
             tags = [self.of(t) for t in tensors_in((args, kwargs or {}), set())]
             if sum(1 for t in tags if t) >= 2:
                 self.mixed.update(*tags)
+                for t in tensors_in(out, set()):
+                    self.tag(t, frozenset([_SCORES]))
         elif name in ACROSS and args and isinstance(args[0], Tensor):
             self.across.update(self.of(args[0]))
         elif name in RESHAPES and args and isinstance(args[0], Tensor) and isinstance(out, Tensor):
@@ -87,7 +100,7 @@ def trace_flow(module: nn.Module, lins: list[tuple[str, nn.Module]], watch: Opti
     calls: list[tuple[str, frozenset]] = []
     hooks = []
     for n, m in lins:
-        hooks.append(m.register_forward_pre_hook(lambda _m, a, n=n: calls.append((n, flow.of(a)))))
+        hooks.append(m.register_forward_pre_hook(lambda _m, a, n=n: calls.append((n, flow.layers_of(a)))))
         hooks.append(m.register_forward_hook(  # a layer's output carries only its own name
             lambda _m, a, out, n=n: flow.tags.__setitem__(id(out), (out, frozenset([n])))))
     modes = {m: m.training for m in module.modules()}
