@@ -51,8 +51,9 @@ class MeanShiftedEmbedding(nn.Embedding):
 
 class EncoderDecoder(LitLM):
     """The embedding is assigned after the transformer (so after its blocks) but used before them, and the forward
-    checks its input's values, so it cannot be run on the meta device to see the order in which it calls its layers
-    (placement then follows registration)."""
+    reads its input's values as a Python list, so it cannot be run on the meta device to see the order in which it
+    calls its layers (placement then follows registration). (A condition on the values, ``if (idx >= 0).all():``, is
+    taken as true on the meta device and no longer stops it.)"""
 
     def __init__(self) -> None:
         super().__init__("nanogpt")
@@ -62,7 +63,7 @@ class EncoderDecoder(LitLM):
         self.head = nn.Linear(32, 64)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        if not bool((idx >= 0).all()):
+        if min(idx.flatten().tolist()) < 0:
             raise ValueError("negative token ids")
         h = self.embed(idx)
         return self.head(self.model(h, h))
