@@ -12,10 +12,12 @@ the qkv and MLP-in projections). Projections that read the same tensor (q, k and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -128,28 +130,28 @@ def _comm_dtype(t: Tensor) -> Tensor:
     return t.float() if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) else t
 
 
-def _seq_part(x: Tensor, group: TPGroup) -> Tensor:
-    n = x.shape[SEQ_DIM] // group.size
-    return x.narrow(SEQ_DIM, group.rank * n, n).contiguous()
+def _seq_part(x: Tensor, group: TPGroup, dim: int = SEQ_DIM) -> Tensor:
+    n = x.shape[dim] // group.size
+    return x.narrow(dim, group.rank * n, n).contiguous()
 
 
-def all_gather_seq(x: Tensor, group: TPGroup) -> Tensor:
+def all_gather_seq(x: Tensor, group: TPGroup, dim: int = SEQ_DIM) -> Tensor:
     if x.is_meta:
-        return torch.cat([x] * group.size, dim=SEQ_DIM)
+        return torch.cat([x] * group.size, dim=dim)
     comm = _comm_dtype(x.contiguous())
     parts = [torch.empty_like(comm) for _ in range(group.size)]
     torch.distributed.all_gather(parts, comm, group=group.group)
-    return torch.cat(parts, dim=SEQ_DIM).to(x.dtype)
+    return torch.cat(parts, dim=dim).to(x.dtype)
 
 
-def _seq_reduce_scatter(x: Tensor, group: TPGroup) -> Tensor:
-    if x.shape[SEQ_DIM] % group.size:
-        raise ValueError(f"sequence parallelism cuts dim {SEQ_DIM} (the sequence) into tp={group.size} parts, but it "
-                         f"has {x.shape[SEQ_DIM]} (shape {tuple(x.shape)}); use a sequence length divisible by tp")
+def _seq_reduce_scatter(x: Tensor, group: TPGroup, dim: int = SEQ_DIM) -> Tensor:
+    if x.shape[dim] % group.size:
+        raise ValueError(f"sequence parallelism cuts dim {dim} (the sequence) into tp={group.size} parts, but it "
+                         f"has {x.shape[dim]} (shape {tuple(x.shape)}); use a sequence length divisible by tp")
     if x.is_meta:
-        return _seq_part(x, group)
+        return _seq_part(x, group, dim)
     comm = _comm_dtype(x)
-    parts = [p.contiguous() for p in comm.chunk(group.size, dim=SEQ_DIM)]
+    parts = [p.contiguous() for p in comm.chunk(group.size, dim=dim)]
     out = torch.empty_like(parts[group.rank])
     torch.distributed.reduce_scatter(out, parts, group=group.group)
     return out.to(x.dtype)
@@ -171,13 +173,13 @@ class _GatherSeq(torch.autograd.Function):
     partial gradients itself: every rank holds the whole gradient)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: TPGroup) -> Tensor:
-        ctx.group = group
-        return all_gather_seq(x, group)
+    def forward(ctx: Any, x: Tensor, group: TPGroup, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return all_gather_seq(x, group, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _seq_part(grad, ctx.group), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _seq_part(grad, ctx.group, ctx.dim), None, None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
@@ -217,12 +219,68 @@ def scatter_seq(x: Tensor, group: TPGroup) -> Tensor:
     return _ScatterSeq.apply(x, group)
 
 
-def gather_seq(x: Tensor, group: TPGroup) -> Tensor:
-    return _GatherSeq.apply(x, group)
+def gather_seq(x: Tensor, group: TPGroup, dim: int = SEQ_DIM) -> Tensor:
+    return _GatherSeq.apply(x, group, dim)
 
 
 def reduce_scatter_seq(x: Tensor, group: TPGroup) -> Tensor:
     return _ReduceScatterSeq.apply(x, group)
+
+
+# A layer cut over tp inside a block that runs on sequence shards (sequence parallelism) and that takes the block's
+# tokens flattened (an expert bank: (tokens, features)) gathers them over the group first and reduce-scatters its
+# partial output back: the group whose ranks hold different tokens while such a block runs, or None.
+_TOKENS_SHARDED: contextvars.ContextVar[Optional[TPGroup]] = contextvars.ContextVar("lightning_tpp_tokens_sharded",
+                                                                                   default=None)
+
+
+@contextlib.contextmanager
+def tokens_sharded(group: Optional[TPGroup]) -> Iterator[None]:
+    """While a block runs on sequence shards over ``group`` (None: inside it, where the stream is whole again)."""
+    token = _TOKENS_SHARDED.set(group)
+    try:
+        yield
+    finally:
+        _TOKENS_SHARDED.reset(token)
+
+
+def tokens_sharded_over() -> Optional[TPGroup]:
+    return _TOKENS_SHARDED.get()
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather along dim 0 (flattened tokens); backward reduce-scatters: each rank's use of every token gave a
+    partial gradient (its share of the features)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: TPGroup) -> Tensor:
+        ctx.group = group
+        return all_gather_seq(x, group, dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _seq_reduce_scatter(grad, ctx.group, dim=0), None
+
+
+class _ReduceScatterTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: TPGroup) -> Tensor:
+        ctx.group = group
+        return _seq_reduce_scatter(x, group, dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return all_gather_seq(grad, ctx.group, dim=0), None
+
+
+def gather_tokens(x: Tensor, group: TPGroup) -> Tensor:
+    """Every rank's tokens (dim 0), in rank order; integer tensors (routing indices) without a gradient."""
+    return _GatherTokens.apply(x, group) if x.is_floating_point() else all_gather_seq(x, group, dim=0)
+
+
+def reduce_scatter_tokens(x: Tensor, group: TPGroup) -> Tensor:
+    """Partial outputs of every rank's tokens summed, this rank's tokens kept (dim 0)."""
+    return _ReduceScatterTokens.apply(x, group)
 
 
 def copy_to_tp(x: Tensor, group: TPGroup) -> Tensor:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lightning_tpp._compat import outside_function_modes, outside_saved_tensors_hooks, tree_flatten
+from lightning_tpp._compat import hf_output_collector, outside_function_modes, outside_saved_tensors_hooks, tree_flatten
 from lightning_tpp.core.comm import TPGroup, all_reduce_flag, gather_with_spec
 from lightning_tpp.core.dp_shard import fsdp_classes_hidden, gather_dp, is_dp_sharded
 from lightning_tpp.core.params import ShardIndex
@@ -191,6 +191,20 @@ def _verifying(on: bool = True) -> Iterator[None]:
             VERIFYING.reset(token)
 
 
+@contextlib.contextmanager
+def _records_kept() -> Iterator[None]:
+    """What the layers record while a check runs (Hugging Face's output collector: router logits, attentions) is
+    dropped after it: the model's own run reads only its own records (a router's logits from a check's graph would
+    enter the auxiliary loss, and its backward)."""
+    collector = hf_output_collector()
+    lengths = {k: len(v) for k, v in collector.items() if isinstance(v, list)} if collector else {}
+    try:
+        yield
+    finally:
+        for k, n in lengths.items():
+            del collector[k][n:]  # type: ignore[index]
+
+
 def _forward(ref: nn.Module, args: tuple, kwargs: dict) -> Any:
     return ref.forward(*args, **kwargs)
 
@@ -209,7 +223,7 @@ def check_forward(module: nn.Module, args: tuple, kwargs: dict, *, group: TPGrou
     ``mark_parallel=False``: the parallel forward runs as the model's own run (not
     :data:`~lightning_tpp.core.walk.VERIFYING`: what is swapped inside it checks itself there)."""
     problem = None
-    with torch.no_grad(), against_reference(module, group, shards) as ref:
+    with torch.no_grad(), against_reference(module, group, shards) as ref, _records_kept():
         a, k = isolated(args, kwargs)
         with _verifying():
             want = reference(ref, *(whole(a, k) if whole is not None else (a, k)))
@@ -269,7 +283,7 @@ def check_gradients(module: nn.Module, args: tuple, kwargs: dict, *, group: TPGr
     """
     problem = None
     with outside_function_modes(), outside_saved_tensors_hooks(), against_reference(module, group, shards) as ref, \
-            _verifying(mark_parallel):
+            _verifying(mark_parallel), _records_kept():
         try:
             ref_params = dict(ref.named_parameters())
             named = [(n, q) for n, q in module.named_parameters() if q.requires_grad and n in ref_params]

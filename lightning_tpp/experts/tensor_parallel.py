@@ -23,7 +23,9 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 
-from lightning_tpp.core.comm import TPGroup, copy_to_tp, reduce_from_tp
+from lightning_tpp._compat import tree_flatten, tree_map
+from lightning_tpp.core.comm import (TPGroup, copy_to_tp, gather_tokens, reduce_from_tp, reduce_scatter_tokens,
+                                     tokens_sharded_over)
 from lightning_tpp.core.params import ShardIndex, ShardInfo
 from lightning_tpp.core.sharding import shard_tensor
 from lightning_tpp.core.swap import original_class, set_local_attr, swap_class
@@ -78,11 +80,23 @@ def _each_float(value: Any, fn: Any) -> Any:
     return value
 
 
+def _first(out: Any, fn: Any) -> Any:
+    """``fn`` on the bank's output (the first element of a tuple: the rest are extras)."""
+    return fn(out) if isinstance(out, Tensor) else type(out)((fn(out[0]), *out[1:]))
+
+
 def _reduced(out: Any, group: TPGroup) -> Any:
-    """The bank's output summed over the ranks (the first element of a tuple: the rest are extras)."""
-    if isinstance(out, Tensor):
-        return reduce_from_tp(out, group)
-    return type(out)((reduce_from_tp(out[0], group), *out[1:]))
+    """The bank's output summed over the ranks."""
+    return _first(out, lambda t: reduce_from_tp(t, group))
+
+
+def _tokens(args: tuple, kwargs: dict, fn: Any, group: TPGroup) -> tuple[tuple, dict]:
+    """The bank's inputs that hold one row per token (hidden states, routing indices and weights) gathered over
+    ``group`` by ``fn``; the others as they are. A bank inside a block run on sequence shards holds a part of every
+    expert's features, so it runs on every rank's tokens and reduce-scatters its partial sums back."""
+    rows = next((t.shape[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.dim() >= 1), None)
+    g = lambda t: fn(t, group) if isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] == rows else t  # noqa: E731
+    return tuple(tree_map(g, a) for a in args), {k: tree_map(g, v) for k, v in kwargs.items()}
 
 
 class _TPExperts:
@@ -95,6 +109,14 @@ class _TPExperts:
         if st.verify_pending and not VERIFYING.get():
             st.verify_pending = False
             verify_bank(self, args, kwargs)  # type: ignore[arg-type]
+        return self._parallel_forward(args, kwargs)
+
+    def _parallel_forward(self, args: tuple, kwargs: dict) -> Any:
+        st = self._tpp_experts
+        sharded = tokens_sharded_over()
+        if sharded is not None and sharded.group is st.group.group:  # sequence parallelism: every rank's tokens
+            out = self._local_forward(*_tokens(args, kwargs, gather_tokens, st.group))
+            return _first(out, lambda t: reduce_scatter_tokens(t, st.group))
         f = lambda t: copy_to_tp(t, st.group)  # noqa: E731
         out = self._local_forward(_each_float(args, f), {k: _each_float(v, f) for k, v in kwargs.items()})
         return _reduced(out, st.group)
@@ -140,7 +162,7 @@ def verify_bank(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """The bank's output on this call's inputs against the original class with whole weights."""
     st: BankState = module._tpp_experts  # type: ignore[assignment]
     check_forward(module, args, kwargs, group=st.group, shards=st.shards,
-                  parallel=lambda a, k: _reduced(module._local_forward(a, k), st.group),  # type: ignore[operator]
+                  parallel=module._parallel_forward,  # type: ignore[arg-type]
                   mismatch=Mismatch("expert tensor parallelism of", st.name, original_class(module).__name__,
                                     f"Its forward probably does something the bank layout (up {st.bank.up}, down "
                                     f"{st.bank.down}, transposed={st.bank.transposed}) does not model"))

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_tpp._compat import MHA_FAST_PATH_FLAG
 from lightning_tpp.core.dp_shard import local, shard_dp_like
-from lightning_tpp.core.comm import TPGroup, TPScope, gather_with_spec
+from lightning_tpp.core.comm import TPGroup, TPScope, gather_with_spec, tokens_sharded
 from lightning_tpp.core.grads import all_reduce_coalesced
 from lightning_tpp.core.params import ShardIndex, ShardInfo
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
@@ -172,12 +172,13 @@ class _TPBlock:
             st.grads_pending = False
             verify_block_gradients(self, args, kwargs)  # type: ignore[arg-type]
         st.scope.enter()
-        try:
+        try:  # (sequence parallelism: the stream is whole inside, gathered at the entry)
             if not (self.training and st.draws is not False) or VERIFYING.get():  # type: ignore[attr-defined]
-                with st.shape_mode(), saved_as_shards():
+                with st.shape_mode(), saved_as_shards(), tokens_sharded(None):
                     return block_output(super().forward(*args, **kwargs))  # type: ignore[misc]
             group = st.scope.group  # dropout over shards: per rank, from the strategy's stream
-            with following(group.rank, group.stream, st.name) as draws, st.shape_mode(), saved_as_shards():
+            with following(group.rank, group.stream, st.name) as draws, st.shape_mode(), saved_as_shards(), \
+                    tokens_sharded(None):
                 out = super().forward(*args, **kwargs)  # type: ignore[misc]
             st.draws = st.draws or draws.dropped
             return block_output(out)

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from lightning_tpp._compat import enclosing_saved_tensors_hooks, tree_map
-from lightning_tpp.core.comm import TPGroup, all_gather_seq, gather_seq, reduce_scatter_seq, scatter_seq, seq_alias
+from lightning_tpp.core.comm import (TPGroup, all_gather_seq, gather_seq, reduce_scatter_seq, scatter_seq, seq_alias,
+                                     tokens_sharded)
 
 
 @dataclass
@@ -44,7 +45,8 @@ def sequence_region(group: TPGroup, shard: torch.Size, *, regather: bool = True)
     checkpointing (which saves nothing in the forward)."""
     token = _REGION.set(_Region(group, shard, regather=regather))
     try:
-        yield
+        with tokens_sharded(group):  # what takes the tokens flattened gathers them itself (core.comm)
+            yield
     finally:
         _REGION.reset(token)
 
