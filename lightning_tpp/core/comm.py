@@ -184,13 +184,13 @@ class _GatherSeq(torch.autograd.Function):
 
 class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: TPGroup) -> Tensor:
-        ctx.group = group
-        return _seq_reduce_scatter(x, group)
+    def forward(ctx: Any, x: Tensor, group: TPGroup, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _seq_reduce_scatter(x, group, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return all_gather_seq(grad, ctx.group), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return all_gather_seq(grad, ctx.group, ctx.dim), None, None
 
 
 class _SeqAlias(torch.autograd.Function):
@@ -224,7 +224,7 @@ def gather_seq(x: Tensor, group: TPGroup, dim: int = SEQ_DIM) -> Tensor:
 
 
 def reduce_scatter_seq(x: Tensor, group: TPGroup) -> Tensor:
-    return _ReduceScatterSeq.apply(x, group)
+    return _ReduceScatterSeq.apply(x, group, SEQ_DIM)
 
 
 # A layer cut over tp inside a block that runs on sequence shards (sequence parallelism) and that takes the block's
@@ -262,17 +262,6 @@ class _GatherTokens(torch.autograd.Function):
         return _seq_reduce_scatter(grad, ctx.group, dim=0), None
 
 
-class _ReduceScatterTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: TPGroup) -> Tensor:
-        ctx.group = group
-        return _seq_reduce_scatter(x, group, dim=0)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return all_gather_seq(grad, ctx.group, dim=0), None
-
-
 def gather_tokens(x: Tensor, group: TPGroup) -> Tensor:
     """Every rank's tokens (dim 0), in rank order; integer tensors (routing indices) without a gradient."""
     return _GatherTokens.apply(x, group) if x.is_floating_point() else all_gather_seq(x, group, dim=0)
@@ -280,7 +269,7 @@ def gather_tokens(x: Tensor, group: TPGroup) -> Tensor:
 
 def reduce_scatter_tokens(x: Tensor, group: TPGroup) -> Tensor:
     """Partial outputs of every rank's tokens summed, this rank's tokens kept (dim 0)."""
-    return _ReduceScatterTokens.apply(x, group)
+    return _ReduceScatterSeq.apply(x, group, 0)
 
 
 def copy_to_tp(x: Tensor, group: TPGroup) -> Tensor:

@@ -9,7 +9,7 @@ Rank layout (tp innermost, so that a tensor-parallel group sits on one node's fa
     pp stage:       0      1       0      1
     dp replica:   ------ 0 -----  ------ 1 -----
 
-The pure part (:func:`resolve_dims`, :meth:`MeshDims.coords`, :meth:`MeshDims.group_ranks`) takes plain integers and is
+The pure part (:func:`resolve_dims`, :meth:`MeshDims.coords`, :meth:`MeshDims.rank_of`) takes plain integers and is
 tested in one process; :func:`build_mesh` and :func:`reused` touch ``torch.distributed``.
 
 Every ``fit``, ``validate``, ``test`` and ``predict`` sets the strategy up again; the process groups of a layout are
@@ -50,13 +50,6 @@ class MeshDims:
     def rank_of(self, *, dp: int, pp: int, tp: int) -> int:
         return (dp * self.pp + pp) * self.tp + tp
 
-    def group_ranks(self, axis: str, rank: int) -> list[int]:
-        """Global ranks that share every coordinate of ``rank`` except ``axis``."""
-        if axis not in AXES:
-            raise ValueError(f"axis={axis!r} is not one of {AXES}")
-        c = self.coords(rank)
-        size = getattr(self, axis)
-        return [self.rank_of(**{**c, axis: i}) for i in range(size)]
 
 
 def _divisors(n: int) -> list[int]:
