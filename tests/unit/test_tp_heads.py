@@ -1,6 +1,6 @@
 """One-process tests of how per-head parameters and side tensors of an attention are found and cut under tensor
 parallelism (``lightning_tpp.tensor_parallel.heads``): by what the forward does with them where it can be traced at
-setup, by size otherwise (the first-call check confirms: tests/distributed/test_tp_heads.py); BLOOM's ALiBi bias
+setup, by size otherwise (the first-call check confirms: tests/distributed/test_tp_per_head_parity.py); BLOOM's ALiBi bias
 with batch and heads in one dimension cut to this rank's heads."""
 
 from __future__ import annotations
