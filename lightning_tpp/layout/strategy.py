@@ -31,10 +31,14 @@ from lightning_tpp.layout.search import Ranking, search_layouts
 from lightning_tpp.layout.timing import Meeting, time_blocks, time_copy, time_ends, time_optimizer
 
 
-def _shape_and_origin(module: nn.Module, data: Any) -> tuple[int, int, str]:
+def batch_shape(module: nn.Module, data: Any = None) -> tuple[int, int]:
     """(sequences, tokens) of one per-process batch: the LightningModule's ``example_input_array`` (token ids) where
-    set (the override), else the first batch of ``data``, the run's :func:`~lightning_tpp._compat.run_data_source`;
-    and where it came from (for the log)."""
+    set (the override), else the first batch of ``data``, the run's :func:`~lightning_tpp._compat.run_data_source`."""
+    return _shape_and_origin(module, data)[:2]  # type: ignore[return-value]
+
+
+def _shape_and_origin(module: nn.Module, data: Any) -> tuple[int, int, str]:
+    """:func:`batch_shape` and where it came from (for the log)."""
     example = getattr(module, "example_input_array", None)
     if example is None and data is not None and data.is_defined():
         return _first_batch_shape(data)
