@@ -111,13 +111,16 @@ def outside_saved_tensors_hooks() -> Iterator[None]:
 @contextlib.contextmanager
 def outside_function_modes() -> Iterator[None]:
     """Run without the torch-function modes entered around the caller (the zero-bubble split's weight-gradient
-    store, which would keep a check's weight gradients for the schedule's ``W``); modes entered inside still apply.
+    store, which would keep a check's weight gradients for the schedule's ``W``); modes entered inside still apply,
+    and so do modes marked ``keep_in_checks`` (context parallelism's attention over the whole sequence).
     torch has no public way to leave every mode: ``_pop_mode_temporarily`` per mode on the stack."""
     from torch.overrides import _pop_mode_temporarily
 
     with contextlib.ExitStack() as stack:
-        for _ in range(torch._C._len_torch_function_stack()):
-            stack.enter_context(_pop_mode_temporarily())
+        popped = [stack.enter_context(_pop_mode_temporarily()) for _ in range(torch._C._len_torch_function_stack())]
+        for mode in reversed(popped):  # what a computation means (context parallelism's attention) still applies
+            if getattr(mode, "keep_in_checks", False):
+                stack.enter_context(mode)
         yield
 
 

@@ -28,7 +28,7 @@ from lightning_tpp.pipeline.schedule import validate as validate_schedule
 
 # the arguments that decide how a model is cut and run: a module already cut adopts only a strategy that agrees on
 # them (a second Trainer, a second fit); the others (print_plan, timeout, metrics, ...) may differ
-CUTTING = ("tp", "pp", "dp", "ep", "microbatches", "schedule", "virtual_stages", "tp_plan", "balance", "split_points",
+CUTTING = ("tp", "pp", "dp", "ep", "cp", "microbatches", "schedule", "virtual_stages", "tp_plan", "balance", "split_points",
            "blocks", "save_distributed_checkpoint", "on_nonfinite", "weights", "weights_prefix",
            "activation_checkpointing", "dp_sharding", "vocab_exchange", "sequence_parallel")
 _BOOLS = ("verify", "activation_checkpointing", "loss_parallel", "sequence_parallel", "vocab_exchange", "print_plan",
@@ -156,6 +156,14 @@ class TensorPipeConfig:
             shard of the vocabulary (the logits are still gathered for any other use), so neither the
             cross-entropy's saved log-softmax nor the logits' gradient is ever whole. Not for a head that FSDP2
             gathers (``vocab_exchange=False`` under dp sharding). See ``docs/tensor_parallel.md``.
+        cp: context parallelism for long sequences: the blocks of the model's block sequence run on ``1/cp`` of
+            each sample's positions (two chunks per rank, head and tail, so that causal attention costs every rank
+            the same); each attention gathers the keys and values of the whole sequence over cp and runs the
+            model's own attention call on this rank's query rows with the matching rows of its mask, so every mask
+            stays exact. The cp ranks of a replica read the same batch and hold the same weights (FSDP2 shards them
+            over ``dp x cp``). Each block is checked against its unsplit forward on its first call; a block that
+            mixes positions outside its attention (a scan, a convolution over time) is refused. See
+            ``docs/context_parallel.md``.
         sequence_parallel: with tp > 1, Megatron's sequence parallelism: the blocks of the model's block sequence
             run norms, dropout and residual adds on this rank's part of the sequence (dim 1), gathering it before
             each attention/MLP and reduce-scattering after it (the bytes of the all-reduces they replace), so those
@@ -212,6 +220,7 @@ class TensorPipeConfig:
     pp: Union[int, Literal["auto"]] = 1
     dp: Union[int, Literal["auto"]] = "auto"
     ep: int = 1
+    cp: int = 1
     layout: Optional[Literal["auto"]] = None
     device_memory: Optional[Union[float, str]] = None
     global_batch: Optional[int] = None
@@ -254,7 +263,14 @@ class TensorPipeConfig:
         tp, pp = (1, 1) if request is not None else (self.tp, self.pp)
         tp = 1 if tp == "auto" else tp
         pp = 1 if pp == "auto" else pp
-        resolve_dims(tp * pp * (self.dp if isinstance(self.dp, int) else 1), tp, pp, self.dp)  # types and ranges
+        resolve_dims(tp * pp * self.cp * (self.dp if isinstance(self.dp, int) else 1), tp, pp, self.dp,
+                     self.cp)  # types and ranges
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(f"cp={self.cp} with ep={self.ep}: context parallelism does not yet run expert "
+                             f"parallelism (the tokens of a replica are spread over its cp ranks); use ep=1")
+        if self.cp > 1 and request is not None:
+            raise ValueError(f"cp={self.cp} with a searched layout: the layout search does not choose around a "
+                             f"fixed cp yet; give tp, pp and dp with cp")
         auto = isinstance(self.schedule, str) and self.schedule == AUTO_SCHEDULE
         set_("schedule", AUTO_SCHEDULE if auto else normalize_schedule(self.schedule))
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
@@ -293,7 +309,7 @@ class TensorPipeConfig:
         """The config the search chose (a ``lightning_tpp.layout.Layout``): the degrees, micro-batches, schedule,
         activation checkpointing and dp sharding given, as a user could have written them."""
         return dataclasses.replace(
-            self, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, microbatches=layout.microbatches,
+            self, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, cp=getattr(layout, "cp", 1), microbatches=layout.microbatches,
             virtual_stages=1, schedule=layout.schedule if layout.pp > 1 else self.schedule,
             activation_checkpointing=layout.activation_checkpointing, dp_sharding=layout.dp_sharding, layout=None,
             device_memory=None, global_batch=None)
@@ -309,9 +325,9 @@ class TensorPipeConfig:
 
 def planning_config(tp: int, pp: int, virtual: int = 1, *, balance: Union[str, Sequence[int]] = "params",
                     split_points: Optional[Sequence[str]] = None, blocks: Optional[Union[str, Sequence[str]]] = None,
-                    tp_plan: Union[str, Mapping[str, str]] = "auto", ep: int = 1) -> TensorPipeConfig:
+                    tp_plan: Union[str, Mapping[str, str]] = "auto", ep: int = 1, cp: int = 1) -> TensorPipeConfig:
     """The config the memory planner and the layout profile cut a meta copy with (``steps.run``): the cut
     of a run at these degrees, no first-call checks (a meta copy computes nothing)."""
-    return TensorPipeConfig(tp=tp, pp=pp, ep=ep, microbatches=pp, virtual_stages=virtual,
+    return TensorPipeConfig(tp=tp, pp=pp, ep=ep, cp=cp, microbatches=pp, virtual_stages=virtual,
                             schedule="interleaved-1f1b" if virtual > 1 else "1f1b", balance=balance,
                             split_points=split_points, blocks=blocks, tp_plan=tp_plan, verify=False, print_plan=False)

@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tpp.config import TensorPipeConfig
+from lightning_tpp.context_parallel import ContextState
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.grads import average_gradients
 from lightning_tpp.core.mesh import MeshDims
@@ -50,6 +51,13 @@ class ProcessGroups:
     pp: Optional[ProcessGroup]
     dp: Optional[ProcessGroup]
     ep: Optional[ExpertGroup] = None  # expert parallelism (ep > 1): tokens exchanged, experts split
+    cp: Optional[TPGroup] = None  # context parallelism (cp > 1): the ranks holding other positions of the same samples
+    replicas: Optional[ProcessGroup] = None  # cp > 1: dp x cp, the ranks holding the same weights
+
+    @property
+    def averaged(self) -> Optional[ProcessGroup]:
+        """The group gradients are averaged over: the ranks holding the same weights (dp, or dp x cp)."""
+        return self.replicas if self.replicas is not None else self.dp
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,7 @@ class ParallelState:
     recomputed: tuple[str, ...] = ()  # blocks whose activations are recomputed in backward (activation checkpointing)
     dp: Optional[DPShards] = None  # what FSDP2 sharded over dp (None: replicated)
     sequence: list[ElementState] = field(default_factory=list)  # blocks run on sequence shards (sequence_parallel)
+    context: Optional[ContextState] = None  # cp > 1: the blocks run on this rank's positions of each sequence
     tp_blocks: list[BlockState] = field(default_factory=list)  # this rank's tensor-parallel blocks
     experts: list[MoELayer] = field(default_factory=list)  # the mixture-of-experts layers of this rank
     config: dict[str, str] = field(default_factory=dict)
@@ -133,7 +142,8 @@ class GradientReduction:
     """What each optimizer step does to the gradients before clipping, built once at setup (after FSDP2, whose
     parameters it holds) and run without walking the model: the partial sums over tp (sequence parallelism's
     norms, replicated parameters used on this rank's heads), then the dense parameters averaged over dp and each
-    expert's gradient over the ranks holding it. ``requires_grad`` is read at every step (a callback may unfreeze
+    expert's gradient over the ranks holding it. Under context parallelism every rank's gradient is ``cp`` times its
+    positions' part (``context_parallel``), so the average over dp x cp is one process's. ``requires_grad`` is read at every step (a callback may unfreeze
     layers mid-run)."""
 
     state: ParallelState
@@ -149,7 +159,7 @@ class GradientReduction:
     def __call__(self) -> None:
         sum_partial_gradients(self.state.sequence)  # sequence parallelism: each tp rank saw part of the tokens
         sum_block_partials(self.state.tp_blocks)  # replicated parameters used on this rank's heads only
-        average_gradients([p for p in self.dense if p.requires_grad], self.state.groups.dp)
+        average_gradients([p for p in self.dense if p.requires_grad], self.state.groups.averaged)
         if self.state.groups.ep is not None:  # averaged over their replicas only
             reduce_expert_grads(self.experts, self.state.groups.ep)
 

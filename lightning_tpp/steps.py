@@ -15,6 +15,7 @@ from what setup does. A new capability is a new step::
     coverage          what tensor parallelism left whole, said
     loss_parallel     loss_parallel=False: cross-entropy on gathered logits
     sequence_parallel the blocks run on sequence shards
+    context_parallel  the blocks run on this rank's positions of each sequence (cp > 1)
     recompute         activation checkpointing of this rank's blocks
     engine            batch statistics deferred; dispatchers, tied weights, the engine            (live)
     materialize       a meta-built model: this rank's shards allocated and initialised            (live)
@@ -40,10 +41,11 @@ from torch import nn
 
 from lightning_tpp.checkpoint.weights import covered_names, load_weights
 from lightning_tpp.config import TensorPipeConfig
+from lightning_tpp.context_parallel import ContextParallelError, apply_context_parallel, mixing_layers
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.grads import broadcast_module
 from lightning_tpp.core.materialize import has_meta, materialize
-from lightning_tpp.core.mesh import MeshDims
+from lightning_tpp.core.mesh import MeshDims, replica_mesh
 from lightning_tpp.core.recompute import recompute_blocks
 from lightning_tpp.data_parallel import shard_over_dp, sharded_numel, sync_batchnorm_over_dp
 from lightning_tpp.experts import ExpertParallelConfigError, active_parameters, find_experts, shard_banks
@@ -126,7 +128,8 @@ def meta_groups(config: TensorPipeConfig) -> ProcessGroups:
     """The groups of a meta copy cut alone: tp rank 0 of ``config.tp``, ep rank 0 of ``config.ep``, no process
     groups (the planner and the layout profile)."""
     return ProcessGroups(None, TPGroup(None, 0, config.tp), None, None,  # type: ignore[arg-type]
-                         TPGroup(None, 0, config.ep) if config.ep > 1 else None)  # type: ignore[arg-type]
+                         TPGroup(None, 0, config.ep) if config.ep > 1 else None,  # type: ignore[arg-type]
+                         TPGroup(None, 0, config.cp) if config.cp > 1 else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -182,6 +185,7 @@ def _map(s: Setup) -> None:
 
 
 def _stages(s: Setup) -> None:
+    _refuse_context(s)
     if s.config.pp == 1:
         return
     assert s.map is not None and s.state is not None
@@ -327,6 +331,56 @@ def _sequence_parallel(s: Setup) -> None:
         twins=stages.twins if stages is not None else None, verify=s.config.verify and s.live)
 
 
+def _context_parallel(s: Setup) -> None:
+    """The model's block sequence run on this rank's positions of each sequence (``context_parallel``)."""
+    assert s.map is not None and s.state is not None
+    if s.config.cp == 1:
+        return
+    assert s.groups.cp is not None
+    runs = _context_runs(s)
+    stages = s.state.stages
+    s.state.context = apply_context_parallel(
+        s.module, runs, s.groups.cp, pipelined=stages is not None,
+        local_names=set(s.state.blocks) if stages is not None else None,
+        twins=stages.twins if stages is not None else None, verify=s.config.verify and s.live)
+
+
+def _context_runs(s: Setup) -> list[list[str]]:
+    """The runs of blocks cp cuts, or the reason it cannot (read on the whole model, before the stages drop
+    modules, so that every rank refuses alike)."""
+    assert s.map is not None
+    cp, name = s.config.cp, type(s.module).__name__
+    try:
+        sequence = s.map.blocks()
+    except PipelinePartitionError as err:
+        raise ValueError(f"cp={cp} runs the blocks of the model's repeated block sequence (an nn.ModuleList or "
+                         f"nn.Sequential of same-class layers) on parts of each sequence, and none was found in "
+                         f"{name}: {err}. Name their container with blocks='<module name>', or use cp=1") from err
+    if s.map.experts:
+        raise ContextParallelError(f"cp={cp}: {name} has mixture-of-experts layers "
+                                   f"({', '.join(layer.name for layer in s.map.experts[:3])}); their routers' "
+                                   f"auxiliary losses would see this rank's positions only. Use cp=1")
+    try:
+        runs = sequence_runs(s.module, sequence.containers, sequence.members)
+    except ValueError as err:
+        raise ValueError(str(err).replace("sequence_parallel=True", f"cp={cp}").replace(
+            "sequence_parallel=False", "cp=1")) from err
+    mixing = mixing_layers(s.module, [n for run in runs for n in run]) if s.state is None or \
+        s.state.stages is None else []
+    if mixing:
+        raise ContextParallelError(
+            f"cp={cp} runs each block on parts of the sequence, and these layers mix positions outside attention, "
+            f"which would see only this rank's part: {'; '.join(mixing[:4])}{' ...' if len(mixing) > 4 else ''}. "
+            f"Use cp=1 for this model")
+    return runs
+
+
+def _refuse_context(s: Setup) -> None:
+    """Before the stages drop modules: what cp cannot run, refused on every rank."""
+    if s.config.cp > 1:
+        _context_runs(s)
+
+
 def _recompute(s: Setup) -> None:
     """Activation checkpointing on this rank's blocks, inside the pipeline's dispatchers, around the tensor-parallel
     blocks."""
@@ -434,15 +488,19 @@ def _dp(s: Setup) -> None:
     left out. Everything that held the replaced parameter objects follows them."""
     state, config = s.state, s.config
     assert state is not None
-    if s.dims.dp == 1 or config.dp_sharding == "no_shard":
+    if s.dims.dp * s.dims.cp == 1 or config.dp_sharding == "no_shard":
         return
     assert s.groups.mesh is not None
+    replicas = replica_mesh(s.groups.mesh, s.dims)  # dp, or dp x cp (the cp ranks hold the same weights)
     if config.blocks is not None and not state.blocks:
         assert s.map is not None
         s.map.blocks()  # the user's containers: the partitioner says what is wrong with them
     s.convert(s.module)
-    state.dp = dp = shard_over_dp(s.module, s.groups.mesh["dp"], blocks=list(state.blocks),
-                                  sharding=config.dp_sharding, vocab_exchange=config.vocab_exchange, keep=s.split,
+    state.dp = dp = shard_over_dp(s.module, replicas, blocks=list(state.blocks),
+                                  sharding=config.dp_sharding, keep=s.split,
+                                  # the cp ranks of a replica hold the same tokens at the head: exchanged over dp x cp
+                                  # they would be computed cp times; FSDP2 gathers the head instead
+                                  vocab_exchange=config.vocab_exchange and s.dims.cp == 1,
                                   tp_blocks=[b.name for b in state.tp_blocks], quiet=checks_off)
     # FSDP2 gathers a unit for backward when its output's gradient arrives: a loss computed from the head's shards
     # would bypass that output (a head computed over dp has no such hook)
@@ -455,7 +513,7 @@ def _dp(s: Setup) -> None:
         end_stage_forward_last(s.module)  # FSDP2's post-forward hooks run before a stage's forward is cut short
         if engine.deciding:
             choice = settle_auto(engine.pp, engine.microbatches, engine.virtual,
-                                 dp_sharded=f"dp={s.groups.mesh['dp'].size()} ({config.dp_sharding}, FSDP2)")
+                                 dp_sharded=f"dp={replicas.size()} ({config.dp_sharding}, FSDP2)")
             assert choice is not None  # always one with dp_sharded
             engine.settle(choice)
         if engine.splits_backward:
@@ -484,6 +542,7 @@ STEPS: tuple[Step, ...] = (
     Step("coverage", _coverage),
     Step("loss_parallel", _loss_parallel),
     Step("sequence_parallel", _sequence_parallel),
+    Step("context_parallel", _context_parallel),
     Step("recompute", _recompute),
     Step("engine", _engine, live=True),
     Step("materialize", _materialize, live=True),

@@ -77,6 +77,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         dp: Union[int, Literal["auto"]] = "auto",
         *,
         ep: int = 1,
+        cp: int = 1,
         layout: Optional[Literal["auto"]] = None,
         device_memory: Optional[Union[float, str]] = None,
         global_batch: Optional[int] = None,
@@ -114,7 +115,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.config = TensorPipeConfig(
-            tp=tp, pp=pp, dp=dp, ep=ep, layout=layout, device_memory=device_memory, global_batch=global_batch,
+            tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, layout=layout, device_memory=device_memory, global_batch=global_batch,
             microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages, balance=balance,
             split_points=split_points, blocks=blocks, tp_plan=tp_plan, verify=verify,
             activation_checkpointing=activation_checkpointing, loss_parallel=loss_parallel,

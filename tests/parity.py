@@ -17,6 +17,7 @@ from torch import Tensor
 
 from models import LitLM, token_dataset
 import models_stacks  # noqa: F401,E402 - registers its families in models.MODELS
+import models_cp  # noqa: F401,E402 - and the context-parallel ones
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
@@ -74,20 +75,22 @@ def train(name: str, *, strategy: Any = "auto", devices: int = 1, dp: int = 1, s
           optimizer: str = "sgd", accelerator: str = "cpu", in_order_receives: bool = False,
           meta: bool = False, prepare: Optional[Callable[[LitLM], None]] = None,
           after_fit: Optional[Callable[[L.Trainer], None]] = None, seed: int = 0,
-          replicas_apart: bool = False, callbacks: tuple[Callback, ...] | list[Callback] = ()) -> Record:
+          replicas_apart: bool = False, callbacks: tuple[Callback, ...] | list[Callback] = (),
+          seq: Optional[int] = None) -> Record:
     """Train ``name`` for ``steps`` optimizer steps. In one process (with or without a strategy) each batch is the
     union of what ``dp`` replicas draw from Lightning's shuffling DistributedSampler (seed 0, epoch 0) at that step.
     ``prepare`` sees the module before training (e.g. loads weights), ``after_fit`` the Trainer after it. ``seed``
     reseeds torch's generator before the model is built (a rank whose process was seeded by other means: the strategy
     must give every rank rank 0's weights; ``seed_everything`` itself must agree across ranks). ``replicas_apart``:
     each replica's part of a step is a batch of its own, one after the other (with ``accumulate=dp``: what dp replicas
-    compute when the loss is not a mean over samples, e.g. a mixture of experts' load-balancing loss)."""
+    compute when the loss is not a mean over samples, e.g. a mixture of experts' load-balancing loss). ``seq``: the
+    positions of each sample (``models.SEQ`` by default)."""
     L.seed_everything(0, verbose=False)
     torch.manual_seed(seed)
     module = LitLM(name, lr=lr, optimizer=optimizer, build_in_configure_model=meta)  # meta: built in configure_model
     if prepare is not None:
         prepare(module)
-    data = token_dataset()
+    data = token_dataset() if seq is None else token_dataset(seq=seq)  # seq: positions per sample
     one_process = devices == 1  # with or without the strategy: reads what the dp replicas read together
     if one_process:
         perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()

@@ -42,12 +42,19 @@ def reference_copy(block: nn.Module, group: TPGroup, shards: ShardIndex) -> nn.M
                                        requires_grad=False)
         else:
             memo[id(p)] = p
+    for m in block.modules():  # hooks are shared, not copied (FSDP2's and the strategy's reach the whole model)
+        for hooks in _HOOKS(m):
+            memo.update({id(h): h for h in hooks.values()})
     with fsdp_classes_hidden(block) as shared:
         ref = copy.deepcopy(block, {**memo, **shared})
     for m in ref.modules():
         unswap(m)
         _drop_fsdp_hooks(m)
     return ref
+
+
+def _HOOKS(m: nn.Module) -> tuple[dict, ...]:  # noqa: N802
+    return (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks, m._backward_pre_hooks)
 
 
 @contextlib.contextmanager
@@ -67,10 +74,11 @@ def against_reference(block: nn.Module, group: TPGroup, shards: ShardIndex) -> I
 
 def _drop_fsdp_hooks(module: nn.Module) -> None:
     """A copied FSDP2 unit keeps its hooks, bound to the state it shares with the original: running the copy would
-    reshard the original's parameters."""
+    reshard the original's parameters; the strategy's own hooks (reads guarded over dp) belong to the original."""
     for hooks in (module._forward_pre_hooks, module._forward_hooks):
         for key, hook in list(hooks.items()):
-            if getattr(getattr(hook, "__func__", hook), "__module__", "").startswith("torch.distributed"):
+            where = getattr(getattr(hook, "__func__", hook), "__module__", "") or ""
+            if where.startswith(("torch.distributed", "lightning_tpp.")):
                 del hooks[key]
 
 

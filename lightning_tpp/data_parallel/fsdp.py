@@ -240,7 +240,7 @@ def called_where_read(module: nn.Module, names: Sequence[str], reads: Mapping[in
     """The vocabulary matrices (``data_parallel.rows.candidates``) whose weight and bias are read only inside a module
     holding them: computed over dp in that module's forward, a matrix read elsewhere (``F.linear(h,
     self.lm_head.weight)`` in the model's forward) would meet its rows there; FSDP2 gathers it instead. A weight tied
-    between candidates goes to FSDP2 from all of them."""
+    between candidates, or held by a module outside the matrix too, goes to FSDP2 from all of them."""
     held: dict[int, list[str]] = {}
     for mname, m in module.named_modules(remove_duplicate=False):
         for p in m._parameters.values():
@@ -250,7 +250,10 @@ def called_where_read(module: nn.Module, names: Sequence[str], reads: Mapping[in
               for n in names}
     outside = {id(p) for ps in params.values() for p in ps
                if not all(any(_inside(r, h) for h in held[id(p)]) for r in reads.get(id(p), ()))}
-    return [n for n in names if not any(id(p) in outside for p in params[n])]
+    # a parameter its parent holds too (BERT's cls.predictions.bias is its decoder's bias): cut into rows, the
+    # parent's would stay the old whole tensor, untrained and no longer tied
+    shared = {id(p) for n, ps in params.items() for p in ps if any(not _inside(h, n) for h in held[id(p)])}
+    return [n for n in names if not any(id(p) in outside or id(p) in shared for p in params[n])]
 
 
 def _check_same_units(units: list[str], mesh: DeviceMesh) -> None:

@@ -353,4 +353,5 @@ def _replica_ranks(strategy: Any) -> list[int]:
     dims, replicas = getattr(strategy, "dims", None), getattr(strategy, "nonfinite_replicas", [])
     if dims is None:
         return list(replicas)
-    return sorted(dims.rank_of(dp=d, pp=p, tp=t) for d in replicas for p in range(dims.pp) for t in range(dims.tp))
+    return sorted(dims.rank_of(dp=d, pp=p, tp=t, cp=c) for d in replicas for p in range(dims.pp)
+                  for c in range(getattr(dims, "cp", 1)) for t in range(dims.tp))

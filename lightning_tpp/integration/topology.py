@@ -1,4 +1,4 @@
-"""Where this rank sits: the process group, the ``(dp, pp, tp)`` mesh and its groups, devices, the sampler's
+"""Where this rank sits: the process group, the ``(dp, pp, [cp,] tp)`` mesh and its groups, devices, the sampler's
 replica index, and the failure watch started with the processes."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from lightning_tpp._compat import default_store, set_rank_zero
 from lightning_tpp.core.comm import TPGroup
-from lightning_tpp.core.mesh import MeshDims, build_mesh, resolve_dims
+from lightning_tpp.core.mesh import MeshDims, build_mesh, replica_mesh, resolve_dims
 from lightning_tpp.core.seeding import agree_with_rank0
 from lightning_tpp.config import TensorPipeConfig
 from lightning_tpp.experts.expert_parallel import check_ep, expert_group
@@ -114,15 +114,19 @@ class MeshTopology:
         _destroy_process_group_at_exit()
         agree_with_rank0(self.root_device)  # the user's streams as rank 0 holds them (DDP reseeds them instead)
         self._before_mesh()  # layout="auto" sets tp, pp and dp here (lightning_tpp.layout.strategy)
-        self._dims = resolve_dims(self.world_size, self.config.tp, self.config.pp, self.config.dp)
+        self._dims = resolve_dims(self.world_size, self.config.tp, self.config.pp, self.config.dp, self.config.cp)
         mesh = build_mesh(self._dims, self.root_device.type)
         coords = self._dims.coords(self.global_rank)
         ep = None
         if self.config.ep > 1:
             check_ep(self.config.ep, dp=self._dims.dp, tp=self._dims.tp)
             ep = expert_group(mesh, self.config.ep, rank=self.global_rank, dp=self._dims.dp)
+        cp = replicas = None
+        if self._dims.cp > 1:
+            cp = TPGroup(mesh.get_group("cp"), coords["cp"], self._dims.cp)
+            replicas = replica_mesh(mesh, self._dims).get_group()
         self._groups = ProcessGroups(mesh, TPGroup(mesh.get_group("tp"), coords["tp"], self._dims.tp),
-                                     mesh.get_group("pp"), mesh.get_group("dp"), ep)
+                                     mesh.get_group("pp"), mesh.get_group("dp"), ep, cp, replicas)
         if self._watch is None and self.world_size > 1:
             seconds = self.config.timeout.total_seconds() if self.config.timeout is not None else 1800.0
             self._watch = FailureWatch(job_store(default_store()), self.global_rank, self.world_size,

@@ -91,8 +91,10 @@ def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks:
     """Run one micro-batch forward on a meta copy cut by ``plan``; attribute every saved tensor to the stage (and
     block) whose module is running, or else to the stage that ran last (the loss goes to the last stage)."""
     copy = meta_copy(module, dtype)
-    config = planning_config(dims.tp, 1, ep=ep)
-    run(copy, config, meta_groups(config), dims=MeshDims(1, 1, dims.tp), until="experts", plan=plan)
+    config = planning_config(dims.tp, 1, ep=ep, cp=dims.cp)
+    # the blocks on this rank's positions (cp > 1): what their attention gathers is counted as it runs
+    run(copy, config, meta_groups(config), dims=MeshDims(1, 1, dims.tp, dims.cp),
+        until="context_parallel" if dims.cp > 1 else "experts", plan=plan)
     modules = dict(copy.named_modules())
     out = _Measured()
     running: list[str] = []
@@ -268,8 +270,10 @@ class _Repeats:
 
     def run(self, name: str, block: nn.Module, forward: Callable[..., Any], checkpointing: bool, *args: Any,
             **kwargs: Any) -> Any:
+        ends = tuple((getattr(slot, "first", None), getattr(slot, "last", None))  # a run's first and last blocks cut
+                     for slot in (getattr(block, "_tpp_sp", None), getattr(block, "_tpp_cp", None)))  # and gather
         kind = (type(block), tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()),
-                _shapes((args, kwargs)))
+                _shapes((args, kwargs)), ends)
         ran = self.done.setdefault(kind, [])
         if len(ran) >= 2:
             saved, result = ran[-1]

@@ -96,13 +96,19 @@ class MemoryReport:
     def fits(self, device_bytes: float) -> bool:
         return self.largest.total <= device_bytes
 
+    def _sharding(self) -> str:
+        d = self.dims
+        over = "dp x cp" if d.cp > 1 else "dp"
+        return f"sharded over {over} (FSDP2)" if self.dp_shard and d.dp * d.cp > 1 else f"replicated over {over}"
+
     def __str__(self) -> str:
         d = self.dims
         experts = f" (experts over ep={self.ep})" if self.ep > 1 else ""
-        layout = (f"tp={d.tp} x pp={d.pp} x dp={d.dp}{experts}, {self.microbatches} micro-batch(es) of "
+        layout = (f"tp={d.tp} x pp={d.pp} x {f'cp={d.cp} x ' if d.cp > 1 else ''}dp={d.dp}{experts}, "
+                  f"{self.microbatches} micro-batch(es) of "
                   f"{self.micro_batch_size} x {self.seq_len} tokens, schedule {self.schedule!r}, {self.optimizer}, {self.param_dtype}, "
                   f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}, "
-                  f"states {'sharded over dp (FSDP2)' if self.dp_shard and d.dp > 1 else 'replicated over dp'}")
+                  f"states {self._sharding()}")
         unit, scale = ("GiB", GiB) if self.largest.total >= GiB else ("MiB", 1024 ** 2)
         lines = [f"Memory per rank ({unit}): {layout}; whole model {self.whole_params / 1e6:,.1f} M parameters",
                  f"{'pp':>3} {'tp':>5} {'stages':>8} {'params':>9} {'grads':>9} {'optimizer':>10} "
@@ -135,7 +141,8 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
                     balance: Union[str, Sequence[int]] = "params", split_points: Optional[Sequence[str]] = None,
                     blocks: Optional[Union[str, Sequence[str]]] = None,
                     tp_plan: Union[str, Mapping[str, str]] = "auto",
-                    forward: Optional[ForwardFn] = None, ep: int = 1, snapshot: bool = False) -> MemoryReport:
+                    forward: Optional[ForwardFn] = None, ep: int = 1, snapshot: bool = False, cp: int = 1
+                    ) -> MemoryReport:
     """Bytes per rank of training ``module`` with ``TensorPipeStrategy(tp, pp, dp, ...)``, without allocating.
 
     ``module`` is usually built on the meta device (``with torch.device("meta"): ...``); a module with real weights
@@ -148,7 +155,8 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     ``vocab_exchange`` is the strategy's (vocabulary matrices computed over dp, ``data_parallel.rows``, instead of
     gathered). See the module docstring for the method. ``snapshot``: a ``SpikeGuard(action="rollback")`` keeps a
     copy of each rank's parameters and optimizer state in host memory (``RankMemory.snapshot``, not part of the
-    device ``total``)."""
+    device ``total``). ``cp``: context parallelism (the blocks run on ``seq_len / cp`` positions of each sequence;
+    the cp ranks of a replica read the same batch, and dp sharding spans dp x cp)."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not one of {tuple(OPTIMIZER_STATES)}")
     if backend not in ("nccl", "gloo"):
@@ -157,7 +165,7 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
         raise ValueError("estimate_memory cannot measure block times on the meta device: balance='time' is not "
                          "supported here; pass balance='params' or blocks per stage, e.g. balance=[10, 10]")
     check_ep(ep, dp=dp, tp=tp)
-    dims = MeshDims(dp, pp, tp)
+    dims = MeshDims(dp, pp, tp, cp)
     m = (microbatches or 2 * pp) if pp > 1 else 1
     specs = [resolve(n) for n in _runs(schedule, pp, m, virtual_stages, dp > 1 and dp_shard)]
     if pp > 1:
@@ -184,7 +192,7 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     splitting = [pp > 1 and any(kind in ("I", "W") for kind, _, _ in spec.orders(0, pp, m, virtual_stages))
                  for spec in specs]
     for r, (rank_copy, rank_state) in enumerate(cuts):
-        params, grads, optim, count = _state_bytes(rank_copy, optimizer, dp if dp_shard else 1)
+        params, grads, optim, count = _state_bytes(rank_copy, optimizer, dp * cp if dp_shard else 1)
         stages = tuple(c * pp + r for c in range(virtual_stages)) if pp > 1 else (0,)
         extra = max((recompute.get(g, 0) for g in stages), default=0)
         loss = max((transient.get(g, 0) for g in stages), default=0)
@@ -195,7 +203,8 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
             held_saved = _held(spec, r, pp, m, virtual_stages, [saved.get(g, 0) for g in stages],
                                [waiting_saved.get(g, 0) for g in stages])[1]
             gathered = _gathered(rank_copy, rank_state, splits, backend,
-                                 mb * seq_len if vocab_exchange else 0, dp) if dp_shard and dp > 1 else 0
+                                 mb * seq_len if vocab_exchange and cp == 1 else 0, dp * cp) \
+                if dp_shard and dp * cp > 1 else 0
             step = params if optimizer in ("adam", "adamw") else 0
             options.append(RankMemory(r, 0, stages, count, params, grads, optim, held + extra + loss, in_flight,
                                       held - held_saved, extra, loss, gathered, step,

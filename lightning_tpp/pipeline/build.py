@@ -220,7 +220,8 @@ def finish_stages(module: nn.Module, prepared: PreparedStages, *, dims: MeshDims
                     seen.setdefault(id(p), p)
         chunk_params.append(list(seen.values()))
     tied = _tied_groups(module, prepared, dims, coords)
-    stage_rank = lambda pp_rank: dims.rank_of(dp=coords["dp"], pp=pp_rank, tp=coords["tp"])  # noqa: E731
+    stage_rank = lambda pp_rank: dims.rank_of(dp=coords["dp"], pp=pp_rank, tp=coords["tp"],  # noqa: E731
+                                              cp=coords["cp"])
     return PipelineEngine(module, partition, runtime, rank=coords["pp"], pp=dims.pp, virtual=virtual,
                           schedule=schedule, microbatches=microbatches, group=pp_group, stage_rank=stage_rank,
                           chunk_params=chunk_params, tied=tied, ancestor_params=prepared.ancestor_params)
@@ -228,15 +229,16 @@ def finish_stages(module: nn.Module, prepared: PreparedStages, *, dims: MeshDims
 
 def _tied_groups(module: nn.Module, prepared: PreparedStages, dims: MeshDims, coords: dict[str, int]
                  ) -> list[tuple[nn.Parameter, Any]]:
-    """A process group per tied stage set and (dp, tp) coordinate; every rank creates every group (collective)."""
+    """A process group per tied stage set and (dp, cp, tp) coordinate; every rank creates every group (collective)."""
     groups: dict[tuple[int, ...], Any] = {}
     for stages in prepared.tied_stages:
         for dp in range(dims.dp):
-            for tp in range(dims.tp):
-                ranks = sorted({dims.rank_of(dp=dp, pp=s % dims.pp, tp=tp) for s in stages})
-                group = reused(("tied", tuple(ranks)), lambda: dist.new_group(ranks)) if len(ranks) > 1 else None
-                if (dp, tp) == (coords["dp"], coords["tp"]):
-                    groups[stages] = group
+            for cp in range(dims.cp):
+                for tp in range(dims.tp):
+                    ranks = sorted({dims.rank_of(dp=dp, pp=s % dims.pp, tp=tp, cp=cp) for s in stages})
+                    group = reused(("tied", tuple(ranks)), lambda: dist.new_group(ranks)) if len(ranks) > 1 else None
+                    if (dp, cp, tp) == (coords["dp"], coords["cp"], coords["tp"]):
+                        groups[stages] = group
     return [(p, group) for stages, group in groups.items() if group is not None
             for p in prepared.tied_params(module, stages=stages)]
 

@@ -21,7 +21,7 @@ from parity import Record, assert_parity, load_record, merge_stages, train
 from worker_parity_configs import CONFIGS
 
 SCRIPT = Path(__file__).parent / "worker_parity_configs.py"
-LAUNCHES = {2: ["dp2", "dp2_no_shard", "dp2_bf16", "pp2_bf16", "pp2_balance", "pp2_split_points"],
+LAUNCHES = {2: ["dp2", "dp2_no_shard", "dp2_bf16", "dp2_tied_bias", "pp2_bf16", "pp2_balance", "pp2_split_points"],
             3: ["pp3", "pp3_split_points"], 8: ["tp2pp2dp2"]}
 
 
@@ -97,6 +97,12 @@ def test_dp2_replicas(two: Path) -> None:
     """dp_sharding='no_shard': whole replicas, gradients all-reduced."""
     check_parity(two, "dp2_no_shard")
     assert _extra(two, "dp2_no_shard", "nanogpt", 0)["held_fraction"] == 1.0
+
+
+def test_dp2_tied_bias(two: Path) -> None:
+    """Hugging Face BERT: its head's bias is held by the head and by its decoder (one tensor). The decoder is a
+    vocabulary matrix, but cut into rows the head's copy would stay whole, untrained and untied: FSDP2 takes it."""
+    check_parity(two, "dp2_tied_bias")
 
 
 def check_bf16(out: Path, name: str) -> None:

@@ -10,6 +10,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_tpp import TensorPipeStrategy
+import models_cp  # noqa: F401 - registers the context-parallel families
 from models import LitLM, token_dataset
 
 
@@ -155,6 +156,9 @@ SCENARIOS = {  # name -> (module, strategy kwargs, batch size)
     "pp_trace": (Sampling, dict(pp=2), 4),
     # the tied embedding (stage 0) vocab-parallel, the head sharing its weight (stage 1) replicated by the user
     "pp_tied_cut": (lambda: LitLM("nanogpt"), dict(tp=2, pp=2, tp_plan={"model.lm_head": "replicate"}), 4),
+    # context parallelism: attention written as matmul -> softmax -> matmul (nanoGPT's); a Mamba-style scan
+    "cp_eager": (lambda: LitLM("cp_nanogpt"), dict(cp=2), 4),
+    "cp_scan": (lambda: LitLM("cp_mamba"), dict(cp=2), 4),
     "pp_fp16": (lambda: LitLM("nanogpt"), dict(pp=2, precision_plugin=MixedPrecision(
         "16-mixed", "cpu", torch.amp.GradScaler("cpu"))), 4),
 }

@@ -38,6 +38,8 @@ CONFIGS = {
     "dp2": Config(("nanogpt",), dict(dp=2), STEPS),  # FSDP2 (full_shard), the default
     "dp2_no_shard": Config(("nanogpt",), dict(dp=2, dp_sharding="no_shard"), STEPS),  # replicas, all-reduced
     "dp2_bf16": Config(("nanogpt",), dict(dp=2), BF16),
+    # BERT's head bias is its decoder's bias, held by both modules: FSDP2 keeps the tie (the decoder not cut in rows)
+    "dp2_tied_bias": Config(("cp_hf_bert",), dict(dp=2), dict(steps=3, seq=32)),
     "pp2_bf16": Config(("nanogpt",), dict(pp=2, schedule="1f1b"), BF16),
     # four blocks, cut 1 + 3 and 3 + 1 (by parameters it is 2 + 2)
     "pp2_balance": Config(("nanogpt4",), dict(pp=2, schedule="1f1b", balance=[1, 3]), STEPS),

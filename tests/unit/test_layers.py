@@ -10,7 +10,8 @@ the peer subpackages never import each other. Documented in docs/architecture.md
     3  parallel_state.py                             ParallelState: what was decided for one model; ModelMap
   2.5  config.py                                     TensorPipeConfig: the arguments, validated (reads the peers'
                                                      argument checks)
-    2  tensor_parallel/  pipeline/  experts/  data_parallel/  checkpoint/  reliability/     peers: none imports another
+    2  tensor_parallel/  pipeline/  experts/  data_parallel/  context_parallel/  checkpoint/  reliability/
+                                                     peers: none imports another
     1  core/                                         mesh, shards, collectives, parameter names, class swaps,
                                                      checks against the original
     0  _compat.py                                    private Lightning/torch names, wrapped once
@@ -25,7 +26,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_tpp"
 LAYERS = {"_compat": 0, "core": 1, "tensor_parallel": 2, "pipeline": 2, "experts": 2, "checkpoint": 2, "reliability": 2,
-          "data_parallel": 2, "config": 2.5, "parallel_state": 3, "steps": 3.5, "memory": 4, "integration": 4,
+          "data_parallel": 2, "context_parallel": 2, "config": 2.5, "parallel_state": 3, "steps": 3.5, "memory": 4, "integration": 4,
           "incidents": 4, "layout": 4.5, "strategy": 5,
           "__init__": 6, "__main__": 6}  # layout: the layout search reads the memory planner; the strategy calls it
 

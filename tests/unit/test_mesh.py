@@ -79,11 +79,36 @@ def test_world_size() -> None:
 
 def test_coords_tp_innermost() -> None:
     dims = MeshDims(dp=2, pp=2, tp=2)
-    assert dims.coords(5) == {"dp": 1, "pp": 0, "tp": 1}
-    assert dims.coords(0) == {"dp": 0, "pp": 0, "tp": 0}
-    assert dims.coords(1) == {"dp": 0, "pp": 0, "tp": 1}
-    assert dims.coords(2) == {"dp": 0, "pp": 1, "tp": 0}
-    assert dims.coords(7) == {"dp": 1, "pp": 1, "tp": 1}
+    assert dims.coords(5) == {"dp": 1, "pp": 0, "cp": 0, "tp": 1}
+    assert dims.coords(0) == {"dp": 0, "pp": 0, "cp": 0, "tp": 0}
+    assert dims.coords(1) == {"dp": 0, "pp": 0, "cp": 0, "tp": 1}
+    assert dims.coords(2) == {"dp": 0, "pp": 1, "cp": 0, "tp": 0}
+    assert dims.coords(7) == {"dp": 1, "pp": 1, "cp": 0, "tp": 1}
+
+
+def test_coords_cp_next_to_tp() -> None:
+    """cp sits outside tp and inside pp: the ranks exchanging keys and values in every attention are neighbours."""
+    dims = MeshDims(dp=2, pp=2, tp=2, cp=2)
+    assert dims.world_size == 16
+    assert dims.coords(0) == {"dp": 0, "pp": 0, "cp": 0, "tp": 0}
+    assert dims.coords(2) == {"dp": 0, "pp": 0, "cp": 1, "tp": 0}
+    assert dims.coords(4) == {"dp": 0, "pp": 1, "cp": 0, "tp": 0}
+    assert dims.coords(13) == {"dp": 1, "pp": 1, "cp": 0, "tp": 1}
+    assert dims.rank_of(dp=1, pp=1, cp=1, tp=1) == 15
+    seen = [tuple(dims.coords(r).values()) for r in range(16)]
+    assert seen == sorted(seen) and len(set(seen)) == 16  # (dp, pp, cp, tp), tp fastest
+    assert all(dims.rank_of(**dims.coords(r)) == r for r in range(16))
+
+
+def test_resolve_dims_with_cp() -> None:
+    assert resolve_dims(8, tp=2, pp=1, cp=2) == MeshDims(dp=2, pp=1, tp=2, cp=2)
+    assert resolve_dims(4, tp=1, pp=1, dp=1, cp=4) == MeshDims(dp=1, pp=1, tp=1, cp=4)
+    with pytest.raises(ValueError, match=r"not divisible by tp\*pp\*cp = 2\*1\*4 = 8"):
+        resolve_dims(4, tp=2, pp=1, cp=4)
+    with pytest.raises(ValueError, match=r"dp\*pp\*cp\*tp = 2\*1\*2\*1 = 4 does not match world size 2"):
+        resolve_dims(2, tp=1, pp=1, dp=2, cp=2)
+    with pytest.raises(ValueError, match=r"cp=0 must be a positive integer"):
+        resolve_dims(2, tp=1, pp=1, cp=0)
 
 
 @pytest.mark.parametrize("dims", [MeshDims(2, 2, 2), MeshDims(1, 1, 1), MeshDims(3, 2, 4), MeshDims(1, 4, 1),

@@ -1,0 +1,366 @@
+"""Context parallelism on an unmodified model's block sequence: each block runs on this rank's positions.
+
+The blocks are the ones the pipeline cuts (``model.layers``, ``transformer.h``; an encoder's and a decoder's stack
+each a run). Each block's class is swapped (:class:`_ContextBlock`)::
+
+    first block of a run   its input (the whole sequence, dim 1) cut to this rank's positions (split.SeqLayout)
+    every block            its other inputs that carry the sequence cut the same way: rotary tables and position
+                           ids (the sequence on dim 1, or dim 0 of a table without batch), a mask's or bias's
+                           rows (the sequence on dim -2 of a 4-d tensor; its columns stay every key's), an encoder
+                           output of the same length (its keys gathered back in each attention); a 2-d key mask
+                           (boolean, or an argument named ``*mask*``) stays whole
+                           the block's attention calls run on the whole sequence's keys (attention.ContextAttention)
+    last block of a run    its output gathered over cp (backward: summed over cp, see split)
+
+so the embeddings, the head, the user's label shift and loss run on the whole sequence, as in one process, and the
+blocks (where the activations are) hold ``1/cp`` of them. A sequence whose length ``2 * cp`` does not divide is
+padded at the first block (zeros; padded keys are never read, padded rows are dropped at the gather); under a
+pipeline, whose later stages only see a part, it must divide.
+
+Refused at setup, naming the module: a layer that mixes positions outside attention (a convolution over the
+sequence, as in Mamba's mixer, a recurrent layer, batch normalisation or pooling over it), mixture-of-experts layers.
+The first call of each block checks its output against the original block on the whole sequence, on every rank,
+so that what the static look cannot see (attention written as ``matmul -> softmax -> matmul``, a block that builds
+its own mask from its input's length) fails with its name instead of training on the wrong values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_tpp._compat import tree_flatten, tree_unflatten
+from lightning_tpp.context_parallel.attention import ContextAttention, Traffic
+from lightning_tpp.context_parallel.split import SeqLayout, gather_positions, local_positions
+from lightning_tpp.core.comm import TPGroup, all_reduce_flag
+from lightning_tpp.core.reference import _verifying, first_difference
+from lightning_tpp.core.swap import swap_class
+from lightning_tpp.core.walk import VERIFYING
+
+
+class ContextParallelError(RuntimeError):
+    """A block does not compute on this rank's positions what it computes on the whole sequence."""
+
+
+@dataclass
+class ContextState:
+    """What the blocks of one model share: the cp group, the layout of the sequence in flight, the traffic."""
+
+    group: TPGroup
+    pipelined: bool  # under a pipeline: later stages see only parts, so the length must divide
+    layout: Optional[SeqLayout] = None
+    traffic: Traffic = field(default_factory=Traffic)
+    _cut: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # side inputs already cut, by identity
+
+    def begin(self, length: int) -> SeqLayout:
+        """The first block of a run sees the whole sequence: its layout."""
+        layout = SeqLayout.of(length, self.group.size, self.group.rank)
+        if layout.padded != length and self.pipelined:
+            works = [length - length % (2 * self.group.size), layout.padded]
+            raise ContextParallelError(
+                f"context parallelism: a sequence of {length} positions over cp={self.group.size} needs padding to "
+                f"{layout.padded} (two chunks per rank: a multiple of 2 * cp = {2 * self.group.size}), and under a "
+                f"pipeline the later stages see only parts of it; use a length that 2 * cp divides (e.g. "
+                f"{' or '.join(str(w) for w in works if w > 0)})")
+        self.layout = layout
+        self._cut.clear()
+        return layout
+
+    def current(self, local: int) -> SeqLayout:
+        """The layout of a later block's input of ``local`` positions."""
+        if self.layout is not None and self.layout.local == local:
+            return self.layout
+        self.layout = SeqLayout.of(local * self.group.size, self.group.size, self.group.rank)
+        return self.layout
+
+    def cut(self, t: Tensor, dim: int, layout: SeqLayout) -> Tensor:
+        """``t`` at this rank's positions along ``dim``; the same input of every block cut once per forward."""
+        key = id(t)
+        hit = self._cut.get(key)
+        if hit is not None and hit[0] is t and hit[1].shape[dim] == layout.local:
+            return hit[1]
+        if len(self._cut) > 64:
+            self._cut.clear()
+        out = local_positions(t, dim, layout)
+        self._cut[key] = (t, out)
+        return out
+
+
+@dataclass
+class BlockSlot:
+    """The one slot (``_tpp_cp``) a block of the run carries."""
+
+    name: str
+    shared: ContextState
+    first: bool
+    last: bool
+    check_pending: bool = True
+
+
+def _stream_index(args: tuple, kwargs: dict) -> Optional[tuple[str, Any]]:
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor):
+            return ("arg", i)
+    for k, v in kwargs.items():
+        if isinstance(v, Tensor):
+            return ("kw", k)
+    return None
+
+
+def _sequence_dim(t: Tensor, length: int, name: str) -> Optional[int]:
+    """Where a block's other input carries the sequence of ``length`` (see the module docstring), or None."""
+    if t.dim() == 0:
+        return None
+    key_mask = t.dim() <= 2 and (t.dtype == torch.bool or "mask" in name.lower())
+    if t.dim() == 4 and t.shape[-2] == length:
+        return 2  # a mask's or bias's rows
+    if t.dim() >= 2 and t.shape[1] == length and not key_mask:
+        return 1
+    if t.dim() in (1, 2) and t.shape[0] == length and not key_mask and (t.dim() == 1 or t.shape[1] != length):
+        return 0  # a table without batch (rotary frequencies), 1-d positions
+    return None
+
+
+def _cut_inputs(shared: ContextState, args: tuple, kwargs: dict, where: tuple[str, Any], layout: SeqLayout
+                ) -> tuple[tuple, dict]:
+    def cut(name: str, a: Any) -> Any:
+        leaves, spec = tree_flatten(a)
+        changed = False
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor):
+                dim = _sequence_dim(leaf, layout.length, name)
+                if dim is not None:
+                    leaves[i] = shared.cut(leaf, dim, layout)
+                    changed = True
+        return tree_unflatten(leaves, spec) if changed else a
+
+    args = tuple(a if ("arg", i) == where else cut(f"arg{i}", a) for i, a in enumerate(args))
+    kwargs = {k: v if ("kw", k) == where else cut(k, v) for k, v in kwargs.items()}
+    return args, kwargs
+
+
+def _replace(args: tuple, kwargs: dict, where: tuple[str, Any], value: Tensor) -> tuple[tuple, dict]:
+    if where[0] == "arg":
+        return args[:where[1]] + (value,) + args[where[1] + 1:], kwargs
+    return args, {**kwargs, where[1]: value}
+
+
+def _get(args: tuple, kwargs: dict, where: tuple[str, Any]) -> Tensor:
+    return args[where[1]] if where[0] == "arg" else kwargs[where[1]]
+
+
+def _first_tensor(out: Any) -> Optional[Tensor]:
+    leaves, _ = tree_flatten(out)
+    return next((t for t in leaves if isinstance(t, Tensor)), None)
+
+
+def _map_first_tensor(out: Any, fn: Any) -> Any:
+    if isinstance(out, Tensor):
+        return fn(out)
+    leaves, spec = tree_flatten(out)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor):
+            leaves[i] = fn(leaf)
+            return tree_unflatten(leaves, spec)
+    return out
+
+
+@contextlib.contextmanager
+def _evaluating(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode (no dropout draws) for a comparison, each submodule's mode restored after."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.train(False)
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _tensors_within(obj: Any, depth: int = 6) -> Iterator[Tensor]:
+    if isinstance(obj, Tensor):
+        yield obj
+    elif depth > 0:
+        items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else \
+            vars(obj).values() if hasattr(obj, "__dict__") else ()
+        for item in items:
+            yield from _tensors_within(item, depth - 1)
+
+
+def _private_state(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A call's arguments with a copy of each object that is not a tensor or a plain value (a key/value cache that
+    an attention appends to, emptied: what earlier blocks put there holds this rank's positions only, which the whole
+    sequence's reference must not read): the check's extra forwards leave the real call's state as it was."""
+
+    def own(a: Any) -> Any:
+        if a is None or isinstance(a, (Tensor, bool, int, float, str, tuple, list, dict, torch.dtype, torch.device)):
+            return a
+        try:  # its tensors shared (a cache's are results of this step's graph, which deepcopy refuses)
+            own = copy.deepcopy(a, memo={id(t): t for t in _tensors_within(a)})
+        except Exception:  # noqa: BLE001 - an object that cannot be copied is shared, as the model shares it
+            return a
+        if callable(getattr(own, "reset", None)):  # a cache: empty, as the block's own computation reads it
+            own.reset()
+        return own
+
+    return tuple(own(a) for a in args), {k: own(v) for k, v in kwargs.items()}
+
+
+class _ContextBlock:
+    """Mixin for each block of a run: on this rank's positions (see the module docstring)."""
+
+    _tpp_cp: BlockSlot
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        slot = self._tpp_cp
+        shared = slot.shared
+        if VERIFYING.get():  # a check's forward on the whole sequence (a tensor-parallel block checking itself)
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        where = _stream_index(args, kwargs)
+        if where is None:
+            raise ContextParallelError(f"context parallelism: block {slot.name!r} ({type(self).__name__}) was called "
+                                       f"without a tensor, so there is no sequence to cut; train it with cp=1")
+        stream = _get(args, kwargs, where)
+        if stream.dim() < 2:
+            raise ContextParallelError(f"context parallelism: block {slot.name!r} takes a {stream.dim()}-d input; "
+                                       f"it cuts (batch, sequence, ...) along dim 1. Train it with cp=1")
+        whole = (args, kwargs)
+        if slot.first:
+            layout = shared.begin(stream.shape[1])
+            args, kwargs = _replace(args, kwargs, where, local_positions(stream, 1, layout))
+        else:
+            layout = shared.current(stream.shape[1])
+        args, kwargs = _cut_inputs(shared, args, kwargs, where, layout)
+        if slot.check_pending and not stream.is_meta:  # not in a shapes-only forward
+            slot.check_pending = False
+            self._cp_check(whole, args, kwargs, where, layout)  # type: ignore[attr-defined]
+        out, _ = self._cp_forward(args, kwargs, layout)
+        if slot.last:
+            out = _map_first_tensor(out, lambda t: gather_positions(t, 1, layout, shared.group))
+        return out
+
+    def _cp_forward(self, args: tuple, kwargs: dict, layout: SeqLayout) -> tuple[Any, int]:
+        shared = self._tpp_cp.shared
+        with ContextAttention(shared.group, layout, shared.traffic) as mode:
+            out = super().forward(*args, **kwargs)  # type: ignore[misc]
+        return out, mode.taken
+
+    def _cp_check(self, whole: tuple[tuple, dict], args: tuple, kwargs: dict, where: tuple[str, Any],
+                  layout: SeqLayout) -> None:
+        """This block on this rank's positions against the original block on the whole sequence (eval mode, no
+        gradient), agreed over cp; raises on every cp rank when any differs."""
+        slot = self._tpp_cp
+        group = slot.shared.group
+        problem, taken = None, 0
+        try:
+            with torch.no_grad(), _evaluating(self), _verifying():  # type: ignore[arg-type]
+                w_args, w_kwargs = _private_state(*whole)
+                args, kwargs = _private_state(args, kwargs)
+                if not slot.first:  # the whole sequence from every rank's part
+                    w_args, w_kwargs = _replace(w_args, w_kwargs, where,
+                                                gather_positions(_get(args, kwargs, where), 1, layout, group))
+
+                want = _first_tensor(super().forward(*w_args, **w_kwargs))  # type: ignore[misc]
+                got, taken = self._cp_forward(args, kwargs, layout)
+                got = _first_tensor(got)
+                if got is None or want is None:
+                    problem = "its output holds no tensor"
+                elif got.dim() < 2 or got.shape[1] != layout.local:
+                    problem = f"its output has shape {tuple(got.shape)}, not this rank's {layout.local} positions"
+                else:
+                    problem = first_difference(gather_positions(got, 1, layout, group), want, group)
+        except ContextParallelError:
+            raise
+        except Exception as err:  # noqa: BLE001 - reported on every rank below, with the block's name
+            problem = f"{type(err).__name__}: {err}"
+        if all_reduce_flag(problem is None, group.group):
+            return
+        hint = ("no call of torch's scaled_dot_product_attention ran in it, so its attention (written as "
+                "matmul -> softmax -> matmul, or Hugging Face's attn_implementation='eager') saw this rank's keys "
+                "only: load the model with attn_implementation='sdpa', or call F.scaled_dot_product_attention"
+                if taken == 0 else
+                "its own code probably mixes positions outside its attention (a scan, a convolution or a pooling "
+                "over the sequence) or builds a mask or a position bias from its input's length")
+        raise ContextParallelError(
+            f"context parallelism: block {slot.name!r} ({type(self).__name__}) does not compute on this rank's "
+            f"{layout.local} of {layout.length} positions what it computes on the whole sequence "
+            f"({problem or 'on another cp rank'}): {hint}. Train it with cp=1")
+
+
+class _ContextTwin:
+    """Mixin for the meta twin of a block another pipeline rank holds: the shapes of the real block in the run
+    (a part in, a part out; the whole sequence into the first block and out of the last)."""
+
+    _tpp_cp_twin: tuple[int, bool, bool]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        cp, first, last = self._tpp_cp_twin
+        where = _stream_index(args, kwargs)
+        if where is None:
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        if not first:
+            x = _get(args, kwargs, where)
+            args, kwargs = _replace(args, kwargs, where, torch.cat([x] * cp, dim=1))
+        out = super().forward(*args, **kwargs)  # type: ignore[misc]
+        if not last:
+            out = _map_first_tensor(out, lambda t: t.narrow(1, 0, t.shape[1] // cp))
+        return out
+
+
+_SEQUENCE_MIXERS: tuple[tuple[type, str], ...] = (
+    (nn.Conv1d, "a convolution over the sequence"),
+    (nn.RNNBase, "a recurrent layer over the sequence"),
+    (nn.modules.batchnorm._BatchNorm, "batch normalisation (statistics over the sequence)"),
+    (nn.modules.pooling._MaxPoolNd, "pooling over the sequence"),
+    (nn.modules.pooling._AvgPoolNd, "pooling over the sequence"),
+)
+
+
+def mixing_layers(module: nn.Module, blocks: Sequence[str]) -> list[str]:
+    """The layers of ``blocks`` that mix positions outside attention, each as ``name (Class): what it does``."""
+    found = []
+    for block in blocks:
+        for name, m in module.get_submodule(block).named_modules():
+            what = next((w for kind, w in _SEQUENCE_MIXERS if isinstance(m, kind)), None)
+            if what is None:
+                continue
+            owner = module.get_submodule(block + ("." + name.rpartition(".")[0] if "." in name else ""))
+            if isinstance(m, nn.Conv1d) and any(n in dict(owner.named_parameters(recurse=False))
+                                                 for n in ("A_log", "A", "dt_bias")):
+                what += " and a state-space scan (a Mamba-style mixer)"
+            found.append(f"{block}.{name} ({type(m).__name__}): {what}")
+    return found
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts))]
+
+
+def apply_context_parallel(module: nn.Module, runs: list[list[str]], group: TPGroup, *, pipelined: bool,
+                           local_names: Optional[set[str]] = None, twins: Optional[dict[str, nn.Module]] = None,
+                           verify: bool = True) -> ContextState:
+    """Put the blocks of each run (block names in forward order) on this rank's positions; ``local_names``: the
+    blocks this pipeline rank holds (the others are stand-ins whose meta ``twins`` get the run's shapes)."""
+    shared = ContextState(group, pipelined)
+    modules = dict(module.named_modules())
+    for names in runs:
+        for i, name in enumerate(names):
+            first, last = i == 0, i == len(names) - 1
+            twin_of = next((n for n in reversed(_ancestors(name) + [name]) if n in (twins or {})), None)
+            if twin_of is not None:
+                twin = twins[twin_of].get_submodule(name[len(twin_of) + 1:]) if name != twin_of else twins[twin_of]
+                twin._tpp_cp_twin = (group.size, first, last)
+                swap_class(twin, _ContextTwin)
+            owner = next((n for n in reversed(_ancestors(name) + [name]) if n in (local_names or ())), None)
+            if local_names is not None and owner is None:
+                continue
+            block = modules[name]
+            block._tpp_cp = BlockSlot(name, shared, first, last, check_pending=verify)
+            swap_class(block, _ContextBlock)
+    return shared

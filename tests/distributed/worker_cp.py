@@ -1,0 +1,111 @@
+"""A rank of a launch that trains several context-parallel configurations one after the other (see
+test_cp_parity.py).
+
+``python worker_cp.py OUT NAME[,NAME...]``: each NAME of ``CONFIGS`` trains its models with ``parity.train`` and writes
+``OUT/<NAME>.<model>.rank<R>.pt`` (the parity record) and ``.json`` (the bytes the block stack saved for backward on this
+rank in the first step, and the positions its blocks ran on)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+
+@dataclass(frozen=True)
+class Config:
+    models: tuple[str, ...]
+    strategy: dict[str, Any]  # TensorPipeStrategy's arguments besides print_plan
+    train: dict[str, Any] = field(default_factory=dict)  # parity.train's, also given to the one-process reference
+
+    @property
+    def world(self) -> int:
+        s = self.strategy
+        return s.get("tp", 1) * s.get("pp", 1) * s.get("dp", 1) * s.get("cp", 1)
+
+
+RUN = dict(steps=3, seq=32)
+FAMILIES = ("cp_llama", "cp_hf_llama", "cp_hf_mistral", "cp_hf_bert", "cp_hf_packed")
+CONFIGS = {
+    # launch of 2 ranks
+    "cp2": Config(FAMILIES, dict(cp=2), RUN),
+    "cp2_padded": Config(("cp_llama", "cp_hf_bert"), dict(cp=2), dict(steps=3, seq=30)),  # 30 = 4 * 7 + 2
+    # launch of 4 ranks
+    "cp4": Config(("cp_llama", "cp_hf_mistral", "cp_hf_packed"), dict(cp=4), RUN),
+    "cp2tp2": Config(("cp_llama", "cp_hf_llama", "cp_hf_bert"), dict(cp=2, tp=2), RUN),
+    "cp2pp2": Config(("cp_llama4", "cp_hf_mistral"), dict(cp=2, pp=2, schedule="1f1b"), RUN),
+    "cp2dp2": Config(("cp_llama", "cp_hf_packed"), dict(cp=2, dp=2), RUN),
+}
+
+
+class BlockActivations(L.Callback):
+    """The bytes the blocks of the model's stack saved for backward in the first training step (what context
+    parallelism divides), counted by a saved-tensors hook around each block's forward."""
+
+    def __init__(self, blocks: tuple[str, ...] = ()) -> None:
+        self.blocks = blocks  # in one process (no strategy to name them)
+        self.saved = 0
+        self.positions: set[int] = set()
+        self._handles: list[Any] = []
+        self._step = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        state = getattr(trainer.strategy, "parallel_state", None)
+        for name in state.blocks if state is not None else self.blocks:
+            block = pl_module.get_submodule(name)
+            self._handles.append(block.register_forward_pre_hook(self._enter, with_kwargs=True))
+            self._handles.append(block.register_forward_hook(self._leave))
+
+    def _enter(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self._step == 0 and torch.is_grad_enabled():
+            self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+            self._ctx.__enter__()
+
+    def _leave(self, module: Any, args: tuple, out: Any) -> None:
+        ctx = getattr(self, "_ctx", None)
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+            self._ctx = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter) and t.dim() >= 2:
+            self.saved += t.numel() * t.element_size()
+            self.positions.add(int(t.shape[1]) if t.dim() == 3 else -1)
+        return t
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self._step += 1
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def main() -> None:
+    from lightning_tpp import TensorPipeStrategy
+    from parity import train
+
+    out, names = Path(sys.argv[1]), sys.argv[2].split(",")
+    rank = int(os.environ["LOCAL_RANK"])
+    for name in names:
+        config = CONFIGS[name]
+        for model in config.models:
+            stem = f"{name}.{model}.rank{rank}"
+            strategy = TensorPipeStrategy(**config.strategy, print_plan=False)
+            activations = BlockActivations()
+            record = train(model, strategy=strategy, devices=config.world, dp=config.strategy.get("dp", 1),
+                           callbacks=[activations], **config.train)
+            torch.save(asdict(record), out / f"{stem}.pt")
+            layout = strategy.parallel_state.context.layout  # the last sequence the blocks ran on
+            (out / f"{stem}.json").write_text(json.dumps({"saved": activations.saved, "local": layout.local,
+                                                          "length": layout.length, "padded": layout.padded}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Families trained under context parallelism (issue #46), at sequences of 32-64 tokens, written as their users
+write them: a hand-written Llama calling ``F.scaled_dot_product_attention(is_causal=True)`` with rotary tables
+passed to every block, Hugging Face Llama (GQA, rotary), Mistral with a sliding window shorter than the sequence,
+BERT (bidirectional) with a padding mask, Llama on packed documents (position ids restarting per document: a
+block-diagonal mask), and two that cp must refuse: nanoGPT's attention written as matmul -> softmax -> matmul, and
+a Mamba-style block (a depthwise convolution over time and a scan)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models import DIM, HEADS, LAYERS, MODELS, VOCAB, NanoGPT, TinyLlama
+
+CP_SEQ = 64  # the longest sequence these models take (positions, rotary caches)
+
+
+def _hf_config(kind: str, **extra):
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=CP_SEQ,
+                  tie_word_embeddings=False)
+    cfg = getattr(transformers, kind)(**{**common, **extra})
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+class HFDecoder(nn.Module):
+    """A Hugging Face causal LM; ``packed``: each row holds documents of 10, 14 and the remaining tokens, their
+    position ids restarting at 0 (transformers turns them into a block-diagonal mask)."""
+
+    def __init__(self, kind: str = "LlamaConfig", packed: bool = False, **extra) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = _hf_config(kind, **extra)
+        self.model = transformers.AutoModelForCausalLM.from_config(cfg)
+        self.packed = packed
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if not self.packed:
+            return self.model(input_ids=idx).logits
+        n = idx.shape[1]
+        docs = [10, 14, n - 24]
+        pos = torch.cat([torch.arange(d, device=idx.device) for d in docs]).expand(idx.shape[0], n)
+        return self.model(input_ids=idx, position_ids=pos).logits
+
+
+class HFBertPadded(nn.Module):
+    """BERT (bidirectional attention) with a padding mask: a sample whose first token is ``t`` keeps ``n - 3 * (t % 4)``
+    tokens (its tail padded, never attended; read from the sample, so that a replica's part of a batch is masked as
+    in the whole batch); trained on the next-token targets like the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
+                                      num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                      max_position_embeddings=CP_SEQ, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0)
+        cfg._attn_implementation = "sdpa"
+        self.model = transformers.BertForMaskedLM(cfg)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        n = idx.shape[1]
+        keep = n - 3 * (idx[:, 0] % 4)
+        mask = (torch.arange(n, device=idx.device)[None, :] < keep[:, None]).long()
+        return self.model(input_ids=idx, attention_mask=mask).logits
+
+
+class MambaStyleBlock(nn.Module):
+    """A Mamba-like mixer: in-projection, a causal depthwise convolution over time, a diagonal scan, out-projection."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.in_proj = nn.Linear(dim, 2 * dim)
+        self.conv1d = nn.Conv1d(dim, dim, kernel_size=4, groups=dim, padding=3)
+        self.A_log = nn.Parameter(torch.zeros(dim))
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u, z = self.in_proj(self.norm(x)).chunk(2, dim=-1)
+        u = self.conv1d(u.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+        decay, h, out = torch.sigmoid(-self.A_log.exp()), torch.zeros_like(u[:, 0]), []
+        for t in range(u.shape[1]):
+            h = decay * h + u[:, t]
+            out.append(h)
+        return x + self.out_proj(torch.stack(out, 1) * F.silu(z))
+
+
+class MambaStyleLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList([MambaStyleBlock(DIM) for _ in range(LAYERS)])
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+MODELS.update({
+    "cp_llama": TinyLlama,  # hand-written: SDPA is_causal, rotary tables (positions x dim) given to every block
+    "cp_llama4": lambda: TinyLlama(n_layers=4),
+    "cp_hf_llama": lambda: HFDecoder("LlamaConfig"),
+    "cp_hf_mistral": lambda: HFDecoder("MistralConfig", sliding_window=8),
+    "cp_hf_packed": lambda: HFDecoder("LlamaConfig", packed=True),
+    "cp_hf_bert": HFBertPadded,
+    "cp_nanogpt": lambda: NanoGPT(block_size=CP_SEQ),  # matmul -> softmax -> matmul: refused
+    "cp_mamba": MambaStyleLM,  # a convolution over time and a scan: refused
+})

@@ -1,0 +1,62 @@
+"""Context parallelism's positions (issue #46), in one process: which positions each rank holds, that causal attention
+costs every rank the same, that the natural order is restored, and which block inputs carry the sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_tpp.context_parallel.blocks import _sequence_dim
+from lightning_tpp.context_parallel.split import SeqLayout, local_positions
+
+
+def test_head_and_tail_chunks() -> None:
+    assert SeqLayout.of(8, 2, 0).positions() == [0, 1, 6, 7]
+    assert SeqLayout.of(8, 2, 1).positions() == [2, 3, 4, 5]
+    assert SeqLayout.of(16, 4, 3).positions() == [6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("length, cp", [(32, 2), (30, 2), (64, 4), (100, 8), (7, 2)])
+def test_every_position_once_and_padding(length: int, cp: int) -> None:
+    layouts = [SeqLayout.of(length, cp, r) for r in range(cp)]
+    padded = layouts[0].padded
+    assert padded % (2 * cp) == 0 and length <= padded < length + 2 * cp
+    held = sorted(p for layout in layouts for p in layout.positions())
+    assert held == list(range(padded))
+    order = torch.cat([layout.index(torch.device("cpu")) for layout in layouts])
+    assert torch.equal(order[layouts[0].natural(torch.device("cpu"))], torch.arange(padded))
+
+
+@pytest.mark.parametrize("length, cp", [(64, 2), (64, 4), (4096, 8)])
+def test_causal_work_balanced(length: int, cp: int) -> None:
+    """Query-key pairs under a causal mask per rank: each within 5% of the mean (here: equal)."""
+    work = [sum(p + 1 for p in SeqLayout.of(length, cp, r).positions()) for r in range(cp)]
+    mean = sum(work) / cp
+    assert all(abs(w - mean) <= 0.05 * mean for w in work), work
+    # a contiguous split would not be: the last rank does (2 cp - 1) times the first's work
+    contiguous = [sum(p + 1 for p in range(r * length // cp, (r + 1) * length // cp)) for r in range(cp)]
+    assert max(contiguous) > 1.5 * min(contiguous)
+
+
+def test_local_positions_pads_masks_as_attend_everything() -> None:
+    layout = SeqLayout.of(6, 2, 1)  # padded to 8: rank 1 holds 2 3 4 5
+    x = torch.arange(6.0)[None, :, None]
+    assert local_positions(x, 1, layout).flatten().tolist() == [2, 3, 4, 5]
+    last = SeqLayout.of(6, 2, 0)  # rank 0 holds 0 1 6 7: 6 and 7 are padding
+    assert local_positions(x, 1, last).flatten().tolist() == [0, 1, 0, 0]
+    mask = torch.zeros(1, 1, 6, 6, dtype=torch.bool)
+    assert local_positions(mask, 2, last)[0, 0, 2:].all()  # padded rows attend everything: no NaN in them
+
+
+def test_which_inputs_carry_the_sequence() -> None:
+    S = 16
+    assert _sequence_dim(torch.zeros(2, S, 8), S, "position_embeddings") == 1  # rotary (B, S, D), hidden states
+    assert _sequence_dim(torch.zeros(2, 1, S, S), S, "attention_mask") == 2  # 4-d mask: its rows
+    assert _sequence_dim(torch.zeros(2, 1, S, 24), S, "encoder_attention_mask") == 2  # cross-attention rows
+    assert _sequence_dim(torch.zeros(2, 1, 1, S), S, "attention_mask") is None  # broadcast over rows: keys only
+    assert _sequence_dim(torch.zeros(1, S, dtype=torch.long), S, "position_ids") == 1
+    assert _sequence_dim(torch.ones(2, S, dtype=torch.long), S, "attention_mask") is None  # a key padding mask
+    assert _sequence_dim(torch.ones(2, S, dtype=torch.bool), S, "arg2") is None
+    assert _sequence_dim(torch.zeros(S, 8), S, "arg1") == 0  # a rotary table without batch
+    assert _sequence_dim(torch.arange(S), S, "cache_position") == 0
+    assert _sequence_dim(torch.zeros(2, 8), S, "conditioning") is None
