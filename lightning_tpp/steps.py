@@ -342,7 +342,8 @@ def _context_parallel(s: Setup) -> None:
     s.state.context = apply_context_parallel(
         s.module, runs, s.groups.cp, pipelined=stages is not None,
         local_names=set(s.state.blocks) if stages is not None else None,
-        twins=stages.twins if stages is not None else None, verify=s.config.verify and s.live)
+        twins=stages.twins if stages is not None else None, verify=s.config.verify and s.live,
+        sp=s.groups.tp if s.state.sequence else None)
 
 
 def _context_runs(s: Setup) -> list[list[str]]:

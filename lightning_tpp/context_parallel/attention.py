@@ -103,6 +103,10 @@ class ContextAttention(TorchFunctionMode):
             return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **options)
         self.taken += 1
         start = time.perf_counter()
+        device = query.device.type
+        if torch.is_autocast_enabled(device):  # what autocast does to an SDPA call, before the per-chunk calls
+            dtype = torch.get_autocast_dtype(device)  # (torch's causal bias checks the dtypes before autocast would)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         gathered = key.shape[-2] == n  # this rank's keys: the whole sequence's, gathered
         if gathered:
             self.traffic.bytes += (key.numel() + value.numel()) * key.element_size() * (layout.cp - 1)

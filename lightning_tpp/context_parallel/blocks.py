@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from lightning_tpp._compat import tree_flatten, tree_unflatten
 from lightning_tpp.context_parallel.attention import ContextAttention, Traffic
 from lightning_tpp.context_parallel.split import SeqLayout, gather_positions, local_positions
-from lightning_tpp.core.comm import TPGroup, all_reduce_flag
+from lightning_tpp.core.comm import TPGroup, all_gather_seq, all_reduce_flag
 from lightning_tpp.core.reference import _verifying, first_difference
 from lightning_tpp.core.swap import swap_class
 from lightning_tpp.core.walk import VERIFYING
@@ -53,6 +53,7 @@ class ContextState:
 
     group: TPGroup
     pipelined: bool  # under a pipeline: later stages see only parts, so the length must divide
+    sp: Optional[TPGroup] = None  # sequence parallelism inside: between blocks the stream is cut over tp too
     layout: Optional[SeqLayout] = None
     traffic: Traffic = field(default_factory=Traffic)
     _cut: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # side inputs already cut, by identity
@@ -71,12 +72,24 @@ class ContextState:
         self._cut.clear()
         return layout
 
-    def current(self, local: int) -> SeqLayout:
-        """The layout of a later block's input of ``local`` positions."""
+    def current(self, held: int) -> SeqLayout:
+        """The layout of a later block's input of ``held`` positions (this rank's, or under sequence parallelism
+        this tp rank's share of them)."""
+        local = held * (self.sp.size if self.sp is not None else 1)
         if self.layout is not None and self.layout.local == local:
             return self.layout
         self.layout = SeqLayout.of(local * self.group.size, self.group.size, self.group.rank)
         return self.layout
+
+    def holds(self, t: Tensor, layout: SeqLayout) -> bool:
+        """Whether ``t`` is a block's input or output on this rank's positions (or its tp rank's share of them)."""
+        return t.shape[1] == layout.local or self.sp is not None and t.shape[1] * self.sp.size == layout.local
+
+    def whole(self, t: Tensor, layout: SeqLayout) -> Tensor:
+        """The whole sequence from every rank's part of a block's input or output (a check: no gradient)."""
+        if self.sp is not None and t.shape[1] * self.sp.size == layout.local:
+            t = all_gather_seq(t, self.sp, 1)
+        return gather_positions(t, 1, layout, self.group)
 
     def cut(self, t: Tensor, dim: int, layout: SeqLayout) -> Tensor:
         """``t`` at this rank's positions along ``dim``; the same input of every block cut once per forward."""
@@ -119,6 +132,8 @@ def _sequence_dim(t: Tensor, length: int, name: str) -> Optional[int]:
     key_mask = t.dim() <= 2 and (t.dtype == torch.bool or "mask" in name.lower())
     if t.dim() == 4 and t.shape[-2] == length:
         return 2  # a mask's or bias's rows
+    if t.dim() == 2 and t.shape == (length, length):
+        return 0  # a (queries, keys) mask or bias without batch: its rows
     if t.dim() >= 2 and t.shape[1] == length and not key_mask:
         return 1
     if t.dim() in (1, 2) and t.shape[0] == length and not key_mask and (t.dim() == 1 or t.shape[1] != length):
@@ -253,39 +268,43 @@ class _ContextBlock:
     def _cp_check(self, whole: tuple[tuple, dict], args: tuple, kwargs: dict, where: tuple[str, Any],
                   layout: SeqLayout) -> None:
         """This block on this rank's positions against the original block on the whole sequence (eval mode, no
-        gradient), agreed over cp; raises on every cp rank when any differs."""
+        gradient), agreed over cp; raises on every cp rank when any differs. The block's own forward runs as in
+        training (what it holds checks itself there); only the reference is a verifying forward."""
         slot = self._tpp_cp
         group = slot.shared.group
-        problem, taken = None, 0
+        stream = _get(args, kwargs, where)
+        problem, taken, raised = None, 0, False
         try:
-            with torch.no_grad(), _evaluating(self), _verifying():  # type: ignore[arg-type]
+            with torch.no_grad(), _evaluating(self):  # type: ignore[arg-type]
                 w_args, w_kwargs = _private_state(*whole)
                 args, kwargs = _private_state(args, kwargs)
                 if not slot.first:  # the whole sequence from every rank's part
-                    w_args, w_kwargs = _replace(w_args, w_kwargs, where,
-                                                gather_positions(_get(args, kwargs, where), 1, layout, group))
-
-                want = _first_tensor(super().forward(*w_args, **w_kwargs))  # type: ignore[misc]
+                    w_args, w_kwargs = _replace(w_args, w_kwargs, where, slot.shared.whole(stream, layout))
+                with _verifying():
+                    want = _first_tensor(super().forward(*w_args, **w_kwargs))  # type: ignore[misc]
                 got, taken = self._cp_forward(args, kwargs, layout)
                 got = _first_tensor(got)
                 if got is None or want is None:
                     problem = "its output holds no tensor"
-                elif got.dim() < 2 or got.shape[1] != layout.local:
+                elif got.dim() < 2 or not slot.shared.holds(got, layout):
                     problem = f"its output has shape {tuple(got.shape)}, not this rank's {layout.local} positions"
                 else:
-                    problem = first_difference(gather_positions(got, 1, layout, group), want, group)
+                    problem = first_difference(slot.shared.whole(got, layout), want, group)
         except ContextParallelError:
             raise
         except Exception as err:  # noqa: BLE001 - reported on every rank below, with the block's name
-            problem = f"{type(err).__name__}: {err}"
+            problem, raised = f"{type(err).__name__}: {err}", True
         if all_reduce_flag(problem is None, group.group):
             return
-        hint = ("no call of torch's scaled_dot_product_attention ran in it, so its attention (written as "
-                "matmul -> softmax -> matmul, or Hugging Face's attn_implementation='eager') saw this rank's keys "
-                "only: load the model with attn_implementation='sdpa', or call F.scaled_dot_product_attention"
-                if taken == 0 else
-                "its own code probably mixes positions outside its attention (a scan, a convolution or a pooling "
-                "over the sequence) or builds a mask or a position bias from its input's length")
+        if raised:
+            hint = "it raised on this rank's positions, where it ran on the whole sequence"
+        elif taken == 0:
+            hint = ("no call of torch's scaled_dot_product_attention ran in it, so its attention (written as "
+                    "matmul -> softmax -> matmul, or Hugging Face's attn_implementation='eager') saw this rank's "
+                    "keys only: load the model with attn_implementation='sdpa', or call F.scaled_dot_product_attention")
+        else:
+            hint = ("its own code probably mixes positions outside its attention (a scan, a convolution or a pooling "
+                    "over the sequence) or builds a mask or a position bias from its input's length")
         raise ContextParallelError(
             f"context parallelism: block {slot.name!r} ({type(self).__name__}) does not compute on this rank's "
             f"{layout.local} of {layout.length} positions what it computes on the whole sequence "
@@ -344,10 +363,11 @@ def _ancestors(name: str) -> list[str]:
 
 def apply_context_parallel(module: nn.Module, runs: list[list[str]], group: TPGroup, *, pipelined: bool,
                            local_names: Optional[set[str]] = None, twins: Optional[dict[str, nn.Module]] = None,
-                           verify: bool = True) -> ContextState:
+                           verify: bool = True, sp: Optional[TPGroup] = None) -> ContextState:
     """Put the blocks of each run (block names in forward order) on this rank's positions; ``local_names``: the
-    blocks this pipeline rank holds (the others are stand-ins whose meta ``twins`` get the run's shapes)."""
-    shared = ContextState(group, pipelined)
+    blocks this pipeline rank holds (the others are stand-ins whose meta ``twins`` get the run's shapes); ``sp``:
+    the tp group when sequence parallelism cuts this rank's positions again inside the blocks."""
+    shared = ContextState(group, pipelined, sp)
     modules = dict(module.named_modules())
     for names in runs:
         for i, name in enumerate(names):

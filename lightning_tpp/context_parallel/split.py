@@ -8,7 +8,7 @@ A sequence of ``S`` positions is padded to ``P``, a multiple of ``2 * cp``, and 
                      rank 0 holds chunks 0 and 3 (positions 0 1 6 7), rank 1 chunks 1 and 2 (positions 2 3 4 5)
 
 Under a causal mask a query at position ``p`` attends ``p + 1`` keys, so a head chunk and a tail chunk together cost
-every rank the same: ``c * (P + c)`` query-key pairs per rank, whatever ``r``.
+every rank the same: ``c * (P + 1)`` query-key pairs per rank, whatever ``r``.
 
 Gradients (one rule for everything, so that nothing is classified by hand): a tensor computed on this rank's
 positions carries ``cp`` times its own positions' gradient; a tensor computed outside (embeddings, the head, the

@@ -19,19 +19,21 @@ from parity import Record, assert_parity, load_record, merge_stages, train
 from worker_cp import CONFIGS
 
 SCRIPT = Path(__file__).parent / "worker_cp.py"
-LAUNCHES = {2: ["cp2", "cp2_padded"],
-            4: ["cp4", "cp2tp2", "cp2pp2", "cp2dp2"]}
+LAUNCHES = {2: ["cp2", "cp2_padded"], 4: ["cp4", "cp2tp2", "cp2pp2", "cp2dp2"],
+            # slow (python -m pytest -m slow): activation checkpointing, bf16, sequence parallelism inside, more families
+            "2 slow": ["cp2_recompute", "cp2_bf16"], "4 slow": ["cp2tp2sp", "cp2pp2_hf"]}
 
 
 @functools.lru_cache(maxsize=None)
-def reference(model: str, dp: int, steps: int, seq: int) -> Record:
-    return train(model, dp=dp, steps=steps, seq=seq)
+def reference(model: str, dp: int, steps: int, seq: int, precision: str = "32-true") -> Record:
+    return train(model, dp=dp, steps=steps, seq=seq, precision=precision)
 
 
-def _launch(tmp_path_factory: pytest.TempPathFactory, world: int) -> Path:
-    out = tmp_path_factory.mktemp(f"cp_{world}")
-    assert all(CONFIGS[n].world == world for n in LAUNCHES[world])
-    run_ranks(SCRIPT, world, [str(out), ",".join(LAUNCHES[world])], timeout=500).check()
+def _launch(tmp_path_factory: pytest.TempPathFactory, launch: int | str) -> Path:
+    world = int(str(launch).split()[0])
+    out = tmp_path_factory.mktemp(f"cp_{str(launch).replace(' ', '_')}")
+    assert all(CONFIGS[n].world == world for n in LAUNCHES[launch])
+    run_ranks(SCRIPT, world, [str(out), ",".join(LAUNCHES[launch])], timeout=500).check()
     return out
 
 
@@ -45,6 +47,16 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _launch(tmp_path_factory, 4)
 
 
+@pytest.fixture(scope="module")
+def two_slow(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _launch(tmp_path_factory, "2 slow")
+
+
+@pytest.fixture(scope="module")
+def four_slow(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _launch(tmp_path_factory, "4 slow")
+
+
 def _ranks(name: str) -> list[tuple[int, ...]]:
     """Each pipeline's ranks (its stages, in order), for every (dp, cp, tp) position."""
     s = CONFIGS[name].strategy
@@ -53,13 +65,14 @@ def _ranks(name: str) -> list[tuple[int, ...]]:
             for d in range(dp) for c in range(cp) for t in range(tp)]
 
 
-def check_parity(out: Path, name: str) -> None:
+def check_parity(out: Path, name: str, **tolerance: float) -> None:
     config = CONFIGS[name]
     for model in config.models:
-        ref = reference(model, config.strategy.get("dp", 1), config.train["steps"], config.train["seq"])
+        ref = reference(model, config.strategy.get("dp", 1), config.train["steps"], config.train["seq"],
+                        config.train.get("precision", "32-true"))
         for ranks in _ranks(name):
             got = merge_stages([load_record(out / f"{name}.{model}.rank{r}.pt") for r in ranks])
-            assert_parity(got, ref, where=f"{name} {model} ranks {ranks}")
+            assert_parity(got, ref, **tolerance, where=f"{name} {model} ranks {ranks}")
             for r in ranks:  # the blocks ran on this rank's part of each sequence (parity alone holds at cp=1 too)
                 seen = _extra(out, name, model, r)
                 padded = -(-config.train["seq"] // (2 * config.strategy["cp"])) * 2 * config.strategy["cp"]
@@ -94,6 +107,30 @@ def test_cp2_divides_block_activations(two: Path) -> None:
     assert one.saved > 0
     assert max(cp) <= 1.10 / 2 * one.saved, (cp, one.saved)
     print(f"block activations per rank at cp=2: {max(cp) / one.saved:.3f} of one process")
+
+
+@pytest.mark.slow
+def test_cp2_activation_checkpointing(two_slow: Path) -> None:
+    """Each block recomputed in backward: the keys and values gathered again, in the same order on every rank."""
+    check_parity(two_slow, "cp2_recompute")
+
+
+@pytest.mark.slow
+def test_cp2_bf16(two_slow: Path) -> None:
+    """bf16 autocast against a bf16 one-process reference at rtol = atol = 2e-2 (as test_parity_configs' bf16
+    checks: a gather of keys in another order changes the order of sums by a few bf16 ulps)."""
+    check_parity(two_slow, "cp2_bf16", rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.slow
+def test_cp2_tp2_sequence_parallel(four_slow: Path) -> None:
+    """cp outside, sequence parallelism inside: each rank's part of the sequence cut again over tp."""
+    check_parity(four_slow, "cp2tp2sp")
+
+
+@pytest.mark.slow
+def test_cp2_pp2_hugging_face(four_slow: Path) -> None:
+    check_parity(four_slow, "cp2pp2_hf")
 
 
 def test_cp4_parity(four: Path) -> None:

@@ -36,11 +36,16 @@ CONFIGS = {
     # launch of 2 ranks
     "cp2": Config(FAMILIES, dict(cp=2), RUN),
     "cp2_padded": Config(("cp_llama", "cp_hf_bert"), dict(cp=2), dict(steps=3, seq=30)),  # 30 = 4 * 7 + 2
+    "cp2_recompute": Config(("cp_llama", "cp_hf_mistral"), dict(cp=2, activation_checkpointing=True), RUN),
+    "cp2_bf16": Config(("cp_hf_llama",), dict(cp=2), dict(RUN, precision="bf16-mixed")),
     # launch of 4 ranks
-    "cp4": Config(("cp_llama", "cp_hf_mistral", "cp_hf_packed"), dict(cp=4), RUN),
-    "cp2tp2": Config(("cp_llama", "cp_hf_llama", "cp_hf_bert"), dict(cp=2, tp=2), RUN),
-    "cp2pp2": Config(("cp_llama4", "cp_hf_mistral"), dict(cp=2, pp=2, schedule="1f1b"), RUN),
-    "cp2dp2": Config(("cp_llama", "cp_hf_packed"), dict(cp=2, dp=2), RUN),
+    "cp4": Config(("cp_hf_mistral", "cp_hf_packed"), dict(cp=4), RUN),
+    "cp2tp2": Config(("cp_hf_llama", "cp_hf_bert"), dict(cp=2, tp=2), RUN),
+    "cp2tp2sp": Config(("cp_llama",), dict(cp=2, tp=2, sequence_parallel=True), RUN),
+    "cp2pp2": Config(("cp_llama4",), dict(cp=2, pp=2, schedule="1f1b"), RUN),
+    "cp2dp2": Config(("cp_hf_packed",), dict(cp=2, dp=2), RUN),
+    # slow: more layouts of the same families
+    "cp2pp2_hf": Config(("cp_hf_mistral",), dict(cp=2, pp=2, schedule="1f1b"), RUN),
 }
 
 

@@ -31,6 +31,8 @@ def test_every_position_once_and_padding(length: int, cp: int) -> None:
 def test_causal_work_balanced(length: int, cp: int) -> None:
     """Query-key pairs under a causal mask per rank: each within 5% of the mean (here: equal)."""
     work = [sum(p + 1 for p in SeqLayout.of(length, cp, r).positions()) for r in range(cp)]
+    chunk = length // (2 * cp)
+    assert work == [chunk * (length + 1)] * cp  # the split module's docstring
     mean = sum(work) / cp
     assert all(abs(w - mean) <= 0.05 * mean for w in work), work
     # a contiguous split would not be: the last rank does (2 cp - 1) times the first's work
@@ -60,3 +62,4 @@ def test_which_inputs_carry_the_sequence() -> None:
     assert _sequence_dim(torch.zeros(S, 8), S, "arg1") == 0  # a rotary table without batch
     assert _sequence_dim(torch.arange(S), S, "cache_position") == 0
     assert _sequence_dim(torch.zeros(2, 8), S, "conditioning") is None
+    assert _sequence_dim(torch.zeros(S, S), S, "arg3") == 0  # a (queries, keys) bias without batch: its rows
