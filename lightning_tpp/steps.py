@@ -343,7 +343,7 @@ def _context_parallel(s: Setup) -> None:
         s.module, runs, s.groups.cp, pipelined=stages is not None,
         local_names=set(s.state.blocks) if stages is not None else None,
         twins=stages.twins if stages is not None else None, verify=s.config.verify and s.live,
-        sp=s.groups.tp if s.state.sequence else None)
+        sp=s.groups.tp if s.state.sequence else None, draws=s.groups.tp.stream)
 
 
 def _context_runs(s: Setup) -> list[list[str]]:

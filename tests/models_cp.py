@@ -53,13 +53,13 @@ class HFBertPadded(nn.Module):
     tokens (its tail padded, never attended; read from the sample, so that a replica's part of a batch is masked as
     in the whole batch); trained on the next-token targets like the others."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         import transformers
 
         cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
                                       num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                                      max_position_embeddings=CP_SEQ, hidden_dropout_prob=0.0,
+                                      max_position_embeddings=CP_SEQ, hidden_dropout_prob=dropout,
                                       attention_probs_dropout_prob=0.0)
         cfg._attn_implementation = "sdpa"
         self.model = transformers.BertForMaskedLM(cfg)
@@ -113,6 +113,7 @@ MODELS.update({
     "cp_hf_mistral": lambda: HFDecoder("MistralConfig", sliding_window=8),
     "cp_hf_packed": lambda: HFDecoder("LlamaConfig", packed=True),
     "cp_hf_bert": HFBertPadded,
+    "cp_hf_bert_dropout": lambda: HFBertPadded(dropout=0.5),  # BERT's default is 0.1; 0.5 for a clear mask
     "cp_nanogpt": lambda: NanoGPT(block_size=CP_SEQ),  # matmul -> softmax -> matmul: refused
     "cp_mamba": MambaStyleLM,  # a convolution over time and a scan: refused
 })

@@ -28,17 +28,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from lightning_tpp._compat import tree_flatten, tree_unflatten
+from lightning_tpp._compat import in_backward, tree_flatten, tree_unflatten
 from lightning_tpp.context_parallel.attention import ContextAttention, Traffic
 from lightning_tpp.context_parallel.split import SeqLayout, gather_positions, local_positions
 from lightning_tpp.core.comm import TPGroup, all_gather_seq, all_reduce_flag
 from lightning_tpp.core.reference import _verifying, first_difference
+from lightning_tpp.core.seeding import OwnStream
 from lightning_tpp.core.swap import swap_class
 from lightning_tpp.core.walk import VERIFYING
 
@@ -54,6 +56,7 @@ class ContextState:
     group: TPGroup
     pipelined: bool  # under a pipeline: later stages see only parts, so the length must divide
     sp: Optional[TPGroup] = None  # sequence parallelism inside: between blocks the stream is cut over tp too
+    draws: Optional[OwnStream] = None  # the strategy's own random stream: dropout drawn per cp rank
     layout: Optional[SeqLayout] = None
     traffic: Traffic = field(default_factory=Traffic)
     _cut: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # side inputs already cut, by identity
@@ -226,6 +229,31 @@ def _private_state(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tuple(own(a) for a in args), {k: own(v) for k, v in kwargs.items()}
 
 
+def _get_stream(args: tuple, kwargs: dict) -> Optional[Tensor]:
+    where = _stream_index(args, kwargs)
+    return _get(args, kwargs, where) if where is not None else None
+
+
+@contextlib.contextmanager
+def _own_draws(block: nn.Module, stream: Optional[Tensor]) -> Iterator[None]:
+    """Dropout in a training forward drawn per cp rank: every rank enters a block from the same random state, so
+    without this its positions would get the masks another rank's positions get (correlated across the sequence).
+    The draws come from a generator seeded by the strategy's own stream (the run's seed, the batch, the block, where
+    the global generators stood, this rank): a block recomputed in backward draws the same; the user's generators
+    are left where they were (one process would have advanced them by its draws inside the blocks)."""
+    slot: BlockSlot = block._tpp_cp  # type: ignore[assignment]
+    shared = slot.shared
+    if not (block.training and torch.is_grad_enabled() and shared.draws is not None and stream is not None):
+        yield
+        return
+    key = shared.draws.enter(f"cp:{slot.name}", stream.device, recomputing=in_backward())
+    seed = int.from_bytes(hashlib.sha256(repr((key, shared.group.rank)).encode()).digest()[:8], "little") >> 1
+    devices = [stream.device] if stream.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=stream.device.type if devices else None):
+        torch.manual_seed(seed)
+        yield
+
+
 class _ContextBlock:
     """Mixin for each block of a run: on this rank's positions (see the module docstring)."""
 
@@ -261,7 +289,8 @@ class _ContextBlock:
 
     def _cp_forward(self, args: tuple, kwargs: dict, layout: SeqLayout) -> tuple[Any, int]:
         shared = self._tpp_cp.shared
-        with ContextAttention(shared.group, layout, shared.traffic) as mode:
+        with ContextAttention(shared.group, layout, shared.traffic) as mode, \
+                _own_draws(self, _get_stream(args, kwargs)):  # type: ignore[arg-type]
             out = super().forward(*args, **kwargs)  # type: ignore[misc]
         return out, mode.taken
 
@@ -363,11 +392,13 @@ def _ancestors(name: str) -> list[str]:
 
 def apply_context_parallel(module: nn.Module, runs: list[list[str]], group: TPGroup, *, pipelined: bool,
                            local_names: Optional[set[str]] = None, twins: Optional[dict[str, nn.Module]] = None,
-                           verify: bool = True, sp: Optional[TPGroup] = None) -> ContextState:
+                           verify: bool = True, sp: Optional[TPGroup] = None, draws: Optional[OwnStream] = None
+                           ) -> ContextState:
     """Put the blocks of each run (block names in forward order) on this rank's positions; ``local_names``: the
     blocks this pipeline rank holds (the others are stand-ins whose meta ``twins`` get the run's shapes); ``sp``:
-    the tp group when sequence parallelism cuts this rank's positions again inside the blocks."""
-    shared = ContextState(group, pipelined, sp)
+    the tp group when sequence parallelism cuts this rank's positions again inside the blocks; ``draws``: the
+    strategy's own random stream (dropout per cp rank)."""
+    shared = ContextState(group, pipelined, sp, draws)
     modules = dict(module.named_modules())
     for names in runs:
         for i, name in enumerate(names):

@@ -19,7 +19,7 @@ from parity import Record, assert_parity, load_record, merge_stages, train
 from worker_cp import CONFIGS
 
 SCRIPT = Path(__file__).parent / "worker_cp.py"
-LAUNCHES = {2: ["cp2", "cp2_padded"], 4: ["cp4", "cp2tp2", "cp2pp2", "cp2dp2"],
+LAUNCHES = {2: ["cp2", "cp2_padded", "cp2_dropout"], 4: ["cp4", "cp2tp2", "cp2pp2", "cp2dp2"],
             # slow (python -m pytest -m slow): activation checkpointing, bf16, sequence parallelism inside, more families
             "2 slow": ["cp2_recompute", "cp2_bf16"], "4 slow": ["cp2tp2sp", "cp2pp2_hf"]}
 
@@ -94,6 +94,14 @@ def test_cp2_length_that_needs_padding(two: Path) -> None:
     """30 positions over 2 * cp = 4 chunks: padded to 32 inside the block stack, exact for causal and padded-mask
     attention alike."""
     check_parity(two, "cp2_padded")
+
+
+def test_cp2_dropout_drawn_per_rank(two: Path) -> None:
+    """Every cp rank enters a block from the same random state: unless drawn per rank, dropout would zero the same
+    elements of every rank's positions (masks correlated along the sequence)."""
+    masks = [_extra(two, "cp2_dropout", "cp_hf_bert_dropout", r)["dropout_masks"] for r in range(2)]
+    assert len(masks[0]) == len(masks[1]) >= 2, masks
+    assert all(a != b for a, b in zip(*masks)), masks
 
 
 def test_cp2_divides_block_activations(two: Path) -> None:

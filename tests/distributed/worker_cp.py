@@ -7,6 +7,7 @@ rank in the first step, and the positions its blocks ran on)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -35,6 +36,7 @@ FAMILIES = ("cp_llama", "cp_hf_llama", "cp_hf_mistral", "cp_hf_bert", "cp_hf_pac
 CONFIGS = {
     # launch of 2 ranks
     "cp2": Config(FAMILIES, dict(cp=2), RUN),
+    "cp2_dropout": Config(("cp_hf_bert_dropout",), dict(cp=2), dict(steps=1, seq=32)),  # masks per rank, no parity
     "cp2_padded": Config(("cp_llama", "cp_hf_bert"), dict(cp=2), dict(steps=3, seq=30)),  # 30 = 4 * 7 + 2
     "cp2_recompute": Config(("cp_llama", "cp_hf_mistral"), dict(cp=2, activation_checkpointing=True), RUN),
     "cp2_bf16": Config(("cp_hf_llama",), dict(cp=2), dict(RUN, precision="bf16-mixed")),
@@ -92,6 +94,28 @@ class BlockActivations(L.Callback):
             h.remove()
 
 
+class DropoutMasks(L.Callback):
+    """Which elements the dropout layers inside the blocks zeroed in the first training step, as digests."""
+
+    def __init__(self) -> None:
+        self.masks: list[str] = []
+        self._handles: list[Any] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for name in trainer.strategy.parallel_state.blocks:
+            for m in pl_module.get_submodule(name).modules():
+                if isinstance(m, torch.nn.Dropout) and m.p > 0:
+                    self._handles.append(m.register_forward_hook(self._record))
+
+    def _record(self, module: Any, args: tuple, out: torch.Tensor) -> None:
+        if module.training and len(self.masks) < 8:
+            self.masks.append(hashlib.sha256((out == 0).numpy().tobytes()).hexdigest()[:16])
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for h in self._handles:
+            h.remove()
+
+
 def main() -> None:
     from lightning_tpp import TensorPipeStrategy
     from parity import train
@@ -103,13 +127,14 @@ def main() -> None:
         for model in config.models:
             stem = f"{name}.{model}.rank{rank}"
             strategy = TensorPipeStrategy(**config.strategy, print_plan=False)
-            activations = BlockActivations()
+            activations, masks = BlockActivations(), DropoutMasks()
             record = train(model, strategy=strategy, devices=config.world, dp=config.strategy.get("dp", 1),
-                           callbacks=[activations], **config.train)
+                           callbacks=[activations, masks], **config.train)
             torch.save(asdict(record), out / f"{stem}.pt")
             layout = strategy.parallel_state.context.layout  # the last sequence the blocks ran on
             (out / f"{stem}.json").write_text(json.dumps({"saved": activations.saved, "local": layout.local,
-                                                          "length": layout.length, "padded": layout.padded}))
+                                                          "length": layout.length, "padded": layout.padded,
+                                                          "dropout_masks": masks.masks}))
 
 
 if __name__ == "__main__":
