@@ -1,6 +1,6 @@
 """Families trained under context parallelism (issue #46), at sequences of 32-64 tokens, written as their users
 write them: a hand-written Llama calling ``F.scaled_dot_product_attention(is_causal=True)`` with rotary tables
-passed to every block, Hugging Face Llama (GQA, rotary), Mistral with a sliding window shorter than the sequence,
+passed to every block, Hugging Face Llama (GQA, rotary; with SDPA, and with its eager attention), Mistral with a sliding window shorter than the sequence,
 BERT (bidirectional) with a padding mask, Llama on packed documents (position ids restarting per document: a
 block-diagonal mask), and two that cp must refuse: nanoGPT's attention written as matmul -> softmax -> matmul, and
 a Mamba-style block (a depthwise convolution over time and a scan)."""
@@ -31,11 +31,13 @@ class HFDecoder(nn.Module):
     """A Hugging Face causal LM; ``packed``: each row holds documents of 10, 14 and the remaining tokens, their
     position ids restarting at 0 (transformers turns them into a block-diagonal mask)."""
 
-    def __init__(self, kind: str = "LlamaConfig", packed: bool = False, **extra) -> None:
+    def __init__(self, kind: str = "LlamaConfig", packed: bool = False, eager: bool = False, **extra) -> None:
         super().__init__()
         import transformers
 
         cfg = _hf_config(kind, **extra)
+        if eager:
+            cfg._attn_implementation = "eager"
         self.model = transformers.AutoModelForCausalLM.from_config(cfg)
         self.packed = packed
 
@@ -110,6 +112,7 @@ MODELS.update({
     "cp_llama": TinyLlama,  # hand-written: SDPA is_causal, rotary tables (positions x dim) given to every block
     "cp_llama4": lambda: TinyLlama(n_layers=4),
     "cp_hf_llama": lambda: HFDecoder("LlamaConfig"),
+    "cp_hf_llama_eager": lambda: HFDecoder("LlamaConfig", eager=True),  # matmul -> softmax -> matmul, HF's own
     "cp_hf_mistral": lambda: HFDecoder("MistralConfig", sliding_window=8),
     "cp_hf_packed": lambda: HFDecoder("LlamaConfig", packed=True),
     "cp_hf_bert": HFBertPadded,

@@ -16,12 +16,17 @@ rows is taken over by :class:`ContextAttention`, a ``TorchFunctionMode``:
   relative-position biases stay exactly what the model built.
 
 The model's own call does the rest (its scale, dropout, GQA), so the result is what one process computes for these
-rows. Attention written as ``matmul -> softmax -> matmul`` is not an SDPA call: the block's first-call check finds
-it (its keys are this rank's only) and names it.
+rows. ``nn.MultiheadAttention`` (``F.multi_head_attention_forward``, which projects keys and values itself) gets the whole
+sequence's inputs for its keys and values instead. A Hugging Face model whose attention is ``eager`` (matmul ->
+softmax -> matmul) is routed through
+transformers' own attention-interface registry to :meth:`ContextAttention.eager` (``hf.py``): its own eager function
+on the whole sequence's keys. Other attention written as ``matmul -> softmax -> matmul`` is not an SDPA call: the
+block's first-call check finds it (its keys are this rank's only) and names it.
 """
 
 from __future__ import annotations
 
+import contextvars
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -37,6 +42,8 @@ from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.context_parallel.split import SeqLayout, gather_positions, pad_fill
 
 _SDPA = F.scaled_dot_product_attention
+_MHA = F.multi_head_attention_forward
+ACTIVE: contextvars.ContextVar[Optional["ContextAttention"]] = contextvars.ContextVar("tpp_cp_attention", default=None)
 
 
 @dataclass
@@ -89,12 +96,69 @@ class ContextAttention(TorchFunctionMode):
     def __init__(self, group: TPGroup, layout: SeqLayout, traffic: Traffic) -> None:
         super().__init__()
         self.group, self.layout, self.traffic, self.taken = group, layout, traffic, 0
+        self._token: Any = None
+
+    def __enter__(self) -> "ContextAttention":
+        self._token = ACTIVE.set(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        ACTIVE.reset(self._token)
+        return super().__exit__(*exc)
+
+    def eager(self, attend: Callable[..., Any], module: Any, query: Tensor, key: Tensor, value: Tensor,
+              mask: Optional[Tensor], options: dict) -> Any:
+        """A Hugging Face eager attention (the model's own ``eager_attention_forward``: matmul, its mask, softmax,
+        sinks or soft-capping as it has them) on this rank's query rows and the whole sequence's keys and values,
+        the mask's rows this rank's (hf.py routes it here)."""
+        layout, n = self.layout, self.layout.local
+        if query.shape[-2] != n or key.shape[-2] != n:
+            return attend(module, query, key, value, mask, **options)
+        self.taken += 1
+        start = time.perf_counter()
+        self.traffic.bytes += (key.numel() + value.numel()) * key.element_size() * (layout.cp - 1)
+
+        def run(q: Tensor, k: Tensor, v: Tensor, m: Optional[Tensor]) -> Any:
+            k = gather_positions(k, -2, layout, self.group)  # the padded keys dropped: the mask's columns are real
+            v = gather_positions(v, -2, layout, self.group)
+            return attend(module, q, k, v, self._mask_rows(m, k.shape[-2]) if m is not None else None, **options)
+
+        if torch.is_grad_enabled() and not query.is_meta and (query.requires_grad or key.requires_grad):
+            out = checkpoint(run, query, key, value, mask, use_reentrant=False,
+                             preserve_rng_state=bool(options.get("dropout")))
+        else:
+            out = run(query, key, value, mask)
+        self.traffic.attention_seconds += time.perf_counter() - start
+        self.traffic.calls += 1
+        return out
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func is _SDPA:
             return self.attention(*args, **kwargs)
+        if func is _MHA:
+            return self.multi_head(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def multi_head(self, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Any:
+        """``nn.MultiheadAttention`` (and the ``nn.Transformer`` layers): its inputs are gathered instead of its keys
+        and values, which it projects inside (``(sequence, batch, features)``; each rank projects every position's
+        keys and values), so that its mask of this rank's rows against every key is the shape it checks for."""
+        layout, n = self.layout, self.layout.local
+        if query.dim() < 2 or query.shape[0] != n or key.shape[0] != n:
+            return _MHA(query, key, value, *args, **kwargs)
+        self.taken += 1
+        start = time.perf_counter()
+        self.traffic.bytes += (key.numel() + (value.numel() if value is not key else 0)) * key.element_size() * (
+            layout.cp - 1)
+        if kwargs.get("is_causal") and kwargs.get("attn_mask") is not None:
+            kwargs = {**kwargs, "is_causal": False}  # a hint that would become SDPA's top-left is_causal: the mask
+        whole_key = gather_positions(key, 0, layout, self.group)
+        whole_value = whole_key if value is key else gather_positions(value, 0, layout, self.group)
+        out = _MHA(query, whole_key, whole_value, *args, **kwargs)
+        self.traffic.attention_seconds += time.perf_counter() - start
+        self.traffic.calls += 1
+        return out
 
     def attention(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                   dropout_p: float = 0.0, is_causal: bool = False, **options: Any) -> Tensor:

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from lightning_tpp._compat import in_backward, tree_flatten, tree_unflatten
 from lightning_tpp.context_parallel.attention import ContextAttention, Traffic
+from lightning_tpp.context_parallel.hf import route_eager
 from lightning_tpp.context_parallel.split import SeqLayout, gather_positions, local_positions
 from lightning_tpp.core.comm import TPGroup, all_gather_seq, all_reduce_flag
 from lightning_tpp.core.reference import _verifying, first_difference
@@ -57,6 +58,7 @@ class ContextState:
     pipelined: bool  # under a pipeline: later stages see only parts, so the length must divide
     sp: Optional[TPGroup] = None  # sequence parallelism inside: between blocks the stream is cut over tp too
     draws: Optional[OwnStream] = None  # the strategy's own random stream: dropout drawn per cp rank
+    eager: list[Any] = field(default_factory=list)  # Hugging Face configs routed to cp's eager attention (hf.py)
     layout: Optional[SeqLayout] = None
     traffic: Traffic = field(default_factory=Traffic)
     _cut: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # side inputs already cut, by identity
@@ -400,6 +402,9 @@ def apply_context_parallel(module: nn.Module, runs: list[list[str]], group: TPGr
     strategy's own random stream (dropout per cp rank)."""
     shared = ContextState(group, pipelined, sp, draws)
     modules = dict(module.named_modules())
+    here = [n for names in runs for n in names if n in modules and (local_names is None or any(
+        a in local_names for a in _ancestors(n) + [n]))]
+    shared.eager = route_eager(module, here)  # Hugging Face eager attention: its own function on the whole keys
     for names in runs:
         for i, name in enumerate(names):
             first, last = i == 0, i == len(names) - 1

@@ -19,9 +19,9 @@ from parity import Record, assert_parity, load_record, merge_stages, train
 from worker_cp import CONFIGS
 
 SCRIPT = Path(__file__).parent / "worker_cp.py"
-LAUNCHES = {2: ["cp2", "cp2_padded", "cp2_dropout"], 4: ["cp4", "cp2tp2", "cp2pp2", "cp2dp2"],
+LAUNCHES = {2: ["cp2", "cp2_families", "cp2_padded", "cp2_dropout"], 4: ["cp4", "cp2tp2", "cp2pp2", "cp2dp2"],
             # slow (python -m pytest -m slow): activation checkpointing, bf16, sequence parallelism inside, more families
-            "2 slow": ["cp2_recompute", "cp2_bf16"], "4 slow": ["cp2tp2sp", "cp2pp2_hf"]}
+            "2 slow": ["cp2_recompute", "cp2_bf16", "cp2_families_slow"], "4 slow": ["cp2tp2sp", "cp2pp2_hf"]}
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,6 +88,20 @@ def test_cp2_parity(two: Path) -> None:
     """Hand-written Llama (SDPA is_causal, rotary tables), HF Llama (GQA), Mistral (sliding window 8 < 32), BERT
     (bidirectional, padded samples), packed documents (position ids restarting: a block-diagonal mask)."""
     check_parity(two, "cp2")
+
+
+def test_cp2_attention_not_sdpa(two: Path) -> None:
+    """Hugging Face eager attention (routed through transformers' attention registry to its own eager function on
+    the whole sequence's keys), nn.MultiheadAttention (its inputs gathered for its keys and values, the causal hint
+    made its mask), cross-attention to an encoder's output, BART's two stacks."""
+    check_parity(two, "cp2_families")
+
+
+@pytest.mark.slow
+def test_cp2_more_families(two_slow: Path) -> None:
+    """Gemma (eager, tied and scaled embeddings), GPT-NeoX (partial rotary, parallel residual), Phi-3 (fused qkv),
+    Qwen3 (per-head q/k norms), GPT-2 (eager, learned positions), litgpt."""
+    check_parity(two_slow, "cp2_families_slow")
 
 
 def test_cp2_length_that_needs_padding(two: Path) -> None:
