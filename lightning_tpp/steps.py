@@ -462,6 +462,8 @@ def _report(s: Setup) -> None:
             rank_zero_info(table)
     if config.print_plan and state.stages is not None:
         rank_zero_info(format_partition(state.stages.partition, s.dims.pp))
+    if config.print_plan and state.context is not None:
+        rank_zero_info(state.context.describe(len(state.blocks) if state.blocks else None))
     if config.print_plan and state.recomputed:
         rank_zero_info(f"Activation checkpointing: {len(state.recomputed)} blocks of this rank recomputed in backward "
                        f"({state.recomputed[0]}..{state.recomputed[-1]})")

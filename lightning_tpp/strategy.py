@@ -51,6 +51,7 @@ from lightning_tpp.parallel_state import ParallelState, ProcessGroups
 from lightning_tpp.steps import run as run_steps
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.metrics import PipelineMetrics
+from lightning_tpp.integration.context_metrics import ContextMetrics
 from lightning_tpp.integration.expert_load import ExpertLoad
 from lightning_tpp.pipeline.schedule import ScheduleLike
 from lightning_tpp.reliability.nonfinite import finite_everywhere
@@ -131,6 +132,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         self._async_saver = AsyncSaver(timeout) if async_save else None
         self._metrics: Optional[PipelineMetrics] = None
         self._expert_load: Optional[ExpertLoad] = None  # tokens per expert, logged under moe/
+        self._context_metrics: Optional[ContextMetrics] = None  # cp > 1: exchanges and attention time, under cp/
         self._signal_report: Optional[SignalReport] = None  # the hang report on SIGUSR1 (MeshTopology)
         self._watch: Optional[FailureWatch] = None  # the failure watch (MeshTopology)
         self._skip_backward = False
@@ -220,6 +222,8 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         self._expert_load = ExpertLoad(self.lightning_module, layers, counts=coords["tp"] == 0,
                                        traffic=self._groups.ep.traffic if self._groups.ep is not None else None,
                                        ) if layers else None
+        context = self.parallel_state.context
+        self._context_metrics = ContextMetrics(context.traffic) if context is not None else None
         self._watch_describes(f"rank {self.global_rank} {coords}", self._engine)
 
     def _config(self) -> dict[str, str]:
@@ -305,6 +309,8 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
             self._metrics.after_step(self.lightning_module, args[0], args[1] if len(args) > 1 else None)
         if self._expert_load is not None and self.lightning_module is not None:
             self._expert_load.after_step(self.lightning_module, args[1] if len(args) > 1 else None)
+        if self._context_metrics is not None and self.lightning_module is not None:
+            self._context_metrics.after_step(self.lightning_module, args[1] if len(args) > 1 else None)
         if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
             return out  # the loss was checked where it met manual_backward (see backward)
         loss = out.get("loss") if isinstance(out, dict) else out

@@ -63,6 +63,16 @@ class ContextState:
     traffic: Traffic = field(default_factory=Traffic)
     _cut: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # side inputs already cut, by identity
 
+    def describe(self, blocks: Optional[int] = None) -> str:
+        """The plan table's line."""
+        cp = self.group.size
+        what = f"{blocks} blocks of this rank" if blocks is not None else "the blocks"
+        extra = "; sequence parallelism cuts each part again over tp" if self.sp is not None else ""
+        eager = "; Hugging Face eager attention routed to its own function on the whole keys" if self.eager else ""
+        return (f"Context parallelism: cp={cp}: {what} run on 1/{cp} of each sequence's positions (chunks r and "
+                f"{2 * cp}-1-r of {2 * cp}: causal work equal on every rank), every attention on the whole "
+                f"sequence's keys (all-gathered, recomputed in backward){extra}{eager}")
+
     def begin(self, length: int) -> SeqLayout:
         """The first block of a run sees the whole sequence: its layout."""
         layout = SeqLayout.of(length, self.group.size, self.group.rank)

@@ -110,6 +110,17 @@ def test_cp2_length_that_needs_padding(two: Path) -> None:
     check_parity(two, "cp2_padded")
 
 
+def test_cp2_traffic_counted(two: Path) -> None:
+    """What cp/ logs (no logger in these runs: nothing was taken): the hand-written Llama's 2 layers gather keys and
+    values of (4 samples, 4 heads, 16 positions, 8 features) in float32 from the other rank, in 3 training forwards
+    and the first-call check's own forward."""
+    for rank in range(2):
+        traffic = _extra(two, "cp2", "cp_llama", rank)["traffic"]
+        per_layer = 2 * 4 * 4 * 16 * 8 * 4  # keys and values, bytes from the one other rank
+        assert traffic["calls"] == 2 * 4 and traffic["bytes"] == per_layer * 2 * 4, traffic
+        assert traffic["attention_seconds"] > 0, traffic
+
+
 def test_cp2_dropout_drawn_per_rank(two: Path) -> None:
     """Every cp rank enters a block from the same random state: unless drawn per rank, dropout would zero the same
     elements of every rank's positions (masks correlated along the sequence)."""

@@ -141,7 +141,8 @@ def main() -> None:
             layout = strategy.parallel_state.context.layout  # the last sequence the blocks ran on
             (out / f"{stem}.json").write_text(json.dumps({"saved": activations.saved, "local": layout.local,
                                                           "length": layout.length, "padded": layout.padded,
-                                                          "dropout_masks": masks.masks}))
+                                                          "dropout_masks": masks.masks,
+                                                          "traffic": vars(strategy.parallel_state.context.traffic)}))
 
 
 if __name__ == "__main__":
