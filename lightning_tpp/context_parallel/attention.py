@@ -168,7 +168,7 @@ class ContextAttention(TorchFunctionMode):
         self.taken += 1
         start = time.perf_counter()
         device = query.device.type
-        if torch.is_autocast_enabled(device):  # what autocast does to an SDPA call, before the per-chunk calls
+        if device != "meta" and torch.is_autocast_enabled(device):  # what autocast does to an SDPA call, before the per-chunk calls
             dtype = torch.get_autocast_dtype(device)  # (torch's causal bias checks the dtypes before autocast would)
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         gathered = key.shape[-2] == n  # this rank's keys: the whole sequence's, gathered
