@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextvars
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -96,14 +96,14 @@ class ContextAttention(TorchFunctionMode):
     def __init__(self, group: TPGroup, layout: SeqLayout, traffic: Traffic) -> None:
         super().__init__()
         self.group, self.layout, self.traffic, self.taken = group, layout, traffic, 0
-        self._token: Any = None
+        self._tokens: list[Any] = []  # entered again inside a first-call check (outside_function_modes)
 
     def __enter__(self) -> "ContextAttention":
-        self._token = ACTIVE.set(self)
+        self._tokens.append(ACTIVE.set(self))
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        ACTIVE.reset(self._token)
+        ACTIVE.reset(self._tokens.pop())
         return super().__exit__(*exc)
 
     def eager(self, attend: Callable[..., Any], module: Any, query: Tensor, key: Tensor, value: Tensor,

@@ -27,7 +27,6 @@ its own mask from its input's length) fails with its name instead of training on
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
@@ -40,10 +39,10 @@ from lightning_tpp.context_parallel.attention import ContextAttention, Traffic
 from lightning_tpp.context_parallel.hf import route_eager
 from lightning_tpp.context_parallel.split import SeqLayout, gather_positions, local_positions
 from lightning_tpp.core.comm import TPGroup, all_gather_seq, all_reduce_flag
-from lightning_tpp.core.reference import _verifying, first_difference
+from lightning_tpp.core.reference import _verifying, first_difference, isolated
 from lightning_tpp.core.seeding import OwnStream
 from lightning_tpp.core.swap import swap_class
-from lightning_tpp.core.walk import VERIFYING
+from lightning_tpp.core.walk import VERIFYING, get_arg, map_first_tensor, replace_arg, stream_index
 
 
 class ContextParallelError(RuntimeError):
@@ -130,14 +129,6 @@ class BlockSlot:
     check_pending: bool = True
 
 
-def _stream_index(args: tuple, kwargs: dict) -> Optional[tuple[str, Any]]:
-    for i, a in enumerate(args):
-        if isinstance(a, Tensor):
-            return ("arg", i)
-    for k, v in kwargs.items():
-        if isinstance(v, Tensor):
-            return ("kw", k)
-    return None
 
 
 def _sequence_dim(t: Tensor, length: int, name: str) -> Optional[int]:
@@ -174,14 +165,8 @@ def _cut_inputs(shared: ContextState, args: tuple, kwargs: dict, where: tuple[st
     return args, kwargs
 
 
-def _replace(args: tuple, kwargs: dict, where: tuple[str, Any], value: Tensor) -> tuple[tuple, dict]:
-    if where[0] == "arg":
-        return args[:where[1]] + (value,) + args[where[1] + 1:], kwargs
-    return args, {**kwargs, where[1]: value}
 
 
-def _get(args: tuple, kwargs: dict, where: tuple[str, Any]) -> Tensor:
-    return args[where[1]] if where[0] == "arg" else kwargs[where[1]]
 
 
 def _first_tensor(out: Any) -> Optional[Tensor]:
@@ -189,15 +174,6 @@ def _first_tensor(out: Any) -> Optional[Tensor]:
     return next((t for t in leaves if isinstance(t, Tensor)), None)
 
 
-def _map_first_tensor(out: Any, fn: Any) -> Any:
-    if isinstance(out, Tensor):
-        return fn(out)
-    leaves, spec = tree_flatten(out)
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, Tensor):
-            leaves[i] = fn(leaf)
-            return tree_unflatten(leaves, spec)
-    return out
 
 
 @contextlib.contextmanager
@@ -212,38 +188,21 @@ def _evaluating(module: nn.Module) -> Iterator[None]:
             m.training = mode
 
 
-def _tensors_within(obj: Any, depth: int = 6) -> Iterator[Tensor]:
-    if isinstance(obj, Tensor):
-        yield obj
-    elif depth > 0:
-        items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else \
-            vars(obj).values() if hasattr(obj, "__dict__") else ()
-        for item in items:
-            yield from _tensors_within(item, depth - 1)
-
-
 def _private_state(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A call's arguments with a copy of each object that is not a tensor or a plain value (a key/value cache that
-    an attention appends to, emptied: what earlier blocks put there holds this rank's positions only, which the whole
-    sequence's reference must not read): the check's extra forwards leave the real call's state as it was."""
-
-    def own(a: Any) -> Any:
-        if a is None or isinstance(a, (Tensor, bool, int, float, str, tuple, list, dict, torch.dtype, torch.device)):
-            return a
-        try:  # its tensors shared (a cache's are results of this step's graph, which deepcopy refuses)
-            own = copy.deepcopy(a, memo={id(t): t for t in _tensors_within(a)})
-        except Exception:  # noqa: BLE001 - an object that cannot be copied is shared, as the model shares it
-            return a
-        if callable(getattr(own, "reset", None)):  # a cache: empty, as the block's own computation reads it
-            own.reset()
-        return own
-
-    return tuple(own(a) for a in args), {k: own(v) for k, v in kwargs.items()}
+    """A call's arguments for the check's extra forwards (:func:`~lightning_tpp.core.reference.isolated`: its
+    containers and stateful objects copied, its tensors shared), each cache among them emptied: what earlier blocks
+    put in a key/value cache holds this rank's positions only, which the whole sequence's reference must not read,
+    and the real call's cache is left as it was."""
+    args, kwargs = isolated(args, kwargs)
+    for a in (*args, *kwargs.values()):
+        if not isinstance(a, (Tensor, nn.Module)) and callable(getattr(a, "reset", None)):
+            a.reset()
+    return args, kwargs
 
 
 def _get_stream(args: tuple, kwargs: dict) -> Optional[Tensor]:
-    where = _stream_index(args, kwargs)
-    return _get(args, kwargs, where) if where is not None else None
+    where = stream_index(args, kwargs)
+    return get_arg(args, kwargs, where) if where is not None else None
 
 
 @contextlib.contextmanager
@@ -276,18 +235,18 @@ class _ContextBlock:
         shared = slot.shared
         if VERIFYING.get():  # a check's forward on the whole sequence (a tensor-parallel block checking itself)
             return super().forward(*args, **kwargs)  # type: ignore[misc]
-        where = _stream_index(args, kwargs)
+        where = stream_index(args, kwargs)
         if where is None:
             raise ContextParallelError(f"context parallelism: block {slot.name!r} ({type(self).__name__}) was called "
                                        f"without a tensor, so there is no sequence to cut; train it with cp=1")
-        stream = _get(args, kwargs, where)
+        stream = get_arg(args, kwargs, where)
         if stream.dim() < 2:
             raise ContextParallelError(f"context parallelism: block {slot.name!r} takes a {stream.dim()}-d input; "
                                        f"it cuts (batch, sequence, ...) along dim 1. Train it with cp=1")
         whole = (args, kwargs)
         if slot.first:
             layout = shared.begin(stream.shape[1])
-            args, kwargs = _replace(args, kwargs, where, local_positions(stream, 1, layout))
+            args, kwargs = replace_arg(args, kwargs, where, local_positions(stream, 1, layout))
         else:
             layout = shared.current(stream.shape[1])
         args, kwargs = _cut_inputs(shared, args, kwargs, where, layout)
@@ -296,7 +255,7 @@ class _ContextBlock:
             self._cp_check(whole, args, kwargs, where, layout)  # type: ignore[attr-defined]
         out, _ = self._cp_forward(args, kwargs, layout)
         if slot.last:
-            out = _map_first_tensor(out, lambda t: gather_positions(t, 1, layout, shared.group))
+            out = map_first_tensor(out, lambda t: gather_positions(t, 1, layout, shared.group))
         return out
 
     def _cp_forward(self, args: tuple, kwargs: dict, layout: SeqLayout) -> tuple[Any, int]:
@@ -313,14 +272,14 @@ class _ContextBlock:
         training (what it holds checks itself there); only the reference is a verifying forward."""
         slot = self._tpp_cp
         group = slot.shared.group
-        stream = _get(args, kwargs, where)
+        stream = get_arg(args, kwargs, where)
         problem, taken, raised = None, 0, False
         try:
             with torch.no_grad(), _evaluating(self):  # type: ignore[arg-type]
                 w_args, w_kwargs = _private_state(*whole)
                 args, kwargs = _private_state(args, kwargs)
                 if not slot.first:  # the whole sequence from every rank's part
-                    w_args, w_kwargs = _replace(w_args, w_kwargs, where, slot.shared.whole(stream, layout))
+                    w_args, w_kwargs = replace_arg(w_args, w_kwargs, where, slot.shared.whole(stream, layout))
                 with _verifying():
                     want = _first_tensor(super().forward(*w_args, **w_kwargs))  # type: ignore[misc]
                 got, taken = self._cp_forward(args, kwargs, layout)
@@ -360,15 +319,15 @@ class _ContextTwin:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         cp, first, last = self._tpp_cp_twin
-        where = _stream_index(args, kwargs)
+        where = stream_index(args, kwargs)
         if where is None:
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         if not first:
-            x = _get(args, kwargs, where)
-            args, kwargs = _replace(args, kwargs, where, torch.cat([x] * cp, dim=1))
+            x = get_arg(args, kwargs, where)
+            args, kwargs = replace_arg(args, kwargs, where, torch.cat([x] * cp, dim=1))
         out = super().forward(*args, **kwargs)  # type: ignore[misc]
         if not last:
-            out = _map_first_tensor(out, lambda t: t.narrow(1, 0, t.shape[1] // cp))
+            out = map_first_tensor(out, lambda t: t.narrow(1, 0, t.shape[1] // cp))
         return out
 
 

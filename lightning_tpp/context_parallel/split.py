@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_tpp.core.comm import TPGroup, _seq_reduce_scatter, all_gather_seq
+from lightning_tpp.core.comm import TPGroup, gather_summed
 
 
 @dataclass(frozen=True)
@@ -105,22 +105,9 @@ def local_positions(t: Tensor, dim: int, layout: SeqLayout) -> Tensor:
     return _pad(t, dim, layout.padded, pad_fill(t)).index_select(dim, layout.index(t.device))
 
 
-class _GatherPositions(torch.autograd.Function):
-    """All-gather over cp; backward: reduce-scatter (each rank's gradient of every position, summed)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: TPGroup, dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
-        return all_gather_seq(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _seq_reduce_scatter(grad.contiguous(), ctx.group, ctx.dim), None, None
-
-
 def gather_positions(x: Tensor, dim: int, layout: SeqLayout, group: TPGroup, *, trim: bool = True) -> Tensor:
     """The whole sequence from every rank's part of ``x`` along ``dim``, in natural order (``trim``: without the
     padding). Backward sums every rank's gradient (see the module docstring)."""
     dim = dim % x.dim()
-    whole = _GatherPositions.apply(x, group, dim).index_select(dim, layout.natural(x.device))
+    whole = gather_summed(x, group, dim).index_select(dim, layout.natural(x.device))
     return whole.narrow(dim, 0, layout.length) if trim and layout.padded != layout.length else whole

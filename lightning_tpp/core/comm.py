@@ -193,6 +193,24 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return all_gather_seq(grad, ctx.group, ctx.dim), None, None
 
 
+class _GatherSum(torch.autograd.Function):
+    """All-gather; backward reduce-scatters (every rank's gradient of every part, summed: what used the gathered
+    tensor ran on this rank's part of the work only, e.g. its queries against every key)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: TPGroup, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return all_gather_seq(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _seq_reduce_scatter(grad.contiguous(), ctx.group, ctx.dim), None, None
+
+
+def gather_summed(x: Tensor, group: TPGroup, dim: int) -> Tensor:
+    return _GatherSum.apply(x, group, dim)
+
+
 class _SeqAlias(torch.autograd.Function):
     """The gathered stream as column-parallel layers read it: no communication forward (``whole`` is the gathered
     tensor); backward reduce-scatters their partial input gradients straight to ``shard``'s gradient."""

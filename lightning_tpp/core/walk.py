@@ -1,14 +1,16 @@
-"""Walking a call's arguments for the tensors inside them, tracing which tagged tensors a value was computed from,
-and the flag that marks a tensor-parallel block's numerical check (its extra forwards are not part of the model's
-run)."""
+"""Walking a call's arguments for the tensors inside them (and the residual stream of a block's call: its first tensor
+argument), tracing which tagged tensors a value was computed from, and the flag that marks a tensor-parallel block's
+numerical check (its extra forwards are not part of the model's run)."""
 
 from __future__ import annotations
 
 import contextvars
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+
+from lightning_tpp._compat import tree_flatten, tree_unflatten
 
 
 def tensors_in(obj: Any, seen: set[int], depth: int = 0) -> Iterator[Tensor]:
@@ -26,6 +28,42 @@ def tensors_in(obj: Any, seen: set[int], depth: int = 0) -> Iterator[Tensor]:
     elif hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)):
         for v in vars(obj).values():
             yield from tensors_in(v, seen, depth + 1)
+
+
+Where = tuple[str, Any]  # ("arg", index) or ("kw", name)
+
+
+def stream_index(args: tuple, kwargs: dict) -> Optional[Where]:
+    """Where the residual stream is in a block's call: its first tensor argument (positional, else keyword)."""
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor):
+            return ("arg", i)
+    for k, v in kwargs.items():
+        if isinstance(v, Tensor):
+            return ("kw", k)
+    return None
+
+
+def replace_arg(args: tuple, kwargs: dict, where: Where, value: Any) -> tuple[tuple, dict]:
+    if where[0] == "arg":
+        return args[:where[1]] + (value,) + args[where[1] + 1:], kwargs
+    return args, {**kwargs, where[1]: value}
+
+
+def get_arg(args: tuple, kwargs: dict, where: Where) -> Any:
+    return args[where[1]] if where[0] == "arg" else kwargs[where[1]]
+
+
+def map_first_tensor(out: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """``fn`` on a block output's hidden state: the output itself, or the first tensor of a tuple/list/dict."""
+    if isinstance(out, Tensor):
+        return fn(out)
+    leaves, spec = tree_flatten(out)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor):
+            leaves[i] = fn(leaf)
+            return tree_unflatten(leaves, spec)
+    return out
 
 
 class Taint(TorchFunctionMode):

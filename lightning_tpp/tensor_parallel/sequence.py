@@ -41,7 +41,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_tpp._compat import hf_output_collector, tree_flatten, tree_unflatten
+from lightning_tpp._compat import hf_output_collector
 from lightning_tpp.core.comm import TPGroup, copy_to_tp, gather_seq, scatter_seq
 from lightning_tpp.core.dp_shard import local
 from lightning_tpp.core.grads import all_reduce_coalesced
@@ -55,7 +55,7 @@ from lightning_tpp.core.reference import (
     whole_or_part,
 )
 from lightning_tpp.core.swap import swap_class
-from lightning_tpp.core.walk import VERIFYING
+from lightning_tpp.core.walk import VERIFYING, get_arg, map_first_tensor, replace_arg, stream_index
 from lightning_tpp.tensor_parallel.layers import _RowParallel
 from lightning_tpp.tensor_parallel.rng import following
 from lightning_tpp.tensor_parallel.sequence_region import sequence_region
@@ -84,15 +84,6 @@ class ElementState:
     warned: bool = False
 
 
-def _stream_index(args: tuple, kwargs: dict) -> Optional[tuple[str, Any]]:
-    """Where the residual stream is in a block's call: its first tensor argument (positional, else keyword)."""
-    for i, a in enumerate(args):
-        if isinstance(a, Tensor):
-            return ("arg", i)
-    for k, v in kwargs.items():
-        if isinstance(v, Tensor):
-            return ("kw", k)
-    return None
 
 
 def _side_inputs(args: tuple, kwargs: dict, where: Optional[tuple[str, Any]], fn: Any) -> tuple[tuple, dict]:
@@ -107,26 +98,10 @@ def _side_inputs(args: tuple, kwargs: dict, where: Optional[tuple[str, Any]], fn
             {k: apply(("kw", k), v) for k, v in kwargs.items()})
 
 
-def _replace(args: tuple, kwargs: dict, where: tuple[str, Any], value: Tensor) -> tuple[tuple, dict]:
-    if where[0] == "arg":
-        return args[:where[1]] + (value,) + args[where[1] + 1:], kwargs
-    return args, {**kwargs, where[1]: value}
 
 
-def _get(args: tuple, kwargs: dict, where: tuple[str, Any]) -> Tensor:
-    return args[where[1]] if where[0] == "arg" else kwargs[where[1]]
 
 
-def _map_first_tensor(out: Any, fn: Any) -> Any:
-    """``fn`` on the block output's hidden state: the output itself, or the first tensor of a tuple/list/dict."""
-    if isinstance(out, Tensor):
-        return fn(out)
-    leaves, spec = tree_flatten(out)
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, Tensor):
-            leaves[i] = fn(leaf)
-            return tree_unflatten(leaves, spec)
-    return out
 
 
 class _SequenceElement:
@@ -136,7 +111,7 @@ class _SequenceElement:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         st = self._tpp_sp
-        where = _stream_index(args, kwargs)
+        where = stream_index(args, kwargs)
         if VERIFYING.get():  # a tensor-parallel block checking itself on the whole sequence
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         if where is None and not torch.is_grad_enabled():
@@ -149,7 +124,7 @@ class _SequenceElement:
         if not st.flat:  # the gradient of a side input (a conditioning vector) is this rank's shard's part
             args, kwargs = _side_inputs(args, kwargs, where, lambda t: copy_to_tp(t, st.group))
         if st.first:
-            args, kwargs = _replace(args, kwargs, where, scatter_seq(_get(args, kwargs, where), st.group))
+            args, kwargs = replace_arg(args, kwargs, where, scatter_seq(get_arg(args, kwargs, where), st.group))
         if st.verify_pending:
             st.verify_pending = False
             _verify(self, args, kwargs, where)  # type: ignore[arg-type]
@@ -160,11 +135,11 @@ class _SequenceElement:
 
     def _sp_forward(self, args: tuple, kwargs: dict, where: tuple[str, Any]) -> Any:
         st = self._tpp_sp
-        stream = _get(args, kwargs, where)
+        stream = get_arg(args, kwargs, where)
         if st.flat:  # its projections are its own: the whole block runs on the whole sequence
-            args, kwargs = _replace(args, kwargs, where, gather_seq(stream, st.group))
+            args, kwargs = replace_arg(args, kwargs, where, gather_seq(stream, st.group))
             out = super().forward(*args, **kwargs)  # type: ignore[misc]
-            return out if st.last else _map_first_tensor(out, lambda t: scatter_seq(t, st.group))
+            return out if st.last else map_first_tensor(out, lambda t: scatter_seq(t, st.group))
         with sequence_region(st.group, stream.shape, regather=not st.recomputed), _records_gathered(stream, st.group):
             if not (self.training and st.draws is not False):  # type: ignore[attr-defined]
                 out = super().forward(*args, **kwargs)  # type: ignore[misc]
@@ -173,7 +148,7 @@ class _SequenceElement:
                     draws.mark(stream)
                     out = super().forward(*args, **kwargs)  # type: ignore[misc]
                 st.draws = st.draws or draws.dropped
-        return _map_first_tensor(out, lambda t: gather_seq(t, st.group)) if st.last else out
+        return map_first_tensor(out, lambda t: gather_seq(t, st.group)) if st.last else out
 
 
 @contextlib.contextmanager
@@ -208,7 +183,7 @@ def _mismatch(element: nn.Module, st: ElementState, claim: str, cause: str) -> M
 
 def _whole(where: tuple[str, Any], group: TPGroup) -> Any:
     """A call on this rank's shard of the stream as the original block takes it: on the whole sequence."""
-    return lambda a, k: _replace(a, k, where, gather_seq(_get(a, k, where), group))
+    return lambda a, k: replace_arg(a, k, where, gather_seq(get_arg(a, k, where), group))
 
 
 def _called(ref: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -247,8 +222,8 @@ def _verify_gradients(element: nn.Module, args: tuple, kwargs: dict, where: tupl
             return None
         return first_difference(g, w, group, f"gradient of {name!r}")
 
-    stream = _get(args, kwargs, where).detach()  # a leaf of its own, its gradient compared with the original's
-    args, kwargs = _replace(args, kwargs, where, stream.requires_grad_(stream.is_floating_point()))
+    stream = get_arg(args, kwargs, where).detach()  # a leaf of its own, its gradient compared with the original's
+    args, kwargs = replace_arg(args, kwargs, where, stream.requires_grad_(stream.is_floating_point()))
     check_gradients(element, args, kwargs, group=group, shards=st.shards, reference=_called,
                     parallel=lambda a, k: element._sp_forward(a, k, where),  # type: ignore[operator]
                     whole=_whole(where, group), replicated=replicated, input_parts=lambda key: key != where,
@@ -385,13 +360,13 @@ class _SequenceTwin:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         tp, first, last = self._tpp_sp_twin
-        where = _stream_index(args, kwargs)
+        where = stream_index(args, kwargs)
         if where is None:
             return super().forward(*args, **kwargs)  # type: ignore[misc]
         if not first:
-            x = _get(args, kwargs, where)
-            args, kwargs = _replace(args, kwargs, where, torch.cat([x] * tp, dim=1))
+            x = get_arg(args, kwargs, where)
+            args, kwargs = replace_arg(args, kwargs, where, torch.cat([x] * tp, dim=1))
         out = super().forward(*args, **kwargs)  # type: ignore[misc]
         if not last:
-            out = _map_first_tensor(out, lambda t: t.narrow(1, 0, t.shape[1] // tp))
+            out = map_first_tensor(out, lambda t: t.narrow(1, 0, t.shape[1] // tp))
         return out
