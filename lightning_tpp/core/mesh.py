@@ -47,10 +47,13 @@ class MeshDims:
         return self.dp * self.pp * self.cp * self.tp
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Position of ``rank`` on each axis (tp varies fastest, then cp)."""
+        """Position of ``rank`` on each axis (tp varies fastest, then cp); ``cp`` only in a mesh with that axis (a
+        layout without cp names its ranks as before: logs and reports read the same)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the mesh {self} of {self.world_size} ranks")
         inner = self.cp * self.tp
+        if self.cp == 1:
+            return {"dp": rank // (self.pp * inner), "pp": (rank // inner) % self.pp, "tp": rank % self.tp}
         return {"dp": rank // (self.pp * inner), "pp": (rank // inner) % self.pp, "cp": (rank // self.tp) % self.cp,
                 "tp": rank % self.tp}
 

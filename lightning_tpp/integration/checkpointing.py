@@ -63,7 +63,7 @@ class CheckpointMixin:
     def _gather_stages(self, obj: Any) -> Optional[list[Any]]:
         """Every pipeline stage's ``obj`` on the first stage's rank of this pp group (None elsewhere)."""
         coords = self.dims.coords(self.global_rank)
-        dst = self.dims.rank_of(dp=coords["dp"], pp=0, tp=coords["tp"], cp=coords["cp"])
+        dst = self.dims.rank_of(dp=coords["dp"], pp=0, tp=coords["tp"], cp=coords.get("cp", 0))
         out: Optional[list[Any]] = [None] * self.dims.pp if self.global_rank == dst else None
         dist.gather_object(obj, out, dst=dst, group=self._groups.pp)
         return out

@@ -123,7 +123,7 @@ class MeshTopology:
             ep = expert_group(mesh, self.config.ep, rank=self.global_rank, dp=self._dims.dp)
         cp = replicas = None
         if self._dims.cp > 1:
-            cp = TPGroup(mesh.get_group("cp"), coords["cp"], self._dims.cp)
+            cp = TPGroup(mesh.get_group("cp"), coords.get("cp", 0), self._dims.cp)
             replicas = replica_mesh(mesh, self._dims).get_group()
         self._groups = ProcessGroups(mesh, TPGroup(mesh.get_group("tp"), coords["tp"], self._dims.tp),
                                      mesh.get_group("pp"), mesh.get_group("dp"), ep, cp, replicas)

@@ -221,7 +221,7 @@ def finish_stages(module: nn.Module, prepared: PreparedStages, *, dims: MeshDims
         chunk_params.append(list(seen.values()))
     tied = _tied_groups(module, prepared, dims, coords)
     stage_rank = lambda pp_rank: dims.rank_of(dp=coords["dp"], pp=pp_rank, tp=coords["tp"],  # noqa: E731
-                                              cp=coords["cp"])
+                                              cp=coords.get("cp", 0))
     return PipelineEngine(module, partition, runtime, rank=coords["pp"], pp=dims.pp, virtual=virtual,
                           schedule=schedule, microbatches=microbatches, group=pp_group, stage_rank=stage_rank,
                           chunk_params=chunk_params, tied=tied, ancestor_params=prepared.ancestor_params)
@@ -237,7 +237,7 @@ def _tied_groups(module: nn.Module, prepared: PreparedStages, dims: MeshDims, co
                 for tp in range(dims.tp):
                     ranks = sorted({dims.rank_of(dp=dp, pp=s % dims.pp, tp=tp, cp=cp) for s in stages})
                     group = reused(("tied", tuple(ranks)), lambda: dist.new_group(ranks)) if len(ranks) > 1 else None
-                    if (dp, cp, tp) == (coords["dp"], coords["cp"], coords["tp"]):
+                    if (dp, cp, tp) == (coords["dp"], coords.get("cp", 0), coords["tp"]):
                         groups[stages] = group
     return [(p, group) for stages, group in groups.items() if group is not None
             for p in prepared.tied_params(module, stages=stages)]

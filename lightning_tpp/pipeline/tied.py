@@ -56,5 +56,5 @@ def send_tied(module: nn.Module, stages: PreparedStages, engine: PipelineEngine,
         owner_module = weight.names[0].rpartition(".")[0]
         unit = next((u for u in units if owner_module == u or owner_module.startswith(u + ".")), None)
         stage = owners[unit] if unit is not None else min(weight.stages)
-        src = dims.rank_of(dp=coords["dp"], pp=stage % dims.pp, tp=coords["tp"], cp=coords["cp"])
+        src = dims.rank_of(dp=coords["dp"], pp=stage % dims.pp, tp=coords["tp"], cp=coords.get("cp", 0))
         dist.broadcast(here.data, src=src, group=group)

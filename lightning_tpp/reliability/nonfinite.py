@@ -27,7 +27,7 @@ def finite_everywhere(loss: Tensor, *, dims: MeshDims, rank: int, dp_group: Opti
     incident record."""
     bad = torch.tensor([0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0], device=loss.device)
     coords = dims.coords(rank)
-    replicas = [dims.rank_of(dp=d, pp=coords["pp"], tp=coords["tp"], cp=coords["cp"]) for d in range(dims.dp)]
+    replicas = [dims.rank_of(dp=d, pp=coords["pp"], tp=coords["tp"], cp=coords.get("cp", 0)) for d in range(dims.dp)]
     flags = [bad]
     if dims.dp > 1:
         flags = [torch.zeros_like(bad) for _ in replicas]

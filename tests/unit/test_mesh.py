@@ -79,11 +79,11 @@ def test_world_size() -> None:
 
 def test_coords_tp_innermost() -> None:
     dims = MeshDims(dp=2, pp=2, tp=2)
-    assert dims.coords(5) == {"dp": 1, "pp": 0, "cp": 0, "tp": 1}
-    assert dims.coords(0) == {"dp": 0, "pp": 0, "cp": 0, "tp": 0}
-    assert dims.coords(1) == {"dp": 0, "pp": 0, "cp": 0, "tp": 1}
-    assert dims.coords(2) == {"dp": 0, "pp": 1, "cp": 0, "tp": 0}
-    assert dims.coords(7) == {"dp": 1, "pp": 1, "cp": 0, "tp": 1}
+    assert dims.coords(5) == {"dp": 1, "pp": 0, "tp": 1}  # no cp axis: named as before cp existed
+    assert dims.coords(0) == {"dp": 0, "pp": 0, "tp": 0}
+    assert dims.coords(1) == {"dp": 0, "pp": 0, "tp": 1}
+    assert dims.coords(2) == {"dp": 0, "pp": 1, "tp": 0}
+    assert dims.coords(7) == {"dp": 1, "pp": 1, "tp": 1}
 
 
 def test_coords_cp_next_to_tp() -> None:
