@@ -92,15 +92,16 @@ def test_cp2_parity(two: Path) -> None:
 
 def test_cp2_attention_not_sdpa(two: Path) -> None:
     """Hugging Face eager attention (routed through transformers' attention registry to its own eager function on
-    the whole sequence's keys), nn.MultiheadAttention (its inputs gathered for its keys and values, the causal hint
-    made its mask), cross-attention to an encoder's output, BART's two stacks."""
+    the whole sequence's keys); nn.Transformer: nn.MultiheadAttention (its inputs gathered for its keys and values,
+    the causal hint made its mask) in an encoder stack, a decoder stack and cross-attention to the encoder's output."""
     check_parity(two, "cp2_families")
 
 
 @pytest.mark.slow
 def test_cp2_more_families(two_slow: Path) -> None:
-    """Gemma (eager, tied and scaled embeddings), GPT-NeoX (partial rotary, parallel residual), Phi-3 (fused qkv),
-    Qwen3 (per-head q/k norms), GPT-2 (eager, learned positions), litgpt."""
+    """nn.TransformerEncoder with a causal mask and is_causal, a conditioned block with nn.MultiheadAttention and a
+    mask, BART's two stacks, Gemma (eager, tied and scaled embeddings), GPT-NeoX (partial rotary, parallel residual),
+    Phi-3 (fused qkv), Qwen3 (per-head q/k norms), GPT-2 (eager, learned positions), litgpt."""
     check_parity(two_slow, "cp2_families_slow")
 
 

@@ -40,10 +40,9 @@ CONFIGS = {
     # attention other than a call of SDPA: Hugging Face eager (its own eager_attention_forward), nn.MultiheadAttention
     # (nn.TransformerEncoder with a causal mask; nn.Transformer's decoder with cross-attention; a conditioned block
     # with an explicit mask), BART's encoder and decoder stacks
-    "cp2_families": Config(("cp_hf_llama_eager", "encoder", "seq2seq", "conditioned", "hf_bart"), dict(cp=2),
-                           dict(steps=2, seq=16)),
-    "cp2_families_slow": Config(("hf_gemma", "hf_neox", "hf_phi3", "hf_qwen3", "hf_gpt2", "litgpt"), dict(cp=2),
-                                dict(steps=2, seq=16)),
+    "cp2_families": Config(("cp_hf_llama_eager", "seq2seq"), dict(cp=2), dict(steps=2, seq=16)),
+    "cp2_families_slow": Config(("encoder", "conditioned", "hf_bart", "hf_gemma", "hf_neox", "hf_phi3", "hf_qwen3",
+                                 "hf_gpt2", "litgpt"), dict(cp=2), dict(steps=2, seq=16)),
     "cp2_padded": Config(("cp_llama", "cp_hf_bert"), dict(cp=2), dict(steps=3, seq=30)),  # 30 = 4 * 7 + 2
     "cp2_recompute": Config(("cp_llama", "cp_hf_mistral"), dict(cp=2, activation_checkpointing=True), RUN),
     "cp2_bf16": Config(("cp_hf_llama",), dict(cp=2), dict(RUN, precision="bf16-mixed")),

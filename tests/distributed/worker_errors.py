@@ -156,9 +156,8 @@ SCENARIOS = {  # name -> (module, strategy kwargs, batch size)
     "pp_trace": (Sampling, dict(pp=2), 4),
     # the tied embedding (stage 0) vocab-parallel, the head sharing its weight (stage 1) replicated by the user
     "pp_tied_cut": (lambda: LitLM("nanogpt"), dict(tp=2, pp=2, tp_plan={"model.lm_head": "replicate"}), 4),
-    # context parallelism: attention written as matmul -> softmax -> matmul (nanoGPT's); a Mamba-style scan
+    # context parallelism: attention written as matmul -> softmax -> matmul (nanoGPT's), found at the first call
     "cp_eager": (lambda: LitLM("cp_nanogpt"), dict(cp=2), 4),
-    "cp_scan": (lambda: LitLM("cp_mamba"), dict(cp=2), 4),
     "pp_fp16": (lambda: LitLM("nanogpt"), dict(pp=2, precision_plugin=MixedPrecision(
         "16-mixed", "cpu", torch.amp.GradScaler("cpu"))), 4),
 }

@@ -78,3 +78,25 @@ def test_planner_runs_the_blocks_on_this_ranks_positions() -> None:
     assert two.dims.cp == 2 and "cp=2" in str(two)
     assert two.largest.activations <= 0.6 * one.largest.activations, (two.largest.activations,
                                                                         one.largest.activations)
+
+
+def test_a_scan_is_refused_at_setup_by_name() -> None:
+    """A Mamba-style block (a depthwise convolution over time and a scan) is refused before anything is cut, on the
+    whole model (every pipeline rank alike), naming each layer and what it does."""
+    from lightning_tpp.config import planning_config
+    from lightning_tpp.context_parallel import ContextParallelError
+    from lightning_tpp.core.mesh import MeshDims
+    from lightning_tpp.steps import meta_groups, run
+    from models_cp import MambaStyleLM
+
+    with torch.device("meta"):
+        model = MambaStyleLM()
+    config = planning_config(1, 1, cp=2)
+    with pytest.raises(ContextParallelError) as err:
+        run(model, config, meta_groups(config), dims=MeshDims(1, 1, 1, cp=2), until="stages")
+    message = str(err.value)
+    assert "cp=2 runs each block on parts of the sequence" in message
+    for i in range(2):
+        assert (f"layers.{i}.conv1d (Conv1d): a convolution over the sequence and a state-space scan (a Mamba-style "
+                f"mixer)") in message
+    assert message.endswith("Use cp=1 for this model")
