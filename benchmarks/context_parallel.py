@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from memory import _rss  # resident bytes, read as the memory benchmark reads them
 from pipeline import _launch as launch  # the benchmarks' one way to start ranks (this folder is on sys.path)
 
 SHAPE = dict(vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
@@ -103,11 +104,6 @@ class LlamaLM(L.LightningModule):
 
 # ----------------------------------------------------------------------------------------------------------------
 # measuring inside a rank
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _storage(t: Tensor) -> Any:

@@ -96,6 +96,7 @@ class Setup:
     state: Optional[ParallelState] = None
     meta: Optional[Materialization] = None  # a model built on the meta device: how its tensors are made
     split: list[nn.Parameter] = field(default_factory=list)  # experts split over ep: outside FSDP2, reduced apart
+    context_runs: list[list[str]] = field(default_factory=list)  # cp > 1: the runs of blocks, read on the whole model
 
     @property
     def pp_rank(self) -> int:
@@ -337,10 +338,9 @@ def _context_parallel(s: Setup) -> None:
     if s.config.cp == 1:
         return
     assert s.groups.cp is not None
-    runs = _context_runs(s)
     stages = s.state.stages
     s.state.context = apply_context_parallel(
-        s.module, runs, s.groups.cp, pipelined=stages is not None,
+        s.module, s.context_runs, s.groups.cp, pipelined=stages is not None,
         local_names=set(s.state.blocks) if stages is not None else None,
         twins=stages.twins if stages is not None else None, verify=s.config.verify and s.live,
         sp=s.groups.tp if s.state.sequence else None, draws=s.groups.tp.stream)
@@ -366,8 +366,7 @@ def _context_runs(s: Setup) -> list[list[str]]:
     except ValueError as err:
         raise ValueError(str(err).replace("sequence_parallel=True", f"cp={cp}").replace(
             "sequence_parallel=False", "cp=1")) from err
-    mixing = mixing_layers(s.module, [n for run in runs for n in run]) if s.state is None or \
-        s.state.stages is None else []
+    mixing = mixing_layers(s.module, [n for run in runs for n in run])
     if mixing:
         raise ContextParallelError(
             f"cp={cp} runs each block on parts of the sequence, and these layers mix positions outside attention, "
@@ -377,9 +376,9 @@ def _context_runs(s: Setup) -> list[list[str]]:
 
 
 def _refuse_context(s: Setup) -> None:
-    """Before the stages drop modules: what cp cannot run, refused on every rank."""
+    """Before the stages drop modules: the runs cp cuts, or what it cannot run refused on every rank."""
     if s.config.cp > 1:
-        _context_runs(s)
+        s.context_runs = _context_runs(s)
 
 
 def _recompute(s: Setup) -> None:

@@ -42,7 +42,7 @@ from lightning_tpp.core.comm import TPGroup, all_gather_seq, all_reduce_flag
 from lightning_tpp.core.reference import _verifying, first_difference, isolated
 from lightning_tpp.core.seeding import OwnStream
 from lightning_tpp.core.swap import swap_class
-from lightning_tpp.core.walk import VERIFYING, get_arg, map_first_tensor, replace_arg, stream_index
+from lightning_tpp.core.walk import VERIFYING, ancestors, get_arg, map_first_tensor, replace_arg, stream_index
 
 
 class ContextParallelError(RuntimeError):
@@ -129,8 +129,6 @@ class BlockSlot:
     check_pending: bool = True
 
 
-
-
 def _sequence_dim(t: Tensor, length: int, name: str) -> Optional[int]:
     """Where a block's other input carries the sequence of ``length`` (see the module docstring), or None."""
     if t.dim() == 0:
@@ -165,15 +163,9 @@ def _cut_inputs(shared: ContextState, args: tuple, kwargs: dict, where: tuple[st
     return args, kwargs
 
 
-
-
-
-
 def _first_tensor(out: Any) -> Optional[Tensor]:
     leaves, _ = tree_flatten(out)
     return next((t for t in leaves if isinstance(t, Tensor)), None)
-
-
 
 
 @contextlib.contextmanager
@@ -356,11 +348,6 @@ def mixing_layers(module: nn.Module, blocks: Sequence[str]) -> list[str]:
     return found
 
 
-def _ancestors(name: str) -> list[str]:
-    parts = name.split(".")
-    return [".".join(parts[:i]) for i in range(len(parts))]
-
-
 def apply_context_parallel(module: nn.Module, runs: list[list[str]], group: TPGroup, *, pipelined: bool,
                            local_names: Optional[set[str]] = None, twins: Optional[dict[str, nn.Module]] = None,
                            verify: bool = True, sp: Optional[TPGroup] = None, draws: Optional[OwnStream] = None
@@ -372,17 +359,17 @@ def apply_context_parallel(module: nn.Module, runs: list[list[str]], group: TPGr
     shared = ContextState(group, pipelined, sp, draws)
     modules = dict(module.named_modules())
     here = [n for names in runs for n in names if n in modules and (local_names is None or any(
-        a in local_names for a in _ancestors(n) + [n]))]
+        a in local_names for a in ancestors(n) + [n]))]
     shared.eager = route_eager(module, here)  # Hugging Face eager attention: its own function on the whole keys
     for names in runs:
         for i, name in enumerate(names):
             first, last = i == 0, i == len(names) - 1
-            twin_of = next((n for n in reversed(_ancestors(name) + [name]) if n in (twins or {})), None)
+            twin_of = next((n for n in reversed(ancestors(name) + [name]) if n in (twins or {})), None)
             if twin_of is not None:
                 twin = twins[twin_of].get_submodule(name[len(twin_of) + 1:]) if name != twin_of else twins[twin_of]
                 twin._tpp_cp_twin = (group.size, first, last)
                 swap_class(twin, _ContextTwin)
-            owner = next((n for n in reversed(_ancestors(name) + [name]) if n in (local_names or ())), None)
+            owner = next((n for n in reversed(ancestors(name) + [name]) if n in (local_names or ())), None)
             if local_names is not None and owner is None:
                 continue
             block = modules[name]

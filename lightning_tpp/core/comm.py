@@ -170,16 +170,20 @@ class _ScatterSeq(torch.autograd.Function):
 
 class _GatherSeq(torch.autograd.Function):
     """All-gather; backward keeps this rank's part (what used the gathered tensor ran replicated, or reduced its
-    partial gradients itself: every rank holds the whole gradient)."""
+    partial gradients itself: every rank holds the whole gradient), or with ``summed`` reduce-scatters (every rank's
+    gradient of every part, summed: what used it ran on this rank's part of the work only, e.g. its queries against
+    every key)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: TPGroup, dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
+    def forward(ctx: Any, x: Tensor, group: TPGroup, dim: int, summed: bool = False) -> Tensor:
+        ctx.group, ctx.dim, ctx.summed = group, dim, summed
         return all_gather_seq(x, group, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _seq_part(grad, ctx.group, ctx.dim), None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        if ctx.summed:
+            return _seq_reduce_scatter(grad.contiguous(), ctx.group, ctx.dim), None, None, None
+        return _seq_part(grad, ctx.group, ctx.dim), None, None, None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
@@ -193,22 +197,8 @@ class _ReduceScatterSeq(torch.autograd.Function):
         return all_gather_seq(grad, ctx.group, ctx.dim), None, None
 
 
-class _GatherSum(torch.autograd.Function):
-    """All-gather; backward reduce-scatters (every rank's gradient of every part, summed: what used the gathered
-    tensor ran on this rank's part of the work only, e.g. its queries against every key)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: TPGroup, dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
-        return all_gather_seq(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _seq_reduce_scatter(grad.contiguous(), ctx.group, ctx.dim), None, None
-
-
 def gather_summed(x: Tensor, group: TPGroup, dim: int) -> Tensor:
-    return _GatherSum.apply(x, group, dim)
+    return _GatherSeq.apply(x, group, dim, True)
 
 
 class _SeqAlias(torch.autograd.Function):

@@ -33,6 +33,12 @@ def tensors_in(obj: Any, seen: set[int], depth: int = 0) -> Iterator[Tensor]:
 Where = tuple[str, Any]  # ("arg", index) or ("kw", name)
 
 
+def ancestors(name: str) -> list[str]:
+    """The module names above ``name`` (``"a.b.c"`` -> ``["", "a", "a.b"]``)."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts))]
+
+
 def stream_index(args: tuple, kwargs: dict) -> Optional[Where]:
     """Where the residual stream is in a block's call: its first tensor argument (positional, else keyword)."""
     for i, a in enumerate(args):

@@ -55,7 +55,7 @@ from lightning_tpp.core.reference import (
     whole_or_part,
 )
 from lightning_tpp.core.swap import swap_class
-from lightning_tpp.core.walk import VERIFYING, get_arg, map_first_tensor, replace_arg, stream_index
+from lightning_tpp.core.walk import VERIFYING, ancestors, get_arg, map_first_tensor, replace_arg, stream_index
 from lightning_tpp.tensor_parallel.layers import _RowParallel
 from lightning_tpp.tensor_parallel.rng import following
 from lightning_tpp.tensor_parallel.sequence_region import sequence_region
@@ -84,8 +84,6 @@ class ElementState:
     warned: bool = False
 
 
-
-
 def _side_inputs(args: tuple, kwargs: dict, where: Optional[tuple[str, Any]], fn: Any) -> tuple[tuple, dict]:
     """``fn`` on the tensors of a call that need a gradient, except the stream at ``where``."""
 
@@ -96,12 +94,6 @@ def _side_inputs(args: tuple, kwargs: dict, where: Optional[tuple[str, Any]], fn
 
     return (tuple(apply(("arg", i), a) for i, a in enumerate(args)),
             {k: apply(("kw", k), v) for k, v in kwargs.items()})
-
-
-
-
-
-
 
 
 class _SequenceElement:
@@ -274,8 +266,8 @@ def apply_sequence_parallel(module: nn.Module, containers: list[list[str]], grou
         for i, name in enumerate(names):
             first, last = i == 0, i == len(names) - 1
             # a block of the partition, or an entry of one (a list of layers the model's loop unpacks)
-            owner = next((n for n in reversed(_ancestors(name) + [name]) if n in (local_names or ())), None)
-            twin_of = next((n for n in reversed(_ancestors(name) + [name]) if n in (twins or {})), None)
+            owner = next((n for n in reversed(ancestors(name) + [name]) if n in (local_names or ())), None)
+            twin_of = next((n for n in reversed(ancestors(name) + [name]) if n in (twins or {})), None)
             if twin_of is not None:  # another stage's block, or this rank's run for another chunk
                 twin = twins[twin_of].get_submodule(name[len(twin_of) + 1:]) if name != twin_of else twins[twin_of]
                 twin._tpp_sp_twin = (group.size, first, last)
@@ -283,7 +275,7 @@ def apply_sequence_parallel(module: nn.Module, containers: list[list[str]], grou
             if local_names is not None and owner is None:
                 continue
             element = modules[name]
-            outer = next((n for n in _ancestors(name) if getattr(modules.get(n), "_tpp_block", None) is not None), None)
+            outer = next((n for n in ancestors(name) if getattr(modules.get(n), "_tpp_block", None) is not None), None)
             if outer is not None:
                 raise ValueError(f"sequence_parallel=True: the blocks of {names[0].rpartition('.')[0] or 'the model'} "
                                  f"are layers of the tensor-parallel block {outer!r}, so there is no stream between "
@@ -305,11 +297,6 @@ def _runs_whole(element: nn.Module) -> bool:
         return True
     inside = {id(m) for b in element.modules() if getattr(b, "_tpp_block", None) is not None for m in b.modules()}
     return any(getattr(m, "_tpp_layer", None) is not None and id(m) not in inside for m in element.modules())
-
-
-def _ancestors(name: str) -> list[str]:
-    parts = name.split(".")
-    return [".".join(parts[:i]) for i in range(len(parts))]
 
 
 def _partial_params(element: nn.Module, shards: ShardIndex) -> list[tuple[nn.Module, str]]:
