@@ -15,7 +15,7 @@ from what setup does. A new capability is a new step::
     coverage          what tensor parallelism left whole, said
     loss_parallel     loss_parallel=False: cross-entropy on gathered logits
     sequence_parallel the blocks run on sequence shards
-    context_parallel  the blocks run on this rank's positions of each sequence (cp > 1)
+    context_parallel  the blocks run on this rank's positions of each sequence, the LM head on its columns (cp > 1)
     recompute         activation checkpointing of this rank's blocks
     engine            batch statistics deferred; dispatchers, tied weights, the engine            (live)
     materialize       a meta-built model: this rank's shards allocated and initialised            (live)
@@ -41,7 +41,13 @@ from torch import nn
 
 from lightning_tpp.checkpoint.weights import covered_names, load_weights
 from lightning_tpp.config import TensorPipeConfig
-from lightning_tpp.context_parallel import ContextParallelError, apply_context_parallel, mixing_layers
+from lightning_tpp.context_parallel import (
+    ContextParallelError,
+    apply_context_parallel,
+    cut_heads,
+    mixing_layers,
+    vocab_heads,
+)
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.grads import broadcast_module
 from lightning_tpp.core.materialize import has_meta, materialize
@@ -97,6 +103,7 @@ class Setup:
     meta: Optional[Materialization] = None  # a model built on the meta device: how its tensors are made
     split: list[nn.Parameter] = field(default_factory=list)  # experts split over ep: outside FSDP2, reduced apart
     context_runs: list[list[str]] = field(default_factory=list)  # cp > 1: the runs of blocks, read on the whole model
+    context_heads: list[str] = field(default_factory=list)  # ... and the LM heads whose columns cp cuts
 
     @property
     def pp_rank(self) -> int:
@@ -344,6 +351,8 @@ def _context_parallel(s: Setup) -> None:
         local_names=set(s.state.blocks) if stages is not None else None,
         twins=stages.twins if stages is not None else None, verify=s.config.verify and s.live,
         sp=s.groups.tp if s.state.sequence else None, draws=s.groups.tp.stream)
+    if s.config.loss_parallel:  # loss_parallel=False: the head's logits whole on every cp rank
+        s.state.context.heads = cut_heads(s.module, s.context_heads, s.groups.cp)
 
 
 def _context_runs(s: Setup) -> list[list[str]]:
@@ -379,6 +388,7 @@ def _refuse_context(s: Setup) -> None:
     """Before the stages drop modules: the runs cp cuts, or what it cannot run refused on every rank."""
     if s.config.cp > 1:
         s.context_runs = _context_runs(s)
+        s.context_heads = vocab_heads(s.module, [n for run in s.context_runs for n in run])
 
 
 def _recompute(s: Setup) -> None:

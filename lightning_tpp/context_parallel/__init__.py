@@ -8,7 +8,9 @@ from lightning_tpp.context_parallel.blocks import (
     apply_context_parallel,
     mixing_layers,
 )
+from lightning_tpp.context_parallel.head import cut_heads, vocab_heads
 from lightning_tpp.context_parallel.split import SeqLayout, gather_positions, local_positions
 
 __all__ = ["ContextAttention", "ContextParallelError", "ContextState", "SeqLayout", "Traffic",
-           "apply_context_parallel", "gather_positions", "local_positions", "mixing_layers"]
+           "apply_context_parallel", "cut_heads", "gather_positions", "local_positions", "mixing_layers",
+           "vocab_heads"]

@@ -58,6 +58,7 @@ class ContextState:
     sp: Optional[TPGroup] = None  # sequence parallelism inside: between blocks the stream is cut over tp too
     draws: Optional[OwnStream] = None  # the strategy's own random stream: dropout drawn per cp rank
     eager: list[Any] = field(default_factory=list)  # Hugging Face configs routed to cp's eager attention (hf.py)
+    heads: list[str] = field(default_factory=list)  # LM heads computing this rank's vocabulary columns (head.py)
     layout: Optional[SeqLayout] = None
     traffic: Traffic = field(default_factory=Traffic)
     _cut: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # side inputs already cut, by identity
@@ -68,9 +69,11 @@ class ContextState:
         what = f"{blocks} blocks of this rank" if blocks is not None else "the blocks"
         extra = "; sequence parallelism cuts each part again over tp" if self.sp is not None else ""
         eager = "; Hugging Face eager attention routed to its own function on the whole keys" if self.eager else ""
+        heads = (f"; {', '.join(self.heads)}: 1/{cp} of the vocabulary's columns per rank, the logits never whole"
+                 if self.heads else "")
         return (f"Context parallelism: cp={cp}: {what} run on 1/{cp} of each sequence's positions (chunks r and "
                 f"{2 * cp}-1-r of {2 * cp}: causal work equal on every rank), every attention on the whole "
-                f"sequence's keys (all-gathered, recomputed in backward){extra}{eager}")
+                f"sequence's keys (all-gathered, recomputed in backward){extra}{eager}{heads}")
 
     def begin(self, length: int) -> SeqLayout:
         """The first block of a run sees the whole sequence: its layout."""

@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_tpp.core.comm import TPGroup, TPScope, copy_to_tp, gather_from_tp, reduce_from_tp
 from lightning_tpp.core.params import ShardInfo
 from lightning_tpp.core.swap import original_class
+from lightning_tpp.core.vocab_cut import VocabCut
 from lightning_tpp.tensor_parallel.kv_share import summed_shared
 from lightning_tpp.tensor_parallel.loss import VocabShardedLogits
 from lightning_tpp.tensor_parallel.rng import mark_replicated, mark_sharded
@@ -81,6 +82,8 @@ class _ColumnParallel:
         x = _column_input(tp, x)
         with summed_shared(self, tp.shared, tp.group):  # type: ignore[arg-type]
             y = super().forward(x, *args, **kwargs)  # type: ignore[misc]
+        if tp.gather and isinstance(y, VocabCut):  # context parallelism cut these columns again: they stay cut
+            return y.joined(tp.group)
         if tp.gather:
             local, y = y, gather_from_tp(y, tp.group)
             _first_call_check(self, (x, *args), kwargs, y)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from launch import run_ranks
+from models import VOCAB
 from parity import Record, assert_parity, load_record, merge_stages, train
 from worker_cp import CONFIGS
 
@@ -78,6 +79,11 @@ def check_parity(out: Path, name: str, **tolerance: float) -> None:
                 padded = -(-config.train["seq"] // (2 * config.strategy["cp"])) * 2 * config.strategy["cp"]
                 assert (seen["length"], seen["padded"], seen["local"]) == (
                     config.train["seq"], padded, padded // config.strategy["cp"]), (name, model, r, seen)
+            # the LM head computed this rank's columns only: 1 / (cp x tp) of the vocabulary, the logits never whole
+            heads = [h for r in ranks for h in _extra(out, name, model, r)["heads"].values()]
+            assert heads, (name, model, "no LM head was cut")
+            columns = VOCAB // (config.strategy["cp"] * config.strategy.get("tp", 1))
+            assert all(h == ["VocabCut", columns, VOCAB] for h in heads), (name, model, heads)
 
 
 def _extra(out: Path, name: str, model: str, rank: int) -> dict:

@@ -122,6 +122,30 @@ class DropoutMasks(L.Callback):
             h.remove()
 
 
+class HeadOutputs(L.Callback):
+    """What the LM heads context parallelism cuts returned in the first training step: (class, this rank's columns,
+    the vocabulary)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, list[Any]] = {}
+        self._handles: list[Any] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for name in trainer.strategy.parallel_state.context.heads:
+            self._handles.append(pl_module.get_submodule(name).register_forward_hook(self._record(name)))
+
+    def _record(self, name: str) -> Any:
+        def hook(module: Any, args: tuple, out: torch.Tensor) -> None:
+            if torch.is_grad_enabled():  # a training step's (not a pipeline's route trace on zeros)
+                self.seen.setdefault(name, [type(out).__name__, getattr(out, "_tpp_local", out).shape[-1],
+                                            out.shape[-1]])
+        return hook
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for h in self._handles:
+            h.remove()
+
+
 def main() -> None:
     from lightning_tpp import TensorPipeStrategy
     from parity import train
@@ -133,14 +157,14 @@ def main() -> None:
         for model in config.models:
             stem = f"{name}.{model}.rank{rank}"
             strategy = TensorPipeStrategy(**config.strategy, print_plan=False)
-            activations, masks = BlockActivations(), DropoutMasks()
+            activations, masks, heads = BlockActivations(), DropoutMasks(), HeadOutputs()
             record = train(model, strategy=strategy, devices=config.world, dp=config.strategy.get("dp", 1),
-                           callbacks=[activations, masks], **config.train)
+                           callbacks=[activations, masks, heads], **config.train)
             torch.save(asdict(record), out / f"{stem}.pt")
             layout = strategy.parallel_state.context.layout  # the last sequence the blocks ran on
             (out / f"{stem}.json").write_text(json.dumps({"saved": activations.saved, "local": layout.local,
                                                           "length": layout.length, "padded": layout.padded,
-                                                          "dropout_masks": masks.masks,
+                                                          "dropout_masks": masks.masks, "heads": heads.seen,
                                                           "traffic": vars(strategy.parallel_state.context.traffic)}))
 
 

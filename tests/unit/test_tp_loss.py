@@ -5,6 +5,7 @@ real ranks)."""
 
 from __future__ import annotations
 
+import warnings
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_tpp.core.comm import TPGroup
-from lightning_tpp.tensor_parallel import loss as tp_loss
+from lightning_tpp.core import vocab_cut
+from lightning_tpp.core.vocab_cut import Cut, VocabCut
 from lightning_tpp.tensor_parallel.loss import VocabShardedLogits
 
 
@@ -57,7 +59,7 @@ def test_two_vocabulary_halves_give_torch_values(group: TPGroup) -> None:
         def record(t, group, op=dist.ReduceOp.SUM, rank=rank):
             pieces[rank].append((t.clone(), op))
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(tp_loss, "_reduce", record)
+            mp.setattr(vocab_cut, "_reduce", record)
             leaf = halves[rank].clone().requires_grad_()
             F.cross_entropy(VocabShardedLogits.wrap(logits.detach(), leaf, group, rank * 4), target, **kwargs)
     assert [op for _, op in pieces[0]] == [dist.ReduceOp.MAX, dist.ReduceOp.SUM, dist.ReduceOp.SUM,
@@ -85,7 +87,7 @@ def test_two_vocabulary_halves_give_torch_values(group: TPGroup) -> None:
             else:  # sum of exponentials
                 t.add_(other.exp().sum(-1))
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(tp_loss, "_reduce", reduce)
+            mp.setattr(vocab_cut, "_reduce", reduce)
             leaf = halves[rank].clone().requires_grad_()
             loss = F.cross_entropy(VocabShardedLogits.wrap(logits.detach(), leaf, group, rank * 4), target, **kwargs)
             loss.backward()
@@ -127,3 +129,70 @@ def test_saved_logits_are_plain_tensors(group: TPGroup, tmp_path) -> None:
     torch.save({"pred": x}, tmp_path / "p.pt")
     back = torch.load(tmp_path / "p.pt", weights_only=True)["pred"]
     assert type(back) is torch.Tensor and torch.equal(back, whole)
+
+
+def _cut(local: torch.Tensor, group: TPGroup) -> VocabCut:
+    """A one-rank cut (this rank holds every column): what it computes must equal the plain tensor's."""
+    return VocabCut(local, local.shape, Cut(((group, (local.shape[-1],)),), 0), "lm_head")
+
+
+def test_vocab_cut_keeps_its_columns_through_a_loss(group: TPGroup) -> None:
+    """Context parallelism's head output (``core.vocab_cut``): what Hugging Face's ForCausalLMLoss and a
+    training_step do to logits keeps the cut, the loss and the gradient equal the plain tensor's, and no whole
+    logits are made (the wrapper holds no values of its own)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from lightning_tpp.core import vocab_cut as vc
+
+    vc._WARNED.clear()
+    torch.manual_seed(2)
+    plain = torch.randn(2, 7, 12, requires_grad=True)
+    local = plain.detach().clone().requires_grad_()
+    labels = torch.randint(0, 12, (2, 7))
+    labels[0, 3] = -100
+    cut = _cut(local, group)
+    assert cut.shape == (2, 7, 12) and cut.size(-1) == 12 and cut.dtype == torch.float32 and cut.requires_grad
+    shifted = cut.float()[..., :-1, :].contiguous().view(-1, cut.size(-1))
+    assert isinstance(shifted, VocabCut) and shifted._tpp_local.shape == (12, 12)
+    assert isinstance(cut.detach(), VocabCut) and isinstance(torch.tanh(cut / 30.0) * 30.0, VocabCut)  # Gemma's cap
+    for make in (lambda x: ForCausalLMLoss(x, labels, 12),
+                 lambda x: F.cross_entropy(x[:, :-1].reshape(-1, 12), labels[:, 1:].reshape(-1), reduction="sum"),
+                 lambda x: F.cross_entropy(torch.tanh(x / 3.0).mul(3.0).flatten(0, 1), labels.flatten(),
+                                           label_smoothing=0.1)):
+        plain.grad = local.grad = None
+        expected = make(plain)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a gather of the whole logits warns: none here
+            got = make(cut)
+        assert type(got) is torch.Tensor
+        torch.testing.assert_close(got, expected)
+        expected.backward()
+        got.backward()
+        torch.testing.assert_close(local.grad, plain.grad)
+
+
+def test_vocab_cut_gathers_for_other_uses_and_says_so(group: TPGroup, tmp_path) -> None:
+    """argmax, softmax, printing, saving: the whole logits (gathered; a warning names the operation once), with
+    gradients into this rank's columns; FSDP2's pre-backward hook on a unit's output reaches the columns."""
+    from lightning_tpp.core import vocab_cut as vc
+
+    vc._WARNED.clear()
+    plain = torch.randn(3, 5, requires_grad=True)
+    local = plain.detach().clone().requires_grad_()
+    cut = _cut(local, group)
+    with pytest.warns(UserWarning, match="gathered whole on every cp rank for softmax"):
+        probs = cut.softmax(-1)
+    assert type(probs) is torch.Tensor
+    torch.testing.assert_close(probs, plain.softmax(-1))
+    (probs[:, 0].sum()).backward()
+    plain.softmax(-1)[:, 0].sum().backward()
+    torch.testing.assert_close(local.grad, plain.grad)
+    assert torch.equal(cut.argmax(-1), plain.argmax(-1))
+    fired = []
+    cut.register_hook(lambda g: fired.append(g.shape))
+    F.cross_entropy(cut, torch.tensor([0, 1, 4])).backward()
+    assert fired == [(3, 5)]
+    torch.save({"pred": cut}, tmp_path / "p.pt")
+    back = torch.load(tmp_path / "p.pt", weights_only=True)["pred"]
+    assert type(back) is torch.Tensor and torch.equal(back, plain.detach())
+    assert "VocabCut(shape=(3, 5)" in repr(cut)
