@@ -352,7 +352,8 @@ def _context_parallel(s: Setup) -> None:
         twins=stages.twins if stages is not None else None, verify=s.config.verify and s.live,
         sp=s.groups.tp if s.state.sequence else None, draws=s.groups.tp.stream)
     if s.config.loss_parallel:  # loss_parallel=False: the head's logits whole on every cp rank
-        s.state.context.heads = cut_heads(s.module, s.context_heads, s.groups.cp)
+        s.state.context.heads = cut_heads(s.module, s.context_heads, s.groups.cp,
+                                          twins=stages.twins if stages is not None else None)
 
 
 def _context_runs(s: Setup) -> list[list[str]]:

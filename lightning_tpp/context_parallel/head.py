@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_tpp.core.comm import TPGroup, copy_to_tp
 from lightning_tpp.core.swap import original_class, swap_class
 from lightning_tpp.core.vocab_cut import Cut, VocabCut
+from lightning_tpp.core.walk import ancestors
 
 
 def column_widths(columns: int, parts: int) -> tuple[int, ...]:
@@ -61,18 +62,29 @@ class HeadSlot:
     group: TPGroup
 
 
-def cut_heads(module: nn.Module, names: Sequence[str], group: TPGroup) -> list[str]:
-    """Cut the heads ``names`` this rank holds over the cp ``group``; returns those cut."""
+def cut_heads(module: nn.Module, names: Sequence[str], group: TPGroup,
+              twins: Optional[dict[str, nn.Module]] = None) -> list[str]:
+    """Cut the heads ``names`` this rank holds over the cp ``group``; returns those cut. Under a pipeline the heads'
+    meta ``twins`` are cut too: the route trace runs the step on zeros shaped like their outputs (cut, not whole)."""
     modules = dict(module.named_modules())
     cut = []
     for name in names:
+        twin_of = next((n for n in reversed(ancestors(name) + [name]) if n in (twins or {})), None)
+        if twin_of is not None:
+            twin = twins[twin_of] if name == twin_of else twins[twin_of].get_submodule(name[len(twin_of) + 1:])
+            _cut(twin, HeadSlot(name, group))
         m = modules.get(name)
         if m is None or not isinstance(m.__dict__["_parameters"].get("weight"), Tensor):  # another stage's stand-in
             continue
-        m._tpp_cp_head = HeadSlot(name, group)
-        swap_class(m, _ContextHead)
+        _cut(m, HeadSlot(name, group))
         cut.append(name)
     return cut
+
+
+def _cut(m: nn.Module, slot: HeadSlot) -> None:
+    if not isinstance(m, _ContextHead):
+        m._tpp_cp_head = slot
+        swap_class(m, _ContextHead)
 
 
 class _ContextHead:

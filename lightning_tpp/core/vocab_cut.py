@@ -112,6 +112,10 @@ class VocabCut(Tensor):
         out._tpp_local, out._tpp_cut, out._tpp_name = local, cut, name
         return out
 
+    def like(self, local: Tensor) -> "VocabCut":
+        """The same cut holding ``local`` (zeros of a pipeline's route trace)."""
+        return VocabCut(local, self.shape, self._tpp_cut, self._tpp_name)
+
     def joined(self, group: TPGroup) -> "VocabCut":
         """The same columns as part of a head cut again over ``group`` (tensor parallelism's vocabulary shards)."""
         shape = (*self.shape[:-1], self.shape[-1] * group.size)

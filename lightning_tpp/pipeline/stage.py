@@ -31,6 +31,7 @@ from lightning_tpp.pipeline.captured import recorded, replay
 from lightning_tpp._compat import BatchNormBase, tree_flatten, tree_map, tree_unflatten
 from lightning_tpp.core.seeding import seeded
 from lightning_tpp.core.swap import original_class, parallel_class, swap_class
+from lightning_tpp.core.vocab_cut import VocabCut
 from lightning_tpp.core.walk import VERIFYING, Taint, tensors_in
 
 Key = tuple[int, int]  # (unit, how many times it was called before in this forward)
@@ -133,8 +134,7 @@ class StageRuntime:
         return self._shapes[key]
 
     def zeros(self, meta: Any) -> Any:
-        return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device)
-                        if isinstance(t, Tensor) else t, meta)
+        return tree_map(lambda t: _zeros(t, self.device) if isinstance(t, Tensor) else t, meta)
 
     def dispatch(self, module: nn.Module, args: tuple, kwargs: dict, real: Optional[Callable[[], Any]]) -> Any:
         unit = module.__dict__[BINDING].index
@@ -183,6 +183,13 @@ class StageRuntime:
                 ctx.tracer.tag(leaf, frozenset([(key, i)]))
         replay(side)
         return out
+
+
+def _zeros(t: Tensor, device: torch.device) -> Tensor:
+    """Zeros shaped like ``t`` on ``device``; logits cut along the vocabulary (context parallelism's head) stay cut."""
+    if isinstance(t, VocabCut):
+        return t.like(torch.zeros(t._tpp_local.shape, dtype=t.dtype, device=device))
+    return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
 
 def trace(runtime: StageRuntime, run: Callable[[], Any], sources: dict[str, Tensor]

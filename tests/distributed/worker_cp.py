@@ -123,8 +123,8 @@ class DropoutMasks(L.Callback):
 
 
 class HeadOutputs(L.Callback):
-    """What the LM heads context parallelism cuts returned in the first training step: (class, this rank's columns,
-    the vocabulary)."""
+    """What the LM heads context parallelism cuts returned, each distinct (class, this rank's columns, the
+    vocabulary) once."""
 
     def __init__(self) -> None:
         self.seen: dict[str, list[Any]] = {}
@@ -136,9 +136,10 @@ class HeadOutputs(L.Callback):
 
     def _record(self, name: str) -> Any:
         def hook(module: Any, args: tuple, out: torch.Tensor) -> None:
-            if torch.is_grad_enabled():  # a training step's (not a pipeline's route trace on zeros)
-                self.seen.setdefault(name, [type(out).__name__, getattr(out, "_tpp_local", out).shape[-1],
-                                            out.shape[-1]])
+            # every call: a training step's, and a pipeline's route trace on zeros
+            entry = [type(out).__name__, getattr(out, "_tpp_local", out).shape[-1], out.shape[-1]]
+            if entry not in self.seen.setdefault(name, []):
+                self.seen[name].append(entry)
         return hook
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
