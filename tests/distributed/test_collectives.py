@@ -46,3 +46,13 @@ def test_sequence_parallel_flat_block(counts: list[dict]) -> None:
         assert rank_counts["encoder_layer_sp"] == {"forward_all_reduce": 2, "forward_all_gather": 1,
                                                    "forward_reduce_scatter": 0, "backward_all_reduce": 2,
                                                    "backward_all_gather": 1, "backward_reduce_scatter": 0}
+
+
+def test_context_parallel_head_with_a_vocabulary_cp_does_not_divide(counts: list[dict]) -> None:
+    """cp's LM head (``context_parallel.head``) over 2 ranks, vocabulary 7: 4 and 3 columns; the loss from the columns
+    (label smoothing, an ignored target), the gathered logits, the input's gradient and the weight's and bias's
+    (averaged over the ranks, as the strategy does) are one process's."""
+    for rank, rank_counts in enumerate(counts):
+        got = dict(rank_counts["uneven_head"])
+        assert got.pop("columns") == (4, 3)[rank]
+        assert all(v < 1e-6 for v in got.values()), got

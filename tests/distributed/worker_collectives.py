@@ -9,6 +9,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_tpp.core.comm import TPGroup
@@ -61,10 +62,39 @@ def main() -> None:
         counts[name] = {**{f"forward_{k}": v for k, v in fwd.items()}, **{f"backward_{k}": v for k, v in calls.items()}}
         for k in calls:
             setattr(dist, k, real[k])
+    counts["uneven_head"] = uneven_head()
     with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(counts, f)
     dist.barrier()
     dist.destroy_process_group()  # gloo may abort a process that exits with the group alive
+
+
+def uneven_head() -> dict[str, float]:
+    """Context parallelism's LM head over 2 ranks with a vocabulary of 7 (4 + 3 columns): the loss from the columns,
+    the gathered logits and the gradients against the plain head (largest absolute differences)."""
+    from lightning_tpp.context_parallel.head import HeadSlot, cut_linear
+
+    torch.manual_seed(0)
+    head = nn.Linear(8, 7)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    target = torch.tensor([0, 6, 3, -100, 4, 5, 1, 2, 6, 0])
+    plain = F.cross_entropy(head(x).view(-1, 7), target, label_smoothing=0.1)
+    plain.backward()
+    expected = (plain.detach(), head(x).detach(), x.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone())
+    head.zero_grad()
+    x.grad = None
+    group = TPGroup(dist.group.WORLD, dist.get_rank(), 2)
+    logits = cut_linear(x, head.weight, head.bias, HeadSlot("head", group))
+    loss = F.cross_entropy(logits.view(-1, 7), target, label_smoothing=0.1)
+    loss.backward()
+    grads = [head.weight.grad.clone(), head.bias.grad.clone()]
+    for g in grads:  # the strategy averages over the cp ranks, which hold the same weights
+        dist.all_reduce(g)
+        g /= 2
+    got = (loss.detach(), logits.whole().detach(), x.grad, *grads)
+    names = ("loss", "logits", "input_grad", "weight_grad", "bias_grad")
+    return {n: float((a - b).abs().max()) for n, a, b in zip(names, got, expected)} | {
+        "columns": logits._tpp_local.shape[-1]}
 
 
 if __name__ == "__main__":
