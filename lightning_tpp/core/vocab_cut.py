@@ -58,7 +58,9 @@ def follow(func: Any, args: tuple, kwargs: dict, local: Tensor, whole_shape: Seq
     """``func(logits, *args[1:])`` on this rank's columns ``local`` of logits shaped ``whole_shape``, or None where it
     does not keep the vocabulary as the last dimension whole."""
     if func in _PASS:
-        return func(local, *args[1:], **kwargs)
+        out = func(local, *args[1:], **kwargs)
+        # to another device: leaving the step (Lightning moving predictions to the CPU on every rank), gathered there
+        return out if out.device == local.device else None
     if func in _POINTWISE:
         if all(isinstance(a, (int, float, bool)) for a in (*args[1:], *kwargs.values())):
             return func(local, *args[1:], **kwargs)

@@ -196,3 +196,5 @@ def test_vocab_cut_gathers_for_other_uses_and_says_so(group: TPGroup, tmp_path) 
     back = torch.load(tmp_path / "p.pt", weights_only=True)["pred"]
     assert type(back) is torch.Tensor and torch.equal(back, plain.detach())
     assert "VocabCut(shape=(3, 5)" in repr(cut)
+    moved = cut.to("meta")  # another device: leaving the step (predictions to the CPU), whole there
+    assert type(moved) is torch.Tensor and moved.shape == (3, 5)
