@@ -18,6 +18,8 @@ CPU processes (gloo, one thread each, so 4 processes share this machine's 2 core
   tp=2);
 - cp=2: ``cp2xdp2``, ``cp2xtp2``;
 - cp=4: ``cp4`` (one sequence per step over 4 ranks);
+- ``cp_mode="a2a"`` (Ulysses: positions exchanged for heads in each attention): ``cp2xdp2-a2a``, ``cp4-a2a`` (the
+  4 query heads, 1 per rank at cp4; the 2 key/value heads repeated to 4);
 - on request (``--layouts``): any ``tpN/ppN/cpN`` product of 4 (dp the rest; a pipeline needs as many micro-batches
   as its schedule, which batch 1 does not give).
 
@@ -37,11 +39,11 @@ Per rank (the table gives the largest over the 4 ranks):
   (forward only: the key/value all-gathers and the per-chunk attention; ``Traffic.attention_seconds``), and the
   bytes each rank sends in them per step.
 
-Ratios: block activations at cp=c over the cp=1 layout of the same tp (goal <= 1.10 / c), and step time of cp4 over
-the best cp=1 layout that trains one sequence per step on 4 ranks (tp4; goal <= 1.2). Then, with ``estimate_memory``
-(the planner, activation checkpointing on, AdamW, fp32, states sharded over dp x cp), the longest sequence that fits
-a fixed per-rank budget at dp4 (cp=1), cp2 x dp2 and cp4 (each rank: one sequence's share), found by bisection, and
-its growth over cp=1 (goal >= 0.9 x c).
+Ratios: block activations at cp=c over the cp=1 layout of the same tp (goal <= 1.10 / c), and step time of cp4 (each
+mode) over the best cp=1 layout that trains one sequence per step on 4 ranks (tp4; goal <= 1.2). Then, with
+``estimate_memory`` (the planner, activation checkpointing on, AdamW, fp32, states sharded over dp x cp), the longest
+sequence that fits a fixed per-rank budget at dp4 (cp=1), cp2 x dp2 and cp4 (each rank: one sequence's share), found
+by bisection, and its growth over cp=1 (goal >= 0.9 x c).
 """
 
 from __future__ import annotations
@@ -67,13 +69,16 @@ from pipeline import _launch as launch  # the benchmarks' one way to start ranks
 
 SHAPE = dict(vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2)
-LAYOUTS = "dp4,tp4,tp2xdp2,cp2xdp2,cp2xtp2,cp4"
+LAYOUTS = "dp4,tp4,tp2xdp2,cp2xdp2,cp2xtp2,cp4,cp2xdp2-a2a,cp4-a2a"
 WORLD = 4
 
 
-def parse_layout(name: str) -> dict[str, int]:
-    """``"cp2xtp2"`` -> ``{"tp": 2, "pp": 1, "dp": 1, "cp": 2}`` (dp takes what the others leave of 4 ranks)."""
-    dims = {"tp": 1, "pp": 1, "cp": 1}
+def parse_layout(name: str) -> dict[str, Any]:
+    """``"cp2xtp2"`` -> ``{"tp": 2, "pp": 1, "dp": 1, "cp": 2}`` (dp takes what the others leave of 4 ranks); a name
+    ending in ``-a2a`` adds ``cp_mode="a2a"``."""
+    dims: dict[str, Any] = {"tp": 1, "pp": 1, "cp": 1}
+    if name.endswith("-a2a"):
+        dims["cp_mode"] = "a2a"
     for axis, size in re.findall(r"(tp|pp|dp|cp)(\d+)", name):
         dims[axis] = int(size)
     dims["dp"] = WORLD // (dims["tp"] * dims["pp"] * dims["cp"])
@@ -377,21 +382,21 @@ def main() -> None:
         heads = SHAPE["num_attention_heads"] + 2 * SHAPE["num_key_value_heads"]  # q, k, v of this rank's positions
         qkv = (SHAPE["num_hidden_layers"] * row["local"] * heads // d["tp"] * SHAPE["hidden_size"]
                // SHAPE["num_attention_heads"] * 4)
-        with_qkv = (row["block"] + qkv) / results[ref]["block"]
+        with_qkv = (row["block"] + (0 if d.get("cp_mode") == "a2a" else qkv)) / results[ref]["block"]
         goal = 1.10 / d["cp"]
         print(f"  {name:>8} / {ref:<8} = {ratio:.3f} (+qkv {with_qkv:.3f})   (goal <= {goal:.3f}: "
               f"{'met' if max(ratio, with_qkv) <= goal else 'NOT met'}; "
               f"peak RSS {row['peak'] / results[ref]['peak']:.3f})")
     one_seq = {n: r for n, r in results.items() if r["dims"]["cp"] == 1 and r["dims"]["dp"] == 1}
-    if "cp4" in results and one_seq:
+    for cp4 in [n for n in ("cp4", "cp4-a2a") if n in results and one_seq]:
         best = min(one_seq, key=lambda n: one_seq[n]["step"])
-        ratio = results["cp4"]["step"] / one_seq[best]["step"]
-        print(f"\nstep time at {args.seq} tokens (every layout fits here), cp4 / best cp=1 layout of one sequence per "
-              f"step ({best}): {ratio:.3f}   (goal <= 1.2: {'met' if ratio <= 1.2 else 'NOT met'})")
+        ratio = results[cp4]["step"] / one_seq[best]["step"]
+        print(f"\nstep time at {args.seq} tokens (every layout fits here), {cp4} / best cp=1 layout of one sequence "
+              f"per step ({best}): {ratio:.3f}   (goal <= 1.2: {'met' if ratio <= 1.2 else 'NOT met'})")
         for name, row in results.items():
             if row["dims"]["cp"] == 1 and row["dims"]["dp"] > 1:
-                print(f"  per sequence, cp4 / {name} ({row['dims']['dp']} sequences per step, each rank the whole "
-                      f"sequence): {results['cp4']['per_seq'] / row['per_seq']:.3f}")
+                print(f"  per sequence, {cp4} / {name} ({row['dims']['dp']} sequences per step, each rank the whole "
+                      f"sequence): {results[cp4]['per_seq'] / row['per_seq']:.3f}")
     if args.plan:
         plan(args)
     print(f"\ntotal {time.monotonic() - total_start:.0f} s")

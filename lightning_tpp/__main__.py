@@ -98,7 +98,7 @@ def plan(args: argparse.Namespace) -> Optional[MemoryReport]:
     kwargs = dict(tp=args.tp, pp=args.pp, dp=args.dp, microbatches=args.microbatches, batch_size=args.batch_size,
                   seq_len=args.seq_len, schedule=args.schedule, virtual_stages=args.virtual_stages,
                   optimizer=args.optimizer, param_dtype=getattr(torch, args.dtype), dp_shard=args.dp_shard,
-                  vocab_exchange=args.vocab_exchange, ep=args.ep, cp=args.cp,
+                  vocab_exchange=args.vocab_exchange, ep=args.ep, cp=args.cp, cp_mode=args.cp_mode,
                   backend=args.backend)
     report = estimate_memory(model, activation_checkpointing=args.activation_checkpointing, **kwargs)
     if report.partition is not None:
@@ -162,6 +162,8 @@ def _plan_parser(sub: Any) -> None:
                                                      "strategy's ep=)")
     p.add_argument("--cp", type=int, default=1, help="context parallelism: the blocks run on seq-len / cp positions "
                    "of each sequence (docs/context_parallel.md)")
+    p.add_argument("--cp-mode", default="allgather", choices=("allgather", "a2a"),
+                   help="how each attention sees the whole sequence under cp (as the strategy's cp_mode=)")
     p.add_argument("--microbatches", type=int, default=None, help="per step (default 2 * pp, as the strategy)")
     p.add_argument("--batch-size", type=int, required=True, help="global batch: all dp replicas together")
     p.add_argument("--seq-len", type=int, required=True)

@@ -28,8 +28,8 @@ from lightning_tpp.pipeline.schedule import validate as validate_schedule
 
 # the arguments that decide how a model is cut and run: a module already cut adopts only a strategy that agrees on
 # them (a second Trainer, a second fit); the others (print_plan, timeout, metrics, ...) may differ
-CUTTING = ("tp", "pp", "dp", "ep", "cp", "microbatches", "schedule", "virtual_stages", "tp_plan", "balance", "split_points",
-           "blocks", "save_distributed_checkpoint", "on_nonfinite", "weights", "weights_prefix",
+CUTTING = ("tp", "pp", "dp", "ep", "cp", "cp_mode", "microbatches", "schedule", "virtual_stages", "tp_plan", "balance",
+           "split_points", "blocks", "save_distributed_checkpoint", "on_nonfinite", "weights", "weights_prefix",
            "activation_checkpointing", "dp_sharding", "vocab_exchange", "sequence_parallel")
 _BOOLS = ("verify", "activation_checkpointing", "loss_parallel", "sequence_parallel", "vocab_exchange", "print_plan",
           "save_distributed_checkpoint", "pipeline_metrics")
@@ -164,6 +164,12 @@ class TensorPipeConfig:
             over ``dp x cp``). Each block is checked against its unsplit forward on its first call; a block that
             mixes positions outside its attention (a scan, a convolution over time) is refused. See
             ``docs/context_parallel.md``.
+        cp_mode: how each attention sees the whole sequence under cp: ``"allgather"`` (keys and values all-gathered
+            over cp, the model's call on this rank's query rows; any attention, any mask) or ``"a2a"`` (Ulysses:
+            an all-to-all gives each rank ``1/cp`` of the heads over the whole sequence before each
+            ``scaled_dot_product_attention`` call and returns its output after; query heads per tp rank must divide
+            by cp, key/value heads are repeated when fewer; less traffic per rank for many-headed attention, no
+            recompute). Attention that is not an SDPA call runs as ``"allgather"``, with a warning.
         sequence_parallel: with tp > 1, Megatron's sequence parallelism: the blocks of the model's block sequence
             run norms, dropout and residual adds on this rank's part of the sequence (dim 1), gathering it before
             each attention/MLP and reduce-scattering after it (the bytes of the all-reduces they replace), so those
@@ -221,6 +227,7 @@ class TensorPipeConfig:
     dp: Union[int, Literal["auto"]] = "auto"
     ep: int = 1
     cp: int = 1
+    cp_mode: Literal["allgather", "a2a"] = "allgather"
     layout: Optional[Literal["auto"]] = None
     device_memory: Optional[Union[float, str]] = None
     global_batch: Optional[int] = None
@@ -265,6 +272,9 @@ class TensorPipeConfig:
         pp = 1 if pp == "auto" else pp
         resolve_dims(tp * pp * self.cp * (self.dp if isinstance(self.dp, int) else 1), tp, pp, self.dp,
                      self.cp)  # types and ranges
+        if self.cp_mode not in ("allgather", "a2a"):
+            raise ValueError(f"cp_mode={self.cp_mode!r} must be 'allgather' (keys and values all-gathered) or 'a2a' "
+                             f"(Ulysses: positions exchanged for heads)")
         if self.cp > 1 and self.ep > 1:
             raise ValueError(f"cp={self.cp} with ep={self.ep}: context parallelism does not yet run expert "
                              f"parallelism (the tokens of a replica are spread over its cp ranks); use ep=1")
@@ -325,9 +335,10 @@ class TensorPipeConfig:
 
 def planning_config(tp: int, pp: int, virtual: int = 1, *, balance: Union[str, Sequence[int]] = "params",
                     split_points: Optional[Sequence[str]] = None, blocks: Optional[Union[str, Sequence[str]]] = None,
-                    tp_plan: Union[str, Mapping[str, str]] = "auto", ep: int = 1, cp: int = 1) -> TensorPipeConfig:
+                    tp_plan: Union[str, Mapping[str, str]] = "auto", ep: int = 1, cp: int = 1,
+                    cp_mode: str = "allgather") -> TensorPipeConfig:
     """The config the memory planner and the layout profile cut a meta copy with (``steps.run``): the cut
     of a run at these degrees, no first-call checks (a meta copy computes nothing)."""
-    return TensorPipeConfig(tp=tp, pp=pp, ep=ep, cp=cp, microbatches=pp, virtual_stages=virtual,
+    return TensorPipeConfig(tp=tp, pp=pp, ep=ep, cp=cp, cp_mode=cp_mode, microbatches=pp, virtual_stages=virtual,
                             schedule="interleaved-1f1b" if virtual > 1 else "1f1b", balance=balance,
                             split_points=split_points, blocks=blocks, tp_plan=tp_plan, verify=False, print_plan=False)

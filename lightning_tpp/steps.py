@@ -350,7 +350,7 @@ def _context_parallel(s: Setup) -> None:
         s.module, s.context_runs, s.groups.cp, pipelined=stages is not None,
         local_names=set(s.state.blocks) if stages is not None else None,
         twins=stages.twins if stages is not None else None, verify=s.config.verify and s.live,
-        sp=s.groups.tp if s.state.sequence else None, draws=s.groups.tp.stream)
+        sp=s.groups.tp if s.state.sequence else None, draws=s.groups.tp.stream, a2a=s.config.cp_mode == "a2a")
     if s.config.loss_parallel:  # loss_parallel=False: the head's logits whole on every cp rank
         s.state.context.heads = cut_heads(s.module, s.context_heads, s.groups.cp,
                                           twins=stages.twins if stages is not None else None)

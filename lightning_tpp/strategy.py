@@ -79,6 +79,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         *,
         ep: int = 1,
         cp: int = 1,
+        cp_mode: Literal["allgather", "a2a"] = "allgather",
         layout: Optional[Literal["auto"]] = None,
         device_memory: Optional[Union[float, str]] = None,
         global_batch: Optional[int] = None,
@@ -116,7 +117,8 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.config = TensorPipeConfig(
-            tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, layout=layout, device_memory=device_memory, global_batch=global_batch,
+            tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, cp_mode=cp_mode, layout=layout, device_memory=device_memory,
+            global_batch=global_batch,
             microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages, balance=balance,
             split_points=split_points, blocks=blocks, tp_plan=tp_plan, verify=verify,
             activation_checkpointing=activation_checkpointing, loss_parallel=loss_parallel,
@@ -223,7 +225,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
                                        traffic=self._groups.ep.traffic if self._groups.ep is not None else None,
                                        ) if layers else None
         context = self.parallel_state.context
-        self._context_metrics = ContextMetrics(context.traffic) if context is not None else None
+        self._context_metrics = ContextMetrics(context.traffic, context.a2a) if context is not None else None
         self._watch_describes(f"rank {self.global_rank} {coords}", self._engine)
 
     def _config(self) -> dict[str, str]:

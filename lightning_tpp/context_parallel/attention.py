@@ -27,7 +27,9 @@ block's first-call check finds it (its keys are this rank's only) and names it.
 from __future__ import annotations
 
 import contextvars
+import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -38,8 +40,8 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from lightning_tpp.core.comm import TPGroup
-from lightning_tpp.context_parallel.split import SeqLayout, gather_positions, pad_fill
+from lightning_tpp.core.comm import TPGroup, all_to_all_swap
+from lightning_tpp.context_parallel.split import SeqLayout, _pad, gather_positions, pad_fill
 
 _SDPA = F.scaled_dot_product_attention
 _MHA = F.multi_head_attention_forward
@@ -50,13 +52,15 @@ ACTIVE: contextvars.ContextVar[Optional["ContextAttention"]] = contextvars.Conte
 class Traffic:
     """What the context-parallel exchanges cost since the last read (``cp/`` metrics)."""
 
-    bytes: int = 0  # sent by this rank (all-gathers of keys, values and block outputs)
+    bytes: int = 0  # sent by this rank (all-gathers of keys and values, or the all-to-alls of cp_mode="a2a")
     attention_seconds: float = 0.0  # wall time in the attention calls taken over (exchange included)
     calls: int = 0
+    a2a_calls: int = 0  # of them, those that exchanged positions for heads (cp_mode="a2a")
 
     def take(self) -> dict[str, float]:
-        out = {"bytes": float(self.bytes), "attention_seconds": self.attention_seconds, "calls": float(self.calls)}
-        self.bytes, self.attention_seconds, self.calls = 0, 0.0, 0
+        out = {"bytes": float(self.bytes), "attention_seconds": self.attention_seconds, "calls": float(self.calls),
+               "a2a_calls": float(self.a2a_calls)}
+        self.bytes, self.attention_seconds, self.calls, self.a2a_calls = 0, 0.0, 0, 0
         return out
 
 
@@ -93,9 +97,12 @@ class ContextAttention(TorchFunctionMode):
 
     keep_in_checks = True  # a first-call check's reference must attend the same keys (_compat.outside_function_modes)
 
-    def __init__(self, group: TPGroup, layout: SeqLayout, traffic: Traffic) -> None:
+    def __init__(self, group: TPGroup, layout: SeqLayout, traffic: Traffic, a2a: bool = False,
+                 wholes: Optional[Callable[[Tensor], Optional[Tensor]]] = None) -> None:
         super().__init__()
         self.group, self.layout, self.traffic, self.taken = group, layout, traffic, 0
+        self.a2a = a2a  # cp_mode="a2a": SDPA calls exchange positions for heads (Ulysses) instead of gathering keys
+        self._wholes = wholes  # the whole-sequence tensor a block input was cut from (a mask's rows), if it was
         self._tokens: list[Any] = []  # entered again inside a first-call check (outside_function_modes)
 
     def __enter__(self) -> "ContextAttention":
@@ -115,6 +122,8 @@ class ContextAttention(TorchFunctionMode):
         if query.shape[-2] != n or key.shape[-2] != n:
             return attend(module, query, key, value, mask, **options)
         self.taken += 1
+        if self.a2a:
+            _fell_back("Hugging Face eager attention (its own function reads the module's head counts)")
         start = time.perf_counter()
         self.traffic.bytes += (key.numel() + value.numel()) * key.element_size() * (layout.cp - 1)
 
@@ -148,6 +157,8 @@ class ContextAttention(TorchFunctionMode):
         if query.dim() < 2 or query.shape[0] != n or key.shape[0] != n:
             return _MHA(query, key, value, *args, **kwargs)
         self.taken += 1
+        if self.a2a:
+            _fell_back("nn.MultiheadAttention (it projects its keys and values inside)")
         start = time.perf_counter()
         self.traffic.bytes += (key.numel() + (value.numel() if value is not key else 0)) * key.element_size() * (
             layout.cp - 1)
@@ -172,6 +183,15 @@ class ContextAttention(TorchFunctionMode):
             dtype = torch.get_autocast_dtype(device)  # (torch's causal bias checks the dtypes before autocast would)
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         gathered = key.shape[-2] == n  # this rank's keys: the whole sequence's, gathered
+        if gathered and self.a2a:
+            reason = _no_heads_exchange(query, key, layout.cp)
+            if reason is None:
+                out = self._ulysses(query, key, value, attn_mask, dropout_p, is_causal, options)
+                self.traffic.attention_seconds += time.perf_counter() - start
+                self.traffic.calls += 1
+                self.traffic.a2a_calls += 1
+                return out
+            _fell_back(reason)
         if gathered:
             self.traffic.bytes += (key.numel() + value.numel()) * key.element_size() * (layout.cp - 1)
         if gathered and query.is_meta and torch.is_grad_enabled():  # the memory planner: what the recompute keeps
@@ -186,6 +206,54 @@ class ContextAttention(TorchFunctionMode):
         self.traffic.attention_seconds += time.perf_counter() - start
         self.traffic.calls += 1
         return out
+
+    def _ulysses(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
+                 is_causal: bool, options: dict) -> Tensor:
+        """``cp_mode="a2a"``: queries, keys and values of this rank's positions and every head exchanged for
+        ``1/cp`` of the heads over the whole sequence (all-to-all), the model's own call run on them in natural
+        order with its whole mask (``is_causal`` as it is: no per-chunk calls), and the output exchanged back.
+        Keys and values with fewer heads than cp divides are repeated first (each rank gets the key/value heads its
+        query heads read, as ``enable_gqa`` or broadcasting maps them). Nothing is recomputed in backward: what
+        the call keeps is ``1/cp`` of the heads over the whole sequence, the bytes of every head over this rank's
+        positions."""
+        layout, group, cp = self.layout, self.group, self.layout.cp
+        heads = query.shape[1]
+        if key.shape[1] % cp:  # e.g. 2 key/value heads at cp4: each repeated twice, 1 per rank
+            repeat = cp // math.gcd(key.shape[1], cp)
+            key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+        self.traffic.bytes += sum(t.numel() * t.element_size() for t in (query, key, value)) * (cp - 1) // cp
+        natural = layout.natural(query.device)
+        q, k, v = (all_to_all_swap(t, group, 1, 2).index_select(2, natural) for t in (query, key, value))
+        if is_causal:  # padded positions come after every real one: no real row reads them
+            if attn_mask is not None:
+                raise ValueError("scaled_dot_product_attention: attn_mask and is_causal=True together")
+            out = _SDPA(q, k, v, dropout_p=dropout_p, is_causal=True, **options)
+        else:
+            length = layout.length
+            if layout.padded != length:  # padded keys are never read; padded rows are zeros
+                q, k, v = (t.narrow(2, 0, length) for t in (q, k, v))
+            mask = self._whole_mask(attn_mask, heads) if attn_mask is not None else None
+            out = _pad(_SDPA(q, k, v, attn_mask=mask, dropout_p=dropout_p, **options), 2, layout.padded, 0)
+        self.traffic.bytes += out.numel() * out.element_size() * (cp - 1) // cp
+        return all_to_all_swap(out.index_select(2, layout.order(out.device)), group, 2, 1)
+
+    def _whole_mask(self, mask: Tensor, heads: int) -> Tensor:
+        """The model's mask for every row (``cp_mode="a2a"``) and this rank's heads: a mask whose rows were cut at
+        the block's entry is the one it was cut from (or its rows gathered back when the block made it from a cut
+        one); a per-head mask keeps this rank's heads."""
+        layout, group = self.layout, self.group
+        if mask.dim() >= 2 and mask.shape[-2] == layout.local and layout.local != layout.length:
+            whole = self._wholes(mask) if self._wholes is not None else None
+            if whole is None:
+                rows = gather_positions(mask.to(torch.uint8) if mask.dtype == torch.bool else mask, -2, layout, group)
+                whole = rows.bool() if mask.dtype == torch.bool else rows
+            mask = whole
+        for dim in (-2, -1):
+            if mask.shape[dim] == layout.padded != layout.length:
+                mask = mask.narrow(dim, 0, layout.length)
+        if mask.dim() == 4 and mask.shape[1] == heads and heads > 1:
+            mask = mask.narrow(1, group.rank * heads // layout.cp, heads // layout.cp)
+        return mask
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
                 is_causal: bool, gathered: bool, options: dict) -> Tensor:
@@ -235,3 +303,27 @@ class ContextAttention(TorchFunctionMode):
         if mask.shape[-1] != keys and mask.shape[-1] == layout.padded:
             mask = mask.narrow(-1, 0, keys)
         return mask
+
+
+def _no_heads_exchange(query: Tensor, key: Tensor, cp: int) -> Optional[str]:
+    """Why an SDPA call cannot exchange positions for heads (``cp_mode="a2a"``), or None."""
+    if query.dim() != 4 or key.dim() != 4:
+        return (f"an attention call on {query.dim()}-d queries (the heads exchange needs (batch, heads, positions, "
+                f"features))")
+    if query.shape[1] % cp:
+        return (f"an attention with {query.shape[1]} query heads per rank, which cp={cp} does not divide (heads per "
+                f"tp rank must divide by cp)")
+    if query.shape[1] % key.shape[1]:
+        return f"an attention with {query.shape[1]} query heads and {key.shape[1]} key/value heads"
+    return None
+
+
+_FELL_BACK: set[str] = set()
+
+
+def _fell_back(what: str) -> None:
+    """Once per reason: this attention ran as ``cp_mode="allgather"`` (exact; only the exchange differs)."""
+    if what not in _FELL_BACK:
+        _FELL_BACK.add(what)
+        warnings.warn(f"cp_mode='a2a': {what} runs as cp_mode='allgather' instead (keys and values all-gathered; the "
+                      f"result is the same)", stacklevel=3)

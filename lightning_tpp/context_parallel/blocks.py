@@ -59,6 +59,7 @@ class ContextState:
     draws: Optional[OwnStream] = None  # the strategy's own random stream: dropout drawn per cp rank
     eager: list[Any] = field(default_factory=list)  # Hugging Face configs routed to cp's eager attention (hf.py)
     heads: list[str] = field(default_factory=list)  # LM heads computing this rank's vocabulary columns (head.py)
+    a2a: bool = False  # cp_mode="a2a": positions exchanged for heads around each SDPA call (attention.py)
     layout: Optional[SeqLayout] = None
     traffic: Traffic = field(default_factory=Traffic)
     _cut: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # side inputs already cut, by identity
@@ -71,9 +72,11 @@ class ContextState:
         eager = "; Hugging Face eager attention routed to its own function on the whole keys" if self.eager else ""
         heads = (f"; {', '.join(self.heads)}: 1/{cp} of the vocabulary's columns per rank, the logits never whole"
                  if self.heads else "")
+        attention = ("every attention on 1/{cp} of the heads over the whole sequence (cp_mode='a2a': all-to-all "
+                     "before and after)" if self.a2a else "every attention on the whole sequence's keys (all-gathered, "
+                     "recomputed in backward)").format(cp=cp)
         return (f"Context parallelism: cp={cp}: {what} run on 1/{cp} of each sequence's positions (chunks r and "
-                f"{2 * cp}-1-r of {2 * cp}: causal work equal on every rank), every attention on the whole "
-                f"sequence's keys (all-gathered, recomputed in backward){extra}{eager}{heads}")
+                f"{2 * cp}-1-r of {2 * cp}: causal work equal on every rank), {attention}{extra}{eager}{heads}")
 
     def begin(self, length: int) -> SeqLayout:
         """The first block of a run sees the whole sequence: its layout."""
@@ -107,6 +110,10 @@ class ContextState:
         if self.sp is not None and t.shape[1] * self.sp.size == layout.local:
             t = all_gather_seq(t, self.sp, 1)
         return gather_positions(t, 1, layout, self.group)
+
+    def whole_of(self, cut: Tensor) -> Optional[Tensor]:
+        """The input a tensor :meth:`cut` returned was cut from (a mask's rows, for ``cp_mode="a2a"``), or None."""
+        return next((t for t, out in self._cut.values() if out is cut), None)
 
     def cut(self, t: Tensor, dim: int, layout: SeqLayout) -> Tensor:
         """``t`` at this rank's positions along ``dim``; the same input of every block cut once per forward."""
@@ -255,7 +262,7 @@ class _ContextBlock:
 
     def _cp_forward(self, args: tuple, kwargs: dict, layout: SeqLayout) -> tuple[Any, int]:
         shared = self._tpp_cp.shared
-        with ContextAttention(shared.group, layout, shared.traffic) as mode, \
+        with ContextAttention(shared.group, layout, shared.traffic, shared.a2a, shared.whole_of) as mode, \
                 _own_draws(self, _get_stream(args, kwargs)):  # type: ignore[arg-type]
             out = super().forward(*args, **kwargs)  # type: ignore[misc]
         return out, mode.taken
@@ -353,13 +360,13 @@ def mixing_layers(module: nn.Module, blocks: Sequence[str]) -> list[str]:
 
 def apply_context_parallel(module: nn.Module, runs: list[list[str]], group: TPGroup, *, pipelined: bool,
                            local_names: Optional[set[str]] = None, twins: Optional[dict[str, nn.Module]] = None,
-                           verify: bool = True, sp: Optional[TPGroup] = None, draws: Optional[OwnStream] = None
-                           ) -> ContextState:
+                           verify: bool = True, sp: Optional[TPGroup] = None, draws: Optional[OwnStream] = None,
+                           a2a: bool = False) -> ContextState:
     """Put the blocks of each run (block names in forward order) on this rank's positions; ``local_names``: the
     blocks this pipeline rank holds (the others are stand-ins whose meta ``twins`` get the run's shapes); ``sp``:
     the tp group when sequence parallelism cuts this rank's positions again inside the blocks; ``draws``: the
-    strategy's own random stream (dropout per cp rank)."""
-    shared = ContextState(group, pipelined, sp, draws)
+    strategy's own random stream (dropout per cp rank); ``a2a``: ``cp_mode="a2a"``."""
+    shared = ContextState(group, pipelined, sp, draws, a2a=a2a)
     modules = dict(module.named_modules())
     here = [n for names in runs for n in names if n in modules and (local_names is None or any(
         a in local_names for a in ancestors(n) + [n]))]

@@ -70,6 +70,10 @@ class SeqLayout:
         """Where each position sits in the concatenation of every rank's part (rank 0's, then rank 1's, ...)."""
         return _natural(self.padded, self.cp, device)
 
+    def order(self, device: torch.device) -> Tensor:
+        """The concatenation of every rank's positions (rank 0's, then rank 1's, ...): the inverse of ``natural``."""
+        return _order(self.padded, self.cp, device)
+
 
 @functools.lru_cache(maxsize=256)
 def _index(padded: int, cp: int, rank: int, device: torch.device) -> Tensor:
@@ -77,10 +81,14 @@ def _index(padded: int, cp: int, rank: int, device: torch.device) -> Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _natural(padded: int, cp: int, device: torch.device) -> Tensor:
+def _order(padded: int, cp: int, device: torch.device) -> Tensor:
     layout = SeqLayout(padded, padded, cp, 0)
-    order = [p for r in range(cp) for p in layout.positions(r)]
-    return torch.argsort(torch.tensor(order, dtype=torch.long)).to(device)
+    return torch.tensor([p for r in range(cp) for p in layout.positions(r)], dtype=torch.long, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _natural(padded: int, cp: int, device: torch.device) -> Tensor:
+    return torch.argsort(_order(padded, cp, torch.device("cpu"))).to(device)
 
 
 def _pad(t: Tensor, dim: int, to: int, fill: Any) -> Tensor:

@@ -280,6 +280,38 @@ def reduce_scatter_tokens(x: Tensor, group: TPGroup) -> Tensor:
     return _ReduceScatterSeq.apply(x, group, 0)
 
 
+def _swap(x: Tensor, group: TPGroup, split: int, cat: int) -> Tensor:
+    if x.shape[split] % group.size:
+        raise ValueError(f"an all-to-all over {group.size} ranks cuts dim {split} of shape {tuple(x.shape)}, which "
+                         f"{group.size} does not divide")
+    send = _comm_dtype(torch.stack(x.chunk(group.size, dim=split)))  # piece j goes to rank j
+    recv = torch.empty_like(send)
+    if not x.is_meta:  # shapes only on the meta device (the memory planner)
+        dist.all_to_all_single(recv, send, group=group.group)
+    return torch.cat(recv.to(x.dtype).unbind(0), dim=cat)  # rank j's piece for this rank, in rank order
+
+
+class _Swap(torch.autograd.Function):
+    """All-to-all: ``x`` cut along ``split`` into one piece per rank, piece ``j`` sent to rank ``j``, the pieces
+    received concatenated along ``cat`` in rank order. Backward: the same exchange the other way (each gradient
+    element returned to the rank it came from)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: TPGroup, split: int, cat: int) -> Tensor:
+        ctx.group, ctx.split, ctx.cat = group, split, cat
+        return _swap(x, group, split, cat)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return _swap(grad.contiguous(), ctx.group, ctx.cat, ctx.split), None, None, None
+
+
+def all_to_all_swap(x: Tensor, group: TPGroup, split: int, cat: int) -> Tensor:
+    """Ulysses' exchange: e.g. ``(batch, heads, positions, features)`` with ``split=1, cat=2`` gives this rank
+    ``1/size`` of the heads over every rank's positions (rank 0's first); ``split=2, cat=1`` undoes it."""
+    return _Swap.apply(x, group, split % x.dim(), cat % x.dim()) if group.size > 1 else x
+
+
 def copy_to_tp(x: Tensor, group: TPGroup) -> Tensor:
     return _CopyToTP.apply(x, group) if group.size > 1 else x
 

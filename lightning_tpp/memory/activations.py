@@ -40,7 +40,7 @@ def meta_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 def activations_per_stage(module: nn.Module, plan: TPPlan, partition: Optional[Partition], dims: MeshDims,
                           mb: int, seq_len: int, dtype: torch.dtype, checkpointing: bool, forward: Optional[ForwardFn],
-                          ep: int = 1
+                          ep: int = 1, cp_mode: str = "allgather"
                           ) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[int, int], dict[int, int]]:
     """Bytes held per micro-batch by each stage (saved tensors plus the outputs sent to the next stage; saved
     tensors alone), what comes on top at a stage's peak (under checkpointing, its largest block's activations
@@ -48,14 +48,14 @@ def activations_per_stage(module: nn.Module, plan: TPPlan, partition: Optional[P
     beside the saved tensors (the last stage's; ``_Live``)."""
     owners = partition.owners() if partition is not None else {}
     blocks = block_names(module, partition)
-    full = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, False, forward, ep)
+    full = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, False, forward, ep, cp_mode)
     last = partition.stages - 1 if partition is not None else 0
     # after a split backward's I: the weight products' operands and the sent outputs; the first stage runs its
     # backward whole in W (it sends no input gradient), so it keeps everything until then
     waiting = {g: full.weight_operands.get(g, 0) + (full.sent.get(g, 0) if g < last else 0) for g in range(last + 1)}
     held, recompute = full, dict[int, int]()
     if checkpointing:
-        held = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, True, forward, ep)
+        held = _measure(module, plan, owners, blocks, dims, mb, seq_len, dtype, True, forward, ep, cp_mode)
         for name, b in full.blocks.items():
             g = owners.get(name, 0)
             recompute[g] = max(recompute.get(g, 0), b)
@@ -87,11 +87,11 @@ class _Measured:
 
 def _measure(module: nn.Module, plan: TPPlan, owners: Mapping[str, int], blocks: Sequence[str], dims: MeshDims,
              mb: int, seq_len: int, dtype: torch.dtype, checkpointing: bool, forward: Optional[ForwardFn],
-             ep: int = 1) -> _Measured:
+             ep: int = 1, cp_mode: str = "allgather") -> _Measured:
     """Run one micro-batch forward on a meta copy cut by ``plan``; attribute every saved tensor to the stage (and
     block) whose module is running, or else to the stage that ran last (the loss goes to the last stage)."""
     copy = meta_copy(module, dtype)
-    config = planning_config(dims.tp, 1, ep=ep, cp=dims.cp)
+    config = planning_config(dims.tp, 1, ep=ep, cp=dims.cp, cp_mode=cp_mode)
     # the blocks on this rank's positions (cp > 1): what their attention gathers is counted as it runs
     run(copy, config, meta_groups(config), dims=MeshDims(1, 1, dims.tp, dims.cp),
         until="context_parallel" if dims.cp > 1 else "experts", plan=plan)

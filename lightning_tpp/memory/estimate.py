@@ -141,8 +141,8 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
                     balance: Union[str, Sequence[int]] = "params", split_points: Optional[Sequence[str]] = None,
                     blocks: Optional[Union[str, Sequence[str]]] = None,
                     tp_plan: Union[str, Mapping[str, str]] = "auto",
-                    forward: Optional[ForwardFn] = None, ep: int = 1, snapshot: bool = False, cp: int = 1
-                    ) -> MemoryReport:
+                    forward: Optional[ForwardFn] = None, ep: int = 1, snapshot: bool = False, cp: int = 1,
+                    cp_mode: str = "allgather") -> MemoryReport:
     """Bytes per rank of training ``module`` with ``TensorPipeStrategy(tp, pp, dp, ...)``, without allocating.
 
     ``module`` is usually built on the meta device (``with torch.device("meta"): ...``); a module with real weights
@@ -156,7 +156,8 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     gathered). See the module docstring for the method. ``snapshot``: a ``SpikeGuard(action="rollback")`` keeps a
     copy of each rank's parameters and optimizer state in host memory (``RankMemory.snapshot``, not part of the
     device ``total``). ``cp``: context parallelism (the blocks run on ``seq_len / cp`` positions of each sequence;
-    the cp ranks of a replica read the same batch, and dp sharding spans dp x cp)."""
+    the cp ranks of a replica read the same batch, and dp sharding spans dp x cp); ``cp_mode`` as the strategy's
+    (``"a2a"``: the attention keeps ``1/cp`` of the heads over the whole sequence, nothing recomputed)."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not one of {tuple(OPTIMIZER_STATES)}")
     if backend not in ("nccl", "gloo"):
@@ -187,7 +188,7 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
         plan.styles.update(state.plan.styles)
         plan.blocks.update(state.plan.blocks)
     per_stage, saved, recompute, waiting, transient = activations_per_stage(
-        module, plan, report.partition, dims, mb, seq_len, param_dtype, activation_checkpointing, forward, ep)
+        module, plan, report.partition, dims, mb, seq_len, param_dtype, activation_checkpointing, forward, ep, cp_mode)
     waiting_saved = {g: max(w - (per_stage.get(g, 0) - saved.get(g, 0)), 0) for g, w in waiting.items()}  # not sent
     splitting = [pp > 1 and any(kind in ("I", "W") for kind, _, _ in spec.orders(0, pp, m, virtual_stages))
                  for spec in specs]

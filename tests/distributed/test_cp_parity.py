@@ -1,5 +1,5 @@
 """Context parallelism (issue #46): one-process parity of every family ``models_cp`` trains, at cp2, cp4, cp2 x tp2,
-cp2 x pp2 and cp2 x dp2, and a sequence length that needs padding.
+cp2 x pp2 and cp2 x dp2, and a sequence length that needs padding, in both modes (``cp_mode="allgather"``, ``"a2a"``).
 
 Each launch (2 and 4 ranks) trains several configurations one after the other (``worker_cp.py``) once per test run
 (a module fixture); each configuration is its own test, comparing per-step losses, per-parameter gradients and
@@ -20,9 +20,12 @@ from parity import Record, assert_parity, load_record, merge_stages, train
 from worker_cp import CONFIGS
 
 SCRIPT = Path(__file__).parent / "worker_cp.py"
-LAUNCHES = {2: ["cp2", "cp2_families", "cp2_padded", "cp2_dropout"], 4: ["cp4", "cp2tp2", "cp2pp2", "cp2dp2"],
-            # slow (python -m pytest -m slow): activation checkpointing, bf16, sequence parallelism inside, more families
-            "2 slow": ["cp2_recompute", "cp2_bf16", "cp2_families_slow"], "4 slow": ["cp2tp2sp", "cp2pp2_hf"]}
+LAUNCHES = {2: ["cp2", "cp2_families", "cp2_padded", "cp2_dropout", "cp2_a2a", "cp2_a2a_padded"],
+            4: ["cp2tp2", "cp2pp2", "cp2dp2", "cp2tp2_a2a"],
+            # slow (python -m pytest -m slow): cp4, activation checkpointing, bf16, sequence parallelism inside, more
+            # families, a2a at cp4 and under a pipeline, a2a's fallback
+            "2 slow": ["cp2_recompute", "cp2_bf16", "cp2_families_slow", "cp2_a2a_fallback"],
+            "4 slow": ["cp4", "cp2tp2sp", "cp2pp2_hf", "cp4_a2a", "cp2pp2_a2a"]}
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,8 +177,55 @@ def test_cp2_pp2_hugging_face(four_slow: Path) -> None:
     check_parity(four_slow, "cp2pp2_hf")
 
 
-def test_cp4_parity(four: Path) -> None:
-    check_parity(four, "cp4")
+@pytest.mark.slow
+def test_cp4_parity(four_slow: Path) -> None:
+    check_parity(four_slow, "cp4")
+
+
+def _a2a_calls(out: Path, name: str) -> list[tuple[int, int]]:
+    """(attention calls taken over, of them exchanged for heads) of every model on every rank."""
+    config = CONFIGS[name]
+    traffic = [_extra(out, name, model, r)["traffic"] for model in config.models for r in range(config.world)]
+    return [(t["calls"], t["a2a_calls"]) for t in traffic]
+
+
+def test_cp2_a2a_parity(two: Path) -> None:
+    """cp_mode="a2a" (Ulysses) on the same families as test_cp2_parity: causal, sliding window, padding mask, packed
+    documents; every attention call exchanged positions for heads."""
+    check_parity(two, "cp2_a2a")
+    calls = _a2a_calls(two, "cp2_a2a")
+    assert all(n > 0 and a2a == n for n, a2a in calls), calls
+
+
+def test_cp2_a2a_length_that_needs_padding(two: Path) -> None:
+    check_parity(two, "cp2_a2a_padded")
+    assert all(n > 0 and a2a == n for n, a2a in _a2a_calls(two, "cp2_a2a_padded"))
+
+
+def test_cp2_tp2_a2a(four: Path) -> None:
+    """tp cuts HF Llama's 2 key/value heads to 1 per tp rank; a2a repeats it for the 2 cp ranks' query heads."""
+    check_parity(four, "cp2tp2_a2a")
+    assert all(n > 0 and a2a == n for n, a2a in _a2a_calls(four, "cp2tp2_a2a"))
+
+
+@pytest.mark.slow
+def test_cp4_a2a(four_slow: Path) -> None:
+    """2 key/value heads repeated for 4 cp ranks (1 query head each); Mistral's sliding window, packed documents."""
+    check_parity(four_slow, "cp4_a2a")
+    assert all(n > 0 and a2a == n for n, a2a in _a2a_calls(four_slow, "cp4_a2a"))
+
+
+@pytest.mark.slow
+def test_cp2_pp2_a2a(four_slow: Path) -> None:
+    check_parity(four_slow, "cp2pp2_a2a")
+
+
+@pytest.mark.slow
+def test_cp2_a2a_falls_back(two_slow: Path) -> None:
+    """Hugging Face eager attention and nn.MultiheadAttention are not SDPA calls: under cp_mode="a2a" they run as
+    "allgather" (exact; a warning says so)."""
+    check_parity(two_slow, "cp2_a2a_fallback")
+    assert all(n > 0 and a2a == 0 for n, a2a in _a2a_calls(two_slow, "cp2_a2a_fallback"))
 
 
 def test_cp2_tp2_parity(four: Path) -> None:

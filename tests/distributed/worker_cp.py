@@ -46,6 +46,10 @@ CONFIGS = {
     "cp2_padded": Config(("cp_llama", "cp_hf_bert"), dict(cp=2), dict(steps=3, seq=30)),  # 30 = 4 * 7 + 2
     "cp2_recompute": Config(("cp_llama", "cp_hf_mistral"), dict(cp=2, activation_checkpointing=True), RUN),
     "cp2_bf16": Config(("cp_hf_llama",), dict(cp=2), dict(RUN, precision="bf16-mixed")),
+    # cp_mode="a2a" (Ulysses): positions exchanged for heads around each SDPA call
+    "cp2_a2a": Config(FAMILIES, dict(cp=2, cp_mode="a2a"), RUN),
+    "cp2_a2a_padded": Config(("cp_llama", "cp_hf_bert"), dict(cp=2, cp_mode="a2a"), dict(steps=3, seq=30)),
+    "cp2_a2a_fallback": Config(("cp_hf_llama_eager", "seq2seq"), dict(cp=2, cp_mode="a2a"), dict(steps=2, seq=16)),
     # launch of 4 ranks
     "cp4": Config(("cp_hf_mistral", "cp_hf_packed"), dict(cp=4), RUN),
     "cp2tp2": Config(("cp_hf_llama", "cp_hf_bert"), dict(cp=2, tp=2), RUN),
@@ -54,6 +58,10 @@ CONFIGS = {
     "cp2dp2": Config(("cp_hf_packed",), dict(cp=2, dp=2), RUN),
     # slow: more layouts of the same families
     "cp2pp2_hf": Config(("cp_hf_mistral",), dict(cp=2, pp=2, schedule="1f1b"), RUN),
+    # a2a: 1 key/value head per tp rank repeated for 2 cp ranks; 2 key/value heads repeated for 4 cp ranks
+    "cp2tp2_a2a": Config(("cp_hf_llama",), dict(cp=2, tp=2, cp_mode="a2a"), RUN),
+    "cp4_a2a": Config(("cp_hf_mistral", "cp_hf_packed"), dict(cp=4, cp_mode="a2a"), RUN),
+    "cp2pp2_a2a": Config(("cp_llama4",), dict(cp=2, pp=2, schedule="1f1b", cp_mode="a2a"), RUN),
 }
 
 
