@@ -54,13 +54,15 @@ class AutoRequest:
     global_batch: Optional[int]
     margin: float = 0.1
     ep: Optional[int] = None  # searched (layout="auto", where the model has experts), else the given one
+    cp: Optional[int] = 1  # searched (layout="auto" with cp=1, where context parallelism can run), else the given one
 
 
 def auto_request(*, tp: Any, pp: Any, dp: Any, layout: Optional[str], device_memory: Optional[Union[float, str]],
-                 global_batch: Optional[int], activation_checkpointing: bool, dp_sharding: str, ep: int = 1
-                 ) -> Optional[AutoRequest]:
+                 global_batch: Optional[int], activation_checkpointing: bool, dp_sharding: str, ep: int = 1,
+                 cp: int = 1) -> Optional[AutoRequest]:
     """The request the strategy's arguments make, or ``None`` when every degree is given (the search is off).
-    ``layout="auto"`` searches ep too; ``tp="auto"`` / ``pp="auto"`` keep the given ``ep``."""
+    ``layout="auto"`` searches ep too, and cp unless one above 1 is given; ``tp="auto"`` / ``pp="auto"`` keep the
+    given ``ep`` and ``cp``."""
     if layout not in (None, AUTO):
         raise AutoLayoutError(f"layout={layout!r} must be 'auto' or None (tp, pp and dp given)")
     if layout is None and AUTO not in (tp, pp):
@@ -76,7 +78,8 @@ def auto_request(*, tp: Any, pp: Any, dp: Any, layout: Optional[str], device_mem
     return AutoRequest(tp=None if whole or tp == AUTO else tp, pp=None if whole or pp == AUTO else pp,
                        activation_checkpointing=None if whole else activation_checkpointing,
                        dp_sharding=None if whole else dp_sharding, device_memory=_bytes(device_memory),
-                       global_batch=global_batch, ep=None if whole else ep)
+                       global_batch=global_batch, ep=None if whole else ep,
+                       cp=None if whole and cp == 1 else cp)
 
 
 def _bytes(value: Optional[Union[float, str]]) -> Optional[float]:
@@ -265,7 +268,7 @@ class TensorPipeConfig:
         request = auto_request(tp=self.tp, pp=self.pp, dp=self.dp, layout=self.layout,
                                device_memory=self.device_memory, global_batch=self.global_batch,
                                activation_checkpointing=self.activation_checkpointing,
-                               dp_sharding=self.dp_sharding, ep=self.ep)
+                               dp_sharding=self.dp_sharding, ep=self.ep, cp=self.cp)
         # a searched degree is decided at setup (with_layout); until then the layout is checked as tp = pp = 1
         tp, pp = (1, 1) if request is not None else (self.tp, self.pp)
         tp = 1 if tp == "auto" else tp
@@ -278,9 +281,6 @@ class TensorPipeConfig:
         if self.cp > 1 and self.ep > 1:
             raise ValueError(f"cp={self.cp} with ep={self.ep}: context parallelism does not yet run expert "
                              f"parallelism (the tokens of a replica are spread over its cp ranks); use ep=1")
-        if self.cp > 1 and request is not None:
-            raise ValueError(f"cp={self.cp} with a searched layout: the layout search does not choose around a "
-                             f"fixed cp yet; give tp, pp and dp with cp")
         auto = isinstance(self.schedule, str) and self.schedule == AUTO_SCHEDULE
         set_("schedule", AUTO_SCHEDULE if auto else normalize_schedule(self.schedule))
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
@@ -313,14 +313,15 @@ class TensorPipeConfig:
         when every degree is given."""
         return auto_request(tp=self.tp, pp=self.pp, dp=self.dp, layout=self.layout, device_memory=self.device_memory,
                             global_batch=self.global_batch, activation_checkpointing=self.activation_checkpointing,
-                            dp_sharding=self.dp_sharding, ep=self.ep)
+                            dp_sharding=self.dp_sharding, ep=self.ep, cp=self.cp)
 
     def with_layout(self, layout: Any) -> "TensorPipeConfig":
         """The config the search chose (a ``lightning_tpp.layout.Layout``): the degrees, micro-batches, schedule,
         activation checkpointing and dp sharding given, as a user could have written them."""
         return dataclasses.replace(
-            self, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, cp=getattr(layout, "cp", 1), microbatches=layout.microbatches,
-            virtual_stages=1, schedule=layout.schedule if layout.pp > 1 else self.schedule,
+            self, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, cp=layout.cp,
+            microbatches=layout.microbatches, virtual_stages=1,
+            schedule=layout.schedule if layout.pp > 1 else self.schedule,
             activation_checkpointing=layout.activation_checkpointing, dp_sharding=layout.dp_sharding, layout=None,
             device_memory=None, global_batch=None)
 

@@ -30,6 +30,15 @@ the same work that expert tp gives it (1/tp of every expert for all its tokens).
 replicas (dp x tp / ep ranks) once per step, not overlapped (``StepTime.experts``); FSDP2 and the dp all-reduce carry
 only the dense rest.
 
+Context parallelism (``cp > 1``, ``cp_mode="allgather"``): a block's compute is ``1/cp`` of cp = 1's (its positions;
+the causal attention's work is equal on every rank by the head-and-tail chunks), its backward adds its attention's
+forward again (the attention is recomputed), and each attention call all-gathers the whole sequence's keys and values
+over cp in forward, again in backward, and reduce-scatters their gradients (the profile's ``keys`` bytes, cut by tp).
+The stack's output is gathered once per micro-batch (reduce-scattered in backward); the LM head computes ``1/cp`` of
+the vocabulary's columns (the ends' time / cp) and its input's gradient is all-reduced over cp. The cp group sits
+next to tp in the mesh (its link: within a node while tp x cp fit in one). FSDP2 and the gradient average run over
+dp x cp; a step reads ``dp`` samples per micro-batch row (the cp ranks read the same ones).
+
 Processes that share cores (CPU) wait for the slowest at each synchronisation point: the compute is scaled by
 ``1 + BlockTimes.straggle``, the wait measured at the barriers of the block timing (``timing.Meeting``); 0 on GPUs
 (a device per process: timed alone), where stragglers are not modelled.
@@ -144,14 +153,28 @@ class StepTime:
         return self.total / self.samples
 
 
-def _links(layout: Layout, device: DeviceSpec) -> tuple[Link, Link, Link, Link]:
-    """tp, pp, dp and ep links: tp within a node; pp while tp x pp fit in a node; dp while the whole mesh does; ep
-    while its group is inside a tp group or spans no more than ep x pp devices of a node (tp fastest, then dp)."""
+def _links(layout: Layout, device: DeviceSpec) -> tuple[Link, Link, Link, Link, Link]:
+    """tp, pp, dp, ep and cp links: tp within a node; cp while tp x cp fit in a node; pp while tp x cp x pp do; dp
+    while the whole mesh does; ep while its group is inside a tp group or spans no more than ep x pp devices of a
+    node (tp fastest, then dp)."""
     node = device.devices_per_node
-    pp = device.intra if layout.tp * layout.pp <= node else device.inter
+    cp = device.intra if layout.tp * layout.cp <= node else device.inter
+    pp = device.intra if layout.tp * layout.cp * layout.pp <= node else device.inter
     dp = device.intra if layout.world <= node else device.inter
     ep = device.intra if layout.ep <= layout.tp or layout.ep * layout.pp <= node else device.inter
-    return device.intra, pp, dp, ep
+    return device.intra, pp, dp, ep, cp
+
+
+def _context(block: BlockProfile, bf: float, mb: float, layout: Layout, link: Link) -> tuple[float, float]:
+    """(forward, backward) seconds that context parallelism adds to a block (0 at cp = 1): see the module
+    docstring. ``bf``: the block's forward seconds at this rank's positions."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0, 0.0
+    keys = block.keys * mb / layout.tp  # the whole sequence's keys and values of this rank's heads
+    gather = link.gather(keys, cp)
+    recompute = bf * block.attention_flops / block.flops.whole if block.flops.whole else 0.0
+    return gather, gather + link.reduce_scatter(keys, cp) + recompute
 
 
 def _exchanges(block: BlockProfile, mb: float, layout: Layout, link: Link, seq_len: int, elem: int
@@ -170,33 +193,38 @@ def _exchanges(block: BlockProfile, mb: float, layout: Layout, link: Link, seq_l
 def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: BlockTimes, *, batch: int,
               optimizer_states: int = 2) -> StepTime:
     """Seconds of one optimizer step of ``layout`` on per-process batches of ``batch`` sequences."""
-    tp, pp, m = layout.tp, layout.pp, layout.microbatches
+    tp, pp, m, cp = layout.tp, layout.pp, layout.microbatches, layout.cp
     mb = batch / m
-    tp_link, pp_link, dp_link, ep_link = _links(layout, device)
+    tp_link, pp_link, dp_link, ep_link, cp_link = _links(layout, device)
     hidden = profile.sent * mb  # the residual stream of a micro-batch, in bytes
-    reduce = tp_link.all_reduce(hidden, tp)
-    send = pp_link.p2p(hidden) if pp > 1 else 0.0
-    costs = tuple(b.active for b in profile.blocks)
-    bounds = stage_blocks(costs, pp, profile.first_params.whole, profile.last_params.whole) if pp > 1 else \
+    reduce = tp_link.all_reduce(hidden / cp, tp)
+    send = pp_link.p2p(hidden / cp) if pp > 1 else 0.0
+    bounds = stage_blocks(profile.actives, pp, profile.first_params.whole, profile.last_params.whole) if pp > 1 else \
         ((0, profile.n_blocks),)
     per_rank, stage_dense, stage_experts, stage_tensors = [], [], [], []
     for r, (a, b) in enumerate(bounds):
         f = bwd = 0.0
-        for block in profile.blocks[a:b]:
+        for block, n in profile.alike(a, b):
             bf, bb = times.block(block, mb, tp, device)
+            bf, bb = bf / cp, bb / cp
             xf, xb = _exchanges(block, mb, layout, ep_link, profile.seq_len, profile.dtype_bytes)
+            cf, cb = _context(block, bf, mb, layout, cp_link)
             comm = block.reductions * reduce
-            f += bf + comm + xf
-            bwd += bb + comm + xb + (bf + comm + xf if layout.activation_checkpointing else 0.0)
+            f += (bf + comm + xf + cf) * n
+            bwd += (bb + comm + xb + cb + (bf + comm + xf + cf if layout.activation_checkpointing else 0.0)) * n
         dense, experts, _ = stage_params(profile, layout, r, a, b)
+        if cp > 1 and r == pp - 1:  # the stack's output gathered (reduce-scattered back), the head's input all-reduced
+            f += cp_link.gather(hidden, cp)
+            bwd += cp_link.reduce_scatter(hidden, cp) + cp_link.all_reduce(hidden, cp)
         if r == pp - 1:  # the ends, the embeddings' share included (small beside the head and loss)
             ef, eb = times.ends_time(profile, mb, tp, device)
             comm = profile.vocab_reductions * reduce
-            f, bwd = f + ef + comm, bwd + eb + comm
+            f, bwd = f + ef / cp + comm, bwd + eb / cp + comm
         per_rank.append((f + send, bwd + send))
         stage_dense.append(dense * profile.dtype_bytes)
         stage_experts.append(experts * profile.dtype_bytes)
-        stage_tensors.append(sum(x.tensors for x in profile.blocks[a:b]) + (profile.end_tensors[0] if r == 0 else 0)
+        stage_tensors.append(sum(x.tensors * n for x, n in profile.alike(a, b))
+                             + (profile.end_tensors[0] if r == 0 else 0)
                              + (profile.end_tensors[1] if r == pp - 1 else 0))
     run, busy = _pipeline(layout.schedule, pp, m, tuple(per_rank))
     if layout.world > 1:  # every layout of more than one process meets the others in its step: the slowest sets the pace
@@ -204,16 +232,17 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
     compute = max(m * (f + b) for f, b in per_rank) * layout.accumulate  # what FSDP2/dp traffic can hide behind
     largest = max(stage_dense)
     fsdp = dp = 0.0
+    replicas = layout.replicas
     if layout.sharded:
         gathers = 2 if layout.dp_sharding == "full_shard" else 1
-        per_mb = gathers * dp_link.gather(largest, layout.dp) + dp_link.reduce_scatter(largest, layout.dp) + \
+        per_mb = gathers * dp_link.gather(largest, replicas) + dp_link.reduce_scatter(largest, replicas) + \
             times.copies(largest, gathers + 1, device)  # FSDP2's copy-in / copy-out around each collective
         fsdp = _exposed(per_mb * m * layout.accumulate, compute, device.overlap)
-    elif layout.dp > 1:  # after backward: nothing left to hide it behind
-        dp = dp_link.all_reduce(largest, layout.dp) + times.copies(largest, 2, device)
+    elif replicas > 1:  # after backward: nothing left to hide it behind
+        dp = dp_link.all_reduce(largest, replicas) + times.copies(largest, 2, device)
     if layout.dp > 1:
         dp += dp_link.gather(4.0 * layout.dp, layout.dp) * layout.accumulate  # the loss check's flags
-    shard = layout.dp if layout.sharded else 1
+    shard = replicas if layout.sharded else 1
     optimizer = max(times.optimizer_step(n, (d / shard + e) / profile.dtype_bytes, profile.dtype_bytes,
                                          optimizer_states, device)
                     for n, d, e in zip(stage_tensors, stage_dense, stage_experts))

@@ -15,6 +15,10 @@ The same terms as the memory planner (``memory.estimate``), which this follows a
                         step        AdamW's foreach temporary, the size of the parameters
     total = states + max(activations + gathered, step)
 
+With context parallelism (``cp > 1``) the blocks run on ``1/cp`` of each sequence's positions: their saved bytes,
+what checkpointing keeps, a stage's send and the LM head's (``1/cp`` of the vocabulary's columns) are ``1/cp`` of
+cp = 1's; the embeddings' are not (they run on the whole sequence); states are sharded over dp x cp.
+
 With expert parallelism (``ep > 1``) a rank holds ``1 / ep`` of every expert bank, whole (not cut by tp) and not
 sharded by FSDP2 (the experts are left out of its units: their replicas are a part of dp), as ``estimate_memory(ep=)``
 counts them; the dense rest keeps tp and FSDP2. The exchange's rows held for backward are measured once at ep = 2
@@ -70,11 +74,11 @@ def stage_params(profile: ModelProfile, layout: Layout, r: int, a: int, b: int) 
     part). Under ``ep > 1`` the experts are ``1 / ep`` of the banks, whole; else they are in ``dense`` (cut by tp,
     sharded by FSDP2 as every other parameter)."""
     tp, ep = layout.tp, layout.ep
-    blocks = profile.blocks[a:b]
+    blocks = profile.alike(a, b)
     split = ep > 1
-    dense = sum(x.params.at(tp) - (x.experts.at(tp) if split else 0.0) for x in blocks)
-    experts = sum(x.experts.whole for x in blocks) / ep if split else 0.0
-    largest = max((x.params.at(tp) - (x.experts.at(tp) if split else 0.0) for x in blocks), default=0.0)
+    dense = sum((x.params.at(tp) - (x.experts.at(tp) if split else 0.0)) * n for x, n in blocks)
+    experts = sum(x.experts.whole * n for x, n in blocks) / ep if split else 0.0
+    largest = max((x.params.at(tp) - (x.experts.at(tp) if split else 0.0) for x, _ in blocks), default=0.0)
     if r == 0:
         dense += profile.first_params.at(tp)
     if r == layout.pp - 1:
@@ -97,30 +101,30 @@ def layout_memory(profile: ModelProfile, layout: Layout, *, batch: int, optimize
     mb = batch / layout.microbatches
     elem = profile.dtype_bytes
     per_param = elem * (2 + OPTIMIZER_STATES[optimizer])
-    costs = tuple(b.active for b in profile.blocks)
-    bounds = stage_blocks(costs, pp, profile.first_params.whole, profile.last_params.whole) if pp > 1 else \
+    bounds = stage_blocks(profile.actives, pp, profile.first_params.whole, profile.last_params.whole) if pp > 1 else \
         ((0, profile.n_blocks),)
-    shard = layout.dp if layout.sharded else 1
+    shard = layout.replicas if layout.sharded else 1
+    cp = layout.cp
     best = None
     for r, (a, b) in enumerate(bounds):
-        blocks = profile.blocks[a:b]
+        blocks = profile.alike(a, b)
         dense, experts, largest = stage_params(profile, layout, r, a, b)
         saved = 0.0
         if r == 0:
             saved += profile.first_saved.at(tp) * mb
         if r == pp - 1:
-            saved += profile.last_saved.at(tp) * mb
+            saved += profile.last_saved.at(tp) * mb / cp
         exchange = (lambda x: x.exchange_saved / tp) if layout.ep > 1 else (lambda x: 0.0)  # noqa: E731
         if layout.activation_checkpointing:
-            saved += sum(x.kept.at(tp) for x in blocks) * mb
-            extra = max((x.saved.at(tp) + exchange(x) for x in blocks), default=0.0) * mb
+            saved += sum(x.kept.at(tp) * n for x, n in blocks) * mb / cp
+            extra = max((x.saved.at(tp) + exchange(x) for x, _ in blocks), default=0.0) * mb / cp
         else:
-            saved += sum(x.saved.at(tp) + exchange(x) for x in blocks) * mb
+            saved += sum((x.saved.at(tp) + exchange(x)) * n for x, n in blocks) * mb / cp
             extra = 0.0
         if r < pp - 1:
-            saved += profile.sent * mb
+            saved += profile.sent * mb / cp
         if r == pp - 1:
-            extra += profile.last_transient.at(tp) * mb  # the loss's backward, beside what the stage holds
+            extra += profile.last_transient.at(tp) * mb / cp  # the loss's backward, beside what the stage holds
         held = in_flight(layout.schedule, pp, layout.microbatches, r) * saved + extra
         largest *= elem
         gathered = 0.0

@@ -25,8 +25,11 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_tpp.context_parallel import mixing_layers
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.meta_ops import DataDependentOnMeta
 from lightning_tpp.experts.detect import MoELayer, find_experts, top_k
@@ -71,8 +74,11 @@ class Scaled:
 
     @staticmethod
     def fit(at_1: float, at_2: float) -> "Scaled":
-        """From the figure at tp = 1 and tp = 2 (``at_2 = whole - cut / 2``)."""
-        return Scaled(float(at_1), max(2.0 * (at_1 - at_2), 0.0))
+        """From the figure at tp = 1 and tp = 2 (``at_2 = whole - cut / 2``). A figure that falls faster than
+        ``1 / tp`` (a vocabulary-parallel loss's backward: 269 GB at tp = 1, 101 GB at tp = 2 for a 128 K vocabulary
+        at 262 K positions) is taken as all cut: ``at_1 / tp``, above what was measured at tp = 2, where the line
+        through both would go below zero by tp = 8 and a layout that cannot run would seem to fit."""
+        return Scaled(float(at_1), min(max(2.0 * (at_1 - at_2), 0.0), float(at_1)))
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,9 @@ class BlockProfile:
     routed: tuple[RoutedLayer, ...] = ()
     exchange_saved: float = 0.0  # bytes per sequence (tp = 1) that expert parallelism's exchange adds to ``saved``
     tensors: int = 0  # parameter tensors (an optimizer step's per-tensor work)
+    keys: float = 0.0  # bytes per sequence (tp = 1) of the keys and values its attention calls read: what context
+    # parallelism all-gathers (a block whose attention is not an SDPA call: twice its output, as multi-head attention)
+    attention_flops: float = 0.0  # of ``flops``, the attention's (query x key products): what cp recomputes
 
     @property
     def active(self) -> float:
@@ -127,10 +136,40 @@ class ModelProfile:
     end_tensors: tuple[int, int] = (0, 0)  # parameter tensors outside the blocks on the first and last stage
     last_transient: Scaled = Scaled(0.0)  # bytes per sequence the loss's backward holds beside the saved tensors
     shared_params: Scaled = Scaled(0.0)  # of first_params and last_params, in both (a tied embedding and head)
+    cp_problem: Optional[str] = None  # why context parallelism cannot run the model (None: it can)
 
     @property
     def n_blocks(self) -> int:
         return len(self.blocks)
+
+    @functools.cached_property
+    def actives(self) -> tuple[float, ...]:
+        """Each block's ``active`` parameters: the weights the pipeline partition balances."""
+        return tuple(b.active for b in self.blocks)
+
+    @functools.cached_property
+    def _runs(self) -> tuple[tuple[int, int, BlockProfile], ...]:
+        """Consecutive blocks whose figures are alike (names aside): (start, stop, the first of them)."""
+        runs: list[tuple[int, int, BlockProfile]] = []
+        for i, block in enumerate(self.blocks):
+            if runs and _figures(runs[-1][2]) == _figures(block):
+                runs[-1] = (runs[-1][0], i + 1, runs[-1][2])
+            else:
+                runs.append((i, i + 1, block))
+        return tuple(runs)
+
+    def alike(self, a: int, b: int) -> tuple[tuple[BlockProfile, int], ...]:
+        """Blocks ``a:b`` as (block, how many in a row are alike): a layout's cost and memory sum a stage's blocks
+        once per kind, however deep the stack (searching 1024 devices costs a few figures per stage, not 80)."""
+        key = (a, b)
+        if key not in self._alike:
+            self._alike[key] = tuple((block, min(stop, b) - max(start, a)) for start, stop, block in self._runs
+                                     if start < b and stop > a)
+        return self._alike[key]
+
+    @functools.cached_property
+    def _alike(self) -> dict[tuple[int, int], tuple[tuple[BlockProfile, int], ...]]:
+        return {}
 
     @property
     def routed(self) -> tuple[RoutedLayer, ...]:
@@ -146,6 +185,11 @@ class ModelProfile:
             if r.experts % ep:
                 return f"ep={ep} must divide the {r.experts} experts of {r.name}"
         return None
+
+
+def _figures(block: BlockProfile) -> BlockProfile:
+    """What a layout's cost and memory read of a block: everything but its (and its routed layers') names."""
+    return dataclasses.replace(block, name="", routed=tuple(dataclasses.replace(r, name="") for r in block.routed))
 
 
 def profile_model(module: nn.Module, *, seq_len: int, dtype: torch.dtype = torch.float32,
@@ -174,7 +218,7 @@ def _profile(module: nn.Module, copy: nn.Module, lengths: Mapping[str, int], seq
     sequence = block_sequence(copy, blocks)
     n = len(sequence.members)  # a stage per block: the planner's per-stage bytes per block
     partition = plan_partition(copy, n, sequence=sequence)
-    flops, flops_total = _flops(copy, partition.names, seq_len, forward)
+    flops, flops_total, attention = _flops(copy, partition.names, seq_len, forward)
     layers = find_experts(copy)
     routed = [_routed(copy, layers, names) for names in partition.members]
     expert_flops = [seq_len * sum(r.flops_per_token for r in layers) for layers in routed]
@@ -203,7 +247,8 @@ def _profile(module: nn.Module, copy: nn.Module, lengths: Mapping[str, int], seq
                                        Scaled.fit(full1[i], full2[i]), Scaled.fit(kept1[i], kept2[i]),
                                        Scaled(flops[i], flops[i] if red else 0.0), red,
                                        Scaled.fit(banks1[i], banks2[i]), routed[i], exchange[i],
-                                       int(pp1["tensors"][i])))
+                                       int(pp1["tensors"][i]), attention[i][0] or 2.0 * pp1["sent"],
+                                       attention[i][1]))
     block_list = _expand(block_list, partition.blocks, lengths)
     ends = set(partition.pre) | set(partition.post)
     vocab = sum(1 for m, s in styles.items() if s in ("vocab", "colwise_gather") and m in ends)
@@ -218,7 +263,15 @@ def _profile(module: nn.Module, copy: nn.Module, lengths: Mapping[str, int], seq
         int(sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())),
         (int(pp1["first_tensors"]), int(pp1["last_tensors"])),
         Scaled.fit(pp1["transient"], figures[2][4]["transient"]),
-        Scaled.fit(pp1["shared"], figures[2][4]["shared"]))
+        Scaled.fit(pp1["shared"], figures[2][4]["shared"]), _cp_problem(copy, partition.names, layers))
+
+
+def _cp_problem(copy: nn.Module, blocks: Sequence[str], experts: Sequence[MoELayer]) -> Optional[str]:
+    """Why ``cp > 1`` is refused at setup for this model (``steps._context_runs``), or None."""
+    if experts:
+        return "cp: mixture-of-experts layers (their routers would see one rank's positions)"
+    mixing = mixing_layers(copy, list(blocks))
+    return f"cp: {mixing[0]}" if mixing else None
 
 
 def _kinds(copy: nn.Module, names: Sequence[str], containers: Sequence[str]) -> list[str]:
@@ -334,27 +387,52 @@ def _at_tp(copy: nn.Module, partition: Any, tp: int, seq_len: int, dtype: torch.
     return (params, [float(saved.get(i, 0)) for i in range(n)], [max(k, 0.0) for k in kept], full, ends), plan
 
 
+class _Attention(TorchFunctionMode):
+    """The bytes of the keys and values the attention calls read, and their query x key FLOPs (a block's figures
+    for context parallelism's terms)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys = self.flops = 0.0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and len(args) >= 3:
+            q, k, v = args[:3]
+            self.keys += float(k.nbytes + v.nbytes)
+            self.flops += 2.0 * q.numel() / q.shape[-1] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+        elif func is F.multi_head_attention_forward and len(args) >= 3:  # its inputs are gathered under cp
+            q, k, v = args[:3]
+            self.keys += float(k.nbytes + (v.nbytes if v is not k else 0))
+            self.flops += 4.0 * q.numel() * k.shape[0]
+        return func(*args, **kwargs)
+
+
 def _flops(copy: nn.Module, names: Sequence[str], seq_len: int, forward: Optional[ForwardFn]
-           ) -> tuple[list[float], float]:
+           ) -> tuple[list[float], float, list[tuple[float, float]]]:
     """Forward FLOPs per sequence of each block (tp = 1), and of the whole forward (loss included), counted by
     ``FlopCounterMode`` on the meta copy; blocks after the second of the same class and shapes are not run again
-    (their count is the second's) so that an 80-layer model costs about two layers of meta operations."""
+    (their count is the second's) so that an 80-layer model costs about two layers of meta operations. And per
+    block, the bytes of the keys and values its attention calls read and their FLOPs (:class:`_Attention`)."""
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     modules = dict(copy.named_modules())
-    done: dict[Any, tuple[float, Any]] = {}
+    done: dict[Any, tuple[float, Any, tuple[float, float]]] = {}
     per_block = [0.0] * len(names)
+    attention = [(0.0, 0.0)] * len(names)
     counter = FlopCounterMode(display=False)
 
     def run(i: int, block: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
         kind = (type(block), tuple((n, tuple(p.shape)) for n, p in block.named_parameters()),
                 tuple(tuple(a.shape) if isinstance(a, Tensor) else type(a).__name__ for a in args))
         if kind in done:
-            per_block[i], result = done[kind]
+            per_block[i], result, attention[i] = done[kind]
             return _fresh(result)
         before = _total(counter)
-        result = original(*args, **kwargs)
+        with _Attention() as calls:
+            result = original(*args, **kwargs)
         per_block[i] = float(_total(counter) - before)
-        done[kind] = (per_block[i], result)
+        attention[i] = (calls.keys, calls.flops)
+        done[kind] = (per_block[i], result, attention[i])
         return result
 
     originals = {}
@@ -369,7 +447,7 @@ def _flops(copy: nn.Module, names: Sequence[str], seq_len: int, forward: Optiona
         for name, original in originals.items():
             modules[name].forward = original
     skipped = sum(per_block) - sum(_ran(done))
-    return per_block, float(_total(counter) + skipped)
+    return per_block, float(_total(counter) + skipped), attention
 
 
 def _routed(copy: nn.Module, layers: Sequence[MoELayer], names: Sequence[str]) -> tuple[RoutedLayer, ...]:
@@ -391,8 +469,8 @@ def _list_hidden(experts: nn.Module) -> int:
     return int(first.in_features)
 
 
-def _ran(done: Mapping[Any, tuple[float, Any]]) -> list[float]:
-    return [f for f, _ in done.values()]
+def _ran(done: Mapping[Any, tuple[float, Any, Any]]) -> list[float]:
+    return [f for f, _, _ in done.values()]
 
 
 def _total(counter: FlopCounterMode) -> int:

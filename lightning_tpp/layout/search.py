@@ -4,7 +4,12 @@ Enumerated (all pure arithmetic on a :class:`ModelProfile`; nothing is allocated
 
     tp   divides the world, the node's devices, and every block's heads/features (the profile's tp_choices)
     pp   divides world / tp, at most one block per stage
-    dp   world / (tp x pp)
+    cp   divides world / (tp x pp), where context parallelism can run the model (no experts, nothing that mixes
+         positions outside attention: the profile's cp_problem) and each rank keeps at least MIN_CP_POSITIONS of
+         the sequence (the cost model charges FLOPs at one rate, which a device does not reach on a few hundred
+         positions; a cp given is taken down to 2 positions per rank); under a pipeline 2 x cp must divide the
+         sequence (dropped with the reason where it does not)
+    dp   world / (tp x pp x cp)
     ep   divisors of dp x tp where the model has experts (else 1); dropped with the reason where they do not divide
          the experts or the experts are not a 3-D bank
     micro-batches   divisors of the per-process batch (1 without a pipeline), up to 4 x pp
@@ -35,6 +40,7 @@ from lightning_tpp.layout.profile import ModelProfile
 GiB = 1024 ** 3
 TIE = 0.01
 TIE_GLOO = 0.05  # see the module docstring
+MIN_CP_POSITIONS = 1024  # the fewest positions of a sequence the search leaves a context-parallel rank
 
 
 class NoLayoutFitsError(ValueError):
@@ -133,23 +139,31 @@ def _divisors(n: int) -> list[int]:
 def enumerate_layouts(profile: ModelProfile, *, world: int, devices_per_node: int, batch: int,
                       tp: Optional[int] = None, pp: Optional[int] = None,
                       activation_checkpointing: Optional[bool] = None,
-                      shardings: Optional[Sequence[Sharding]] = None, ep: Optional[int] = None) -> list[Layout]:
-    """Every layout the search considers (``tp``/``pp``/``activation_checkpointing``/``ep`` fixed where given)."""
+                      shardings: Optional[Sequence[Sharding]] = None, ep: Optional[int] = None,
+                      cp: Optional[int] = None) -> list[Layout]:
+    """Every layout the search considers (``tp``/``pp``/``activation_checkpointing``/``ep``/``cp`` fixed where
+    given)."""
     out = []
     tps = [t for t in profile.tp_choices if world % t == 0 and devices_per_node % t == 0] if tp is None else [tp]
     for t in tps:
         for p in ([d for d in _divisors(world // t) if d <= profile.n_blocks] if pp is None else [pp]):
             if world % (t * p):
                 continue
-            d = world // (t * p)
-            eps = [e for e in _divisors(d * t) if profile.routed or e == 1] if ep is None else [ep]
-            for e, m in ((e, m) for e in eps for m in _microbatches(p, batch)):
-                for schedule in _schedules(p, m):
-                    for ac in ((False, True) if activation_checkpointing is None else (activation_checkpointing,)):
-                        for sharding in (("full_shard",) if d == 1 else tuple(shardings or SHARDINGS)):
-                            if d > 1 and sharding != "no_shard" and schedule not in ("1f1b", "gpipe"):
-                                continue  # a split backward keeps FSDP2's units gathered ("auto" runs 1f1b)
-                            out.append(Layout(t, p, d, m, schedule, ac, sharding, ep=e))
+            cps = [c for c in _divisors(world // (t * p)) if c == 1 or (
+                profile.cp_problem is None and c * MIN_CP_POSITIONS <= profile.seq_len)] if cp is None else [cp]
+            for c in cps:
+                if world % (t * p * c):
+                    continue
+                d = world // (t * p * c)
+                eps = [e for e in _divisors(d * t) if (profile.routed and c == 1) or e == 1] if ep is None else [ep]
+                acs = (False, True) if activation_checkpointing is None else (activation_checkpointing,)
+                for e, m in ((e, m) for e in eps for m in _microbatches(p, batch)):
+                    for schedule in _schedules(p, m):
+                        for ac in acs:
+                            for sharding in (("full_shard",) if d * c == 1 else tuple(shardings or SHARDINGS)):
+                                if d * c > 1 and sharding != "no_shard" and schedule not in ("1f1b", "gpipe"):
+                                    continue  # a split backward keeps FSDP2's units gathered ("auto" runs 1f1b)
+                                out.append(Layout(t, p, d, m, schedule, ac, sharding, ep=e, cp=c))
     return out
 
 
@@ -169,7 +183,8 @@ def search_layouts(profile: ModelProfile, *, world: int, device: DeviceSpec, tim
                    device_memory: Optional[float] = None, margin: float = 0.1, global_batch: Optional[int] = None,
                    tp: Optional[int] = None, pp: Optional[int] = None,
                    activation_checkpointing: Optional[bool] = None, shardings: Optional[Sequence[Sharding]] = None,
-                   optimizer: str = "adamw", backend: str = "nccl", ep: Optional[int] = None) -> Ranking:
+                   optimizer: str = "adamw", backend: str = "nccl", ep: Optional[int] = None,
+                   cp: Optional[int] = None) -> Ranking:
     """Rank every layout of ``world`` devices for per-process batches of ``batch`` sequences. A layout whose
     largest rank needs more than ``device_memory / (1 + margin)`` is dropped (``margin``: what the planner does not
     count, allocator and communication buffers)."""
@@ -183,8 +198,8 @@ def search_layouts(profile: ModelProfile, *, world: int, device: DeviceSpec, tim
     states = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}[optimizer]
     for layout in enumerate_layouts(profile, world=world, devices_per_node=device.devices_per_node, batch=batch,
                                     tp=tp, pp=pp, activation_checkpointing=activation_checkpointing,
-                                    shardings=shardings, ep=ep):
-        problem = _ep_problem(profile, layout)
+                                    shardings=shardings, ep=ep, cp=cp):
+        problem = _ep_problem(profile, layout) or _cp_problem(profile, layout)
         if problem is not None:
             ranking.dropped.append(Dropped(layout, problem))
             continue
@@ -218,8 +233,23 @@ def _ep_problem(profile: ModelProfile, layout: Layout) -> Optional[str]:
     return f"ep: {problem}" if problem else None
 
 
+def _cp_problem(profile: ModelProfile, layout: Layout) -> Optional[str]:
+    """Why ``layout.cp`` cannot run (``"cp: ..."``), or None (as the strategy refuses at construction and setup)."""
+    if layout.cp == 1:
+        return None
+    if profile.cp_problem is not None:
+        return profile.cp_problem
+    if layout.ep > 1:
+        return f"cp: cp={layout.cp} with ep={layout.ep} (context parallelism does not run expert parallelism)"
+    if layout.pp > 1 and profile.seq_len % (2 * layout.cp):
+        return (f"cp: under a pipeline a sequence of {profile.seq_len} positions must be a multiple of 2 x cp = "
+                f"{2 * layout.cp}")
+    return None
+
+
 def _simpler_first(ranked: list[Candidate], tie: float) -> list[Candidate]:
-    """Within ``tie`` of the fastest, the simplest layout first (fewer stages, no recompute, less sharding)."""
+    """Within ``tie`` of the fastest, the simplest layout first (fewer stages, less context parallelism, no
+    recompute, less sharding)."""
     if not ranked:
         return ranked
     best = ranked[0].time.per_sample
@@ -228,7 +258,7 @@ def _simpler_first(ranked: list[Candidate], tie: float) -> list[Candidate]:
 
     def complexity(c: Candidate) -> tuple:
         lay = c.layout
-        return (lay.pp, lay.activation_checkpointing, lay.tp, lay.ep, SHARDINGS[::-1].index(lay.dp_sharding)
-                if lay.dp > 1 else 0, lay.microbatches, c.time.per_sample)
+        return (lay.pp, lay.cp, lay.activation_checkpointing, lay.tp, lay.ep,
+                SHARDINGS[::-1].index(lay.dp_sharding) if lay.replicas > 1 else 0, lay.microbatches, c.time.per_sample)
 
     return sorted(tied, key=complexity) + rest

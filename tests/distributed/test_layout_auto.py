@@ -4,7 +4,8 @@ and with ``device_memory`` below what the naive layout (pp only, nothing sharded
 each rank measured at its peak: parameters, gradients, optimizer state and the activations saved for backward).
 A mixture of experts with ``tp="auto"`` and ``ep=2``: the searched layout carries ep into the strategy's groups and
 trains at parity (each replica's batch a batch of its own in the reference: the load-balancing loss is not a mean
-over samples)."""
+over samples). At 2048 positions with a budget only cp=2 meets, ``layout="auto"`` chooses context parallelism and
+trains at parity."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from parity import assert_parity, load_record, merge_stages, train
 
 from lightning_tpp import estimate_memory
 from lightning_tpp.layout import Layout, layout_memory, profile_model
+from lightning_tpp.layout.search import enumerate_layouts
 
 BATCH = 4
 
@@ -37,7 +39,7 @@ def test_layout_auto_trains_at_parity_and_fits_a_budget_the_naive_layout_does_no
     infos = [json.loads((tmp_path / f"layout.rank{r}.json").read_text()) for r in range(4)]
     assert all(i["layout"] == infos[0]["layout"] for i in infos), f"ranks chose differently: {infos}"
     chosen = Layout(**infos[0]["layout"])
-    assert infos[0]["dims"] == [chosen.dp, chosen.pp, chosen.tp]
+    assert infos[0]["dims"] == [chosen.dp, chosen.pp, chosen.tp, chosen.cp]
     assert any("memory" in r for r in infos[0]["dropped"]), "the budget dropped nothing: it tests nothing"
     assert infos[0]["memory"] * 1.1 <= budget
     full = estimate_memory(model, tp=chosen.tp, pp=chosen.pp, dp=chosen.dp, microbatches=chosen.microbatches
@@ -74,3 +76,32 @@ def test_tp_auto_with_ep_on_a_mixture_of_experts_trains_at_parity(tmp_path: Path
     for r in range(4):
         assert_parity(load_record(tmp_path / f"{name}.rank{r}.pt"), ref,
                       where=f"tp='auto' ep=2 chose {chosen.describe()}, rank {r}")
+
+
+def test_layout_auto_chooses_cp_where_only_cp_fits_and_trains_at_parity(tmp_path: Path) -> None:
+    """2 processes, sequences of 2048 positions, one per process, a budget below every layout without cp (tp2, pp2,
+    dp2: the search's arithmetic) but above cp2's: layout="auto" chooses cp=2 at setup, builds its groups, and
+    trains at parity with one process; the tensor bytes each rank measured at its peak stay inside the budget."""
+    torch.manual_seed(0)
+    model, seq, batch = MODELS["llama4"](), 2048, 1
+    profile = profile_model(model, seq_len=seq)
+    need = {lay.describe(): layout_memory(profile, lay, batch=batch, backend="gloo").total
+            for lay in enumerate_layouts(profile, world=2, devices_per_node=2, batch=batch)}
+    without = min(v for k, v in need.items() if " cp=" not in k)
+    with_cp = min(v for k, v in need.items() if " cp=2 " in k)
+    assert with_cp < 0.9 * without, need
+    budget = (with_cp + without) / 2 * 1.1  # the search's 10% margin on top
+    args = ["--model", "llama4", "--out", str(tmp_path), "--device-memory", str(budget), "--batch-size", str(batch),
+            "--seq", str(seq)]
+    run_ranks(ROOT / "tests" / "distributed" / "worker_layout.py", 2, args, timeout=300).check()
+    infos = [json.loads((tmp_path / f"layout.rank{r}.json").read_text()) for r in range(2)]
+    assert all(i["layout"] == infos[0]["layout"] for i in infos), f"ranks chose differently: {infos}"
+    chosen = Layout(**infos[0]["layout"])
+    assert chosen.cp == 2 and infos[0]["dims"] == [1, 1, 1, 2], infos[0]
+    assert all(" cp=" in r for r in infos[0]["ranked"]), infos[0]["ranked"]  # nothing without cp fit
+    peaks = [i["measured_peak"] for i in infos]
+    assert all(0 < p <= budget for p in peaks), f"{chosen.describe()}: peaks {peaks}, budget {budget:.0f}"
+    ref = train("llama4", steps=3, batch_size=batch, seq=seq)
+    for r in range(2):
+        assert_parity(load_record(tmp_path / f"llama4.rank{r}.pt"), ref,
+                      where=f"layout='auto' chose {chosen.describe()}, rank {r}")

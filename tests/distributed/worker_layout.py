@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--device-memory", type=float, default=None)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq", type=int, default=SEQ, help="positions per sample")
     parser.add_argument("--ep", type=int, default=None, help="tp='auto' with this ep (else layout='auto')")
     args = parser.parse_args()
     from lightning_tpp import TensorPipeStrategy
@@ -95,15 +96,15 @@ def main() -> None:
         strategy = TensorPipeStrategy(tp="auto", ep=args.ep, device_memory=args.device_memory, print_plan=False)
 
     def prepare(module: torch.nn.Module) -> None:
-        module.example_input_array = torch.zeros(args.batch_size, SEQ, dtype=torch.long)
+        module.example_input_array = torch.zeros(args.batch_size, args.seq, dtype=torch.long)
 
     peak = TensorPeak()
     record = train(args.model, strategy=strategy, devices=int(os.environ["WORLD_SIZE"]), steps=args.steps,
-                   batch_size=args.batch_size, prepare=prepare, callbacks=[peak])
+                   batch_size=args.batch_size, prepare=prepare, callbacks=[peak], seq=args.seq)
     out = Path(args.out)
     torch.save(asdict(record), out / f"{args.model}.rank{rank}.pt")
     chosen = strategy.parallel_state.layout
-    info = {"layout": asdict(chosen), "dims": [strategy.dims.dp, strategy.dims.pp, strategy.dims.tp],
+    info = {"layout": asdict(chosen), "dims": [strategy.dims.dp, strategy.dims.pp, strategy.dims.tp, strategy.dims.cp],
             "measured_peak": peak.peak,
             "ep_group": strategy._groups.ep.size if strategy._groups.ep is not None else 1}
     if strategy.layout_ranking is not None:
