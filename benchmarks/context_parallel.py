@@ -340,7 +340,7 @@ def main() -> None:
     print("block activ. = bytes the block stack saves for backward (first step); peak RSS = ru_maxrss over the RSS at "
           "fit's start; step = median of the timed steps, slowest rank; largest rank shown", flush=True)
     results: dict[str, dict[str, Any]] = {}
-    header = (f"  {'layout':>8} {'tp':>2} {'dp':>2} {'cp':>2} {'blk pos':>7} | {'block activ. MiB':>16} "
+    header = (f"  {'layout':>11} {'tp':>2} {'dp':>2} {'cp':>2} {'blk pos':>7} | {'block activ. MiB':>16} "
               f"{'peak RSS MiB':>12} | {'step s':>7} {'seq/step':>8} {'per seq. s':>10} {'cp attn s':>9} "
               f"{'cp MB':>6} | {'launch s':>8}")
     print(header, flush=True)
@@ -353,7 +353,7 @@ def main() -> None:
             try:
                 ranks = launch("rank", WORLD, Path(tmp), extra, name=name, timeout=1200, script=__file__)
             except SystemExit as err:  # report the failing layout, go on with the others
-                print(f"  {name:>8}: FAILED\n{err}", flush=True)
+                print(f"  {name:>11}: FAILED\n{err}", flush=True)
                 continue
         step = max(statistics.median(r["step"][args.warmup:]) for r in ranks)
         row = dict(dims=dims, step=step, per_seq=step / dims["dp"], block=max(r["block_saved"] for r in ranks),
@@ -363,7 +363,7 @@ def main() -> None:
                 if timed else None)
         sent = max(a["bytes"] for a in timed) / 1e6 if timed else None
         results[name] = row
-        print(f"  {name:>8} {dims['tp']:>2} {dims['dp']:>2} {dims['cp']:>2} {row['local']:>7} | "
+        print(f"  {name:>11} {dims['tp']:>2} {dims['dp']:>2} {dims['cp']:>2} {row['local']:>7} | "
               f"{row['block'] / mib:16.1f} {row['peak'] / mib:12.1f} | {step:7.2f} {dims['dp']:>8} "
               f"{row['per_seq']:10.2f} {'-' if attn is None else format(attn, '.2f'):>9} "
               f"{'-' if sent is None else format(sent, '.1f'):>6} | {time.monotonic() - start:8.0f}", flush=True)
@@ -384,7 +384,7 @@ def main() -> None:
                // SHAPE["num_attention_heads"] * 4)
         with_qkv = (row["block"] + (0 if d.get("cp_mode") == "a2a" else qkv)) / results[ref]["block"]
         goal = 1.10 / d["cp"]
-        print(f"  {name:>8} / {ref:<8} = {ratio:.3f} (+qkv {with_qkv:.3f})   (goal <= {goal:.3f}: "
+        print(f"  {name:>11} / {ref:<8} = {ratio:.3f} (+qkv {with_qkv:.3f})   (goal <= {goal:.3f}: "
               f"{'met' if max(ratio, with_qkv) <= goal else 'NOT met'}; "
               f"peak RSS {row['peak'] / results[ref]['peak']:.3f})")
     one_seq = {n: r for n, r in results.items() if r["dims"]["cp"] == 1 and r["dims"]["dp"] == 1}
