@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from lightning_tpp.core.comm import TPGroup, all_to_all_swap
-from lightning_tpp.context_parallel.split import SeqLayout, _pad, gather_positions, pad_fill
+from lightning_tpp.context_parallel.split import SeqLayout, gather_positions, local_positions, pad_to
 
 _SDPA = F.scaled_dot_product_attention
 _MHA = F.multi_head_attention_forward
@@ -233,7 +233,7 @@ class ContextAttention(TorchFunctionMode):
             if layout.padded != length:  # padded keys are never read; padded rows are zeros
                 q, k, v = (t.narrow(2, 0, length) for t in (q, k, v))
             mask = self._whole_mask(attn_mask, heads) if attn_mask is not None else None
-            out = _pad(_SDPA(q, k, v, attn_mask=mask, dropout_p=dropout_p, **options), 2, layout.padded, 0)
+            out = pad_to(_SDPA(q, k, v, attn_mask=mask, dropout_p=dropout_p, **options), 2, layout.padded, 0)
         self.traffic.bytes += out.numel() * out.element_size() * (cp - 1) // cp
         return all_to_all_swap(out.index_select(2, layout.order(out.device)), group, 2, 1)
 
@@ -296,10 +296,7 @@ class ContextAttention(TorchFunctionMode):
         (padded rows attend everything), a broadcast row is kept; its columns are the keys'."""
         layout = self.layout
         if mask.dim() >= 2 and mask.shape[-2] == layout.length and layout.length != layout.local:
-            rows = mask.dim() - 2
-            whole = torch.cat([mask, mask.new_full((*mask.shape[:-2], layout.padded - layout.length, mask.shape[-1]),
-                                                   pad_fill(mask))], dim=rows) if layout.padded > layout.length else mask
-            mask = whole.index_select(rows, layout.index(mask.device))
+            mask = local_positions(mask, -2, layout)
         if mask.shape[-1] != keys and mask.shape[-1] == layout.padded:
             mask = mask.narrow(-1, 0, keys)
         return mask

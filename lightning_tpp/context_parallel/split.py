@@ -91,7 +91,8 @@ def _natural(padded: int, cp: int, device: torch.device) -> Tensor:
     return torch.argsort(_order(padded, cp, torch.device("cpu"))).to(device)
 
 
-def _pad(t: Tensor, dim: int, to: int, fill: Any) -> Tensor:
+def pad_to(t: Tensor, dim: int, to: int, fill: Any) -> Tensor:
+    """``t`` with ``fill`` appended along ``dim`` up to ``to`` (as it is where it is that long already)."""
     missing = to - t.shape[dim]
     if missing <= 0:
         return t
@@ -110,7 +111,7 @@ def local_positions(t: Tensor, dim: int, layout: SeqLayout) -> Tensor:
     """This rank's positions of ``t`` (whole along ``dim``: ``layout.length``), padded where needed. Backward: this
     rank's rows of the gradient, zeros elsewhere (autograd of the index)."""
     dim = dim % t.dim()
-    return _pad(t, dim, layout.padded, pad_fill(t)).index_select(dim, layout.index(t.device))
+    return pad_to(t, dim, layout.padded, pad_fill(t)).index_select(dim, layout.index(t.device))
 
 
 def gather_positions(x: Tensor, dim: int, layout: SeqLayout, group: TPGroup, *, trim: bool = True) -> Tensor:
