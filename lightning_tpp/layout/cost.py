@@ -117,7 +117,7 @@ class BlockTimes:
     def rate(self, profile: ModelProfile, device: DeviceSpec) -> float:
         """FLOPs per second the timed blocks reached (untimed ends are charged at it), else the device's assumed
         rate."""
-        for block in profile.blocks:
+        for block, _ in profile.alike(0, profile.n_blocks):
             timed = self._timed(block.kind, 1)
             if timed is not None and timed[0] > 0:
                 return block.flops.whole / (timed[0] * self.slowdown)

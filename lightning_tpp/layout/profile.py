@@ -151,11 +151,14 @@ class ModelProfile:
     def _runs(self) -> tuple[tuple[int, int, BlockProfile], ...]:
         """Consecutive blocks whose figures are alike (names aside): (start, stop, the first of them)."""
         runs: list[tuple[int, int, BlockProfile]] = []
+        last = None
         for i, block in enumerate(self.blocks):
-            if runs and _figures(runs[-1][2]) == _figures(block):
+            figures = _figures(block)
+            if runs and figures == last:
                 runs[-1] = (runs[-1][0], i + 1, runs[-1][2])
             else:
                 runs.append((i, i + 1, block))
+            last = figures
         return tuple(runs)
 
     def alike(self, a: int, b: int) -> tuple[tuple[BlockProfile, int], ...]:
