@@ -1,7 +1,8 @@
 """Families trained under context parallelism (issue #46), at sequences of 32-64 tokens, written as their users
 write them: a hand-written Llama calling ``F.scaled_dot_product_attention(is_causal=True)`` with rotary tables
-passed to every block, Hugging Face Llama (GQA, rotary; with SDPA, and with its eager attention), Mistral with a sliding window shorter than the sequence,
-BERT (bidirectional) with a padding mask, Llama on packed documents (position ids restarting per document: a
+passed to every block, Hugging Face Llama (GQA, rotary; with SDPA, and with its eager attention), Mistral with a
+sliding window shorter than the sequence, BERT (bidirectional) with a padding mask, Qwen3, Phi-3, GPT-NeoX and
+Gemma 3 (sliding and full layers) with SDPA, Llama on packed documents (position ids restarting per document: a
 block-diagonal mask), and two that cp must refuse: nanoGPT's attention written as matmul -> softmax -> matmul, and
 a Mamba-style block (a depthwise convolution over time and a scan)."""
 
@@ -115,6 +116,14 @@ MODELS.update({
     "cp_hf_llama_eager": lambda: HFDecoder("LlamaConfig", eager=True),  # matmul -> softmax -> matmul, HF's own
     "cp_hf_mistral": lambda: HFDecoder("MistralConfig", sliding_window=8),
     "cp_hf_packed": lambda: HFDecoder("LlamaConfig", packed=True),
+    # with SDPA, as transformers loads them by default: per-head query/key norms (Qwen3), fused qkv (Phi-3), per-head
+    # fused qkv and partial rotary (GPT-NeoX), sliding and full layers alternating, window 8 (Gemma 3)
+    "cp_hf_qwen3": lambda: HFDecoder("Qwen3Config"),
+    "cp_hf_phi3": lambda: HFDecoder("Phi3Config", pad_token_id=0),
+    "cp_hf_neox": lambda: HFDecoder("GPTNeoXConfig"),
+    "cp_hf_gemma3": lambda: HFDecoder("Gemma3TextConfig", head_dim=DIM // HEADS, sliding_window=8,
+                                      layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2)
+                                      + ["sliding_attention"] * (LAYERS % 2)),
     "cp_hf_bert": HFBertPadded,
     "cp_hf_bert_dropout": lambda: HFBertPadded(dropout=0.5),  # BERT's default is 0.1; 0.5 for a clear mask
     "cp_nanogpt": lambda: NanoGPT(block_size=CP_SEQ),  # matmul -> softmax -> matmul: refused

@@ -24,7 +24,8 @@ LAUNCHES = {2: ["cp2", "cp2_families", "cp2_padded", "cp2_dropout", "cp2_a2a", "
             4: ["cp2tp2", "cp2pp2", "cp2dp2", "cp2tp2_a2a"],
             # slow (python -m pytest -m slow): cp4, activation checkpointing, bf16, sequence parallelism inside, more
             # families, a2a at cp4 and under a pipeline, a2a's fallback
-            "2 slow": ["cp2_recompute", "cp2_bf16", "cp2_families_slow", "cp2_a2a_fallback"],
+            "2 slow": ["cp2_recompute", "cp2_bf16", "cp2_families_slow", "cp2_a2a_fallback", "cp2_sdpa_families",
+                       "cp2_a2a_families"],
             "4 slow": ["cp4", "cp2tp2sp", "cp2pp2_hf", "cp4_a2a", "cp2pp2_a2a"]}
 
 
@@ -239,3 +240,19 @@ def test_cp2_pp2_parity(four: Path) -> None:
 def test_cp2_dp2_parity(four: Path) -> None:
     """FSDP2 over dp x cp: the cp ranks of a replica read the same batch and hold a shard of the same weights."""
     check_parity(four, "cp2dp2")
+
+
+@pytest.mark.slow
+def test_cp2_more_sdpa_families(two_slow: Path) -> None:
+    """Hugging Face families with SDPA that cp's other tests do not train: Qwen3's per-head query/key norms, Phi-3's
+    fused qkv, GPT-NeoX's per-head fused qkv and partial rotary, Gemma 3's sliding (window 8 of 32) and full layers
+    alternating."""
+    check_parity(two_slow, "cp2_sdpa_families")
+
+
+@pytest.mark.slow
+def test_cp2_a2a_more_families(two_slow: Path) -> None:
+    """The same families with cp_mode="a2a": every attention call exchanged heads."""
+    check_parity(two_slow, "cp2_a2a_families")
+    calls = _a2a_calls(two_slow, "cp2_a2a_families")
+    assert all(n > 0 and a2a == n for n, a2a in calls), calls

@@ -50,6 +50,9 @@ CONFIGS = {
     "cp2_a2a": Config(FAMILIES, dict(cp=2, cp_mode="a2a"), RUN),
     "cp2_a2a_padded": Config(("cp_llama", "cp_hf_bert"), dict(cp=2, cp_mode="a2a"), dict(steps=3, seq=30)),
     "cp2_a2a_fallback": Config(("cp_hf_llama_eager", "seq2seq"), dict(cp=2, cp_mode="a2a"), dict(steps=2, seq=16)),
+    "cp2_sdpa_families": Config(("cp_hf_qwen3", "cp_hf_phi3", "cp_hf_neox", "cp_hf_gemma3"), dict(cp=2), RUN),
+    "cp2_a2a_families": Config(("cp_hf_qwen3", "cp_hf_phi3", "cp_hf_neox", "cp_hf_gemma3"), dict(cp=2, cp_mode="a2a"),
+                               RUN),
     # launch of 4 ranks
     "cp4": Config(("cp_hf_mistral", "cp_hf_packed"), dict(cp=4), RUN),
     "cp2tp2": Config(("cp_hf_llama", "cp_hf_bert"), dict(cp=2, tp=2), RUN),

@@ -40,6 +40,8 @@ def test_the_strategy_keeps_its_arguments_as_one_frozen_config() -> None:
     ({"on_nonfinite": "ignore"}, ValueError, r"on_nonfinite='ignore' must be"),
     ({"async_save": True, "save_distributed_checkpoint": False}, ValueError, r"async_save=True writes sharded"),
     ({"dp_sharding": "zero3"}, ValueError, r"dp_sharding='zero3' must be one of"),
+    ({"cp": 2, "cp_mode": "ring"}, ValueError, r"cp_mode='ring' must be 'allgather' \(keys and values all-gathered\) "
+                                               r"or 'a2a'"),
     ({"layout": "auto", "dp": 2}, AutoLayoutError, r"dp=2 with a searched layout"),
 ])
 def test_a_bad_argument_is_refused_at_construction(kwargs: dict, error: type, match: str) -> None:

@@ -100,3 +100,27 @@ def test_a_scan_is_refused_at_setup_by_name() -> None:
         assert (f"layers.{i}.conv1d (Conv1d): a convolution over the sequence and a state-space scan (a Mamba-style "
                 f"mixer)") in message
     assert message.endswith("Use cp=1 for this model")
+
+
+def test_a2a_names_why_an_attention_runs_as_allgather() -> None:
+    """cp_mode="a2a" exchanges heads only where they divide; otherwise the call runs as "allgather", with one warning
+    per reason naming it."""
+    import warnings
+
+    from lightning_tpp.context_parallel import attention
+
+    q, k = torch.zeros(1, 6, 8, 4), torch.zeros(1, 2, 8, 4)
+    assert attention._no_heads_exchange(q, k, 2) is None
+    reason = attention._no_heads_exchange(q, k, 4)
+    assert reason == ("an attention with 6 query heads per rank, which cp=4 does not divide (heads per tp rank must "
+                      "divide by cp)")
+    assert attention._no_heads_exchange(q, torch.zeros(1, 4, 8, 4), 2) == \
+        "an attention with 6 query heads and 4 key/value heads"
+    assert "3-d queries" in attention._no_heads_exchange(q[0], k[0], 2)
+    attention._FELL_BACK.discard(reason)
+    with pytest.warns(UserWarning, match=r"cp_mode='a2a': an attention with 6 query heads .* runs as "
+                                         r"cp_mode='allgather' instead \(keys and values all-gathered"):
+        attention._fell_back(reason)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attention._fell_back(reason)  # once per reason
