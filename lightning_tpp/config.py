@@ -278,9 +278,6 @@ class TensorPipeConfig:
         if self.cp_mode not in ("allgather", "a2a"):
             raise ValueError(f"cp_mode={self.cp_mode!r} must be 'allgather' (keys and values all-gathered) or 'a2a' "
                              f"(Ulysses: positions exchanged for heads)")
-        if self.cp > 1 and self.ep > 1:
-            raise ValueError(f"cp={self.cp} with ep={self.ep}: context parallelism does not yet run expert "
-                             f"parallelism (the tokens of a replica are spread over its cp ranks); use ep=1")
         auto = isinstance(self.schedule, str) and self.schedule == AUTO_SCHEDULE
         set_("schedule", AUTO_SCHEDULE if auto else normalize_schedule(self.schedule))
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):

@@ -367,10 +367,6 @@ def _context_runs(s: Setup) -> list[list[str]]:
         raise ValueError(f"cp={cp} runs the blocks of the model's repeated block sequence (an nn.ModuleList or "
                          f"nn.Sequential of same-class layers) on parts of each sequence, and none was found in "
                          f"{name}: {err}. Name their container with blocks='<module name>', or use cp=1") from err
-    if s.map.experts:
-        raise ContextParallelError(f"cp={cp}: {name} has mixture-of-experts layers "
-                                   f"({', '.join(layer.name for layer in s.map.experts[:3])}); their routers' "
-                                   f"auxiliary losses would see this rank's positions only. Use cp=1")
     try:
         runs = sequence_runs(s.module, sequence.containers, sequence.members)
     except ValueError as err:

@@ -3,8 +3,9 @@ write them: a hand-written Llama calling ``F.scaled_dot_product_attention(is_cau
 passed to every block, Hugging Face Llama (GQA, rotary; with SDPA, and with its eager attention), Mistral with a
 sliding window shorter than the sequence, BERT (bidirectional) with a padding mask, Qwen3, Phi-3, GPT-NeoX and
 Gemma 3 (sliding and full layers) with SDPA, Llama on packed documents (position ids restarting per document: a
-block-diagonal mask), and two that cp must refuse: nanoGPT's attention written as matmul -> softmax -> matmul, and
-a Mamba-style block (a depthwise convolution over time and a scan)."""
+block-diagonal mask), and three that cp must refuse: nanoGPT's attention written as matmul -> softmax -> matmul, a
+Mamba-style block (a depthwise convolution over time and a scan), and a mixture-of-experts block that returns its
+load-balancing loss beside the stream (a function of all of its positions)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import DIM, HEADS, LAYERS, MODELS, VOCAB, NanoGPT, TinyLlama
+from models import DIM, HEADS, LAYERS, MODELS, VOCAB, ListMoE, NanoGPT, TinyLlama
 
 CP_SEQ = 64  # the longest sequence these models take (positions, rotary caches)
 
@@ -109,6 +110,38 @@ class MambaStyleLM(nn.Module):
         return self.head(h)
 
 
+class AuxMoEBlock(nn.Module):
+    """Pre-norm attention (SDPA, causal) and a mixture of experts whose Switch load-balancing loss is added to the
+    running total carried beside the stream (as litgpt-style hand-written MoE models do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        self.moe = ListMoE(DIM)
+
+    def forward(self, x: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(B, T, 3, HEADS, C // HEADS).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C))
+        y, a = self.moe(self.norm2(x))
+        return x + y, aux + a
+
+
+class AuxMoELM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([AuxMoEBlock() for _ in range(LAYERS)])
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, aux = self.embed(idx), torch.zeros((), device=idx.device)
+        for block in self.blocks:
+            x, aux = block(x, aux)
+        return self.head(x), aux
+
+
 MODELS.update({
     "cp_llama": TinyLlama,  # hand-written: SDPA is_causal, rotary tables (positions x dim) given to every block
     "cp_llama4": lambda: TinyLlama(n_layers=4),
@@ -128,4 +161,5 @@ MODELS.update({
     "cp_hf_bert_dropout": lambda: HFBertPadded(dropout=0.5),  # BERT's default is 0.1; 0.5 for a clear mask
     "cp_nanogpt": lambda: NanoGPT(block_size=CP_SEQ),  # matmul -> softmax -> matmul: refused
     "cp_mamba": MambaStyleLM,  # a convolution over time and a scan: refused
+    "cp_aux_moe": AuxMoELM,  # a load-balancing loss computed over a block's positions, returned beside it: refused
 })

@@ -17,11 +17,15 @@ blocks (where the activations are) hold ``1/cp`` of them. A sequence whose lengt
 padded at the first block (zeros; padded keys are never read, padded rows are dropped at the gather); under a
 pipeline, whose later stages only see a part, it must divide.
 
+What the block's layers record for the model (Hugging Face's output collector: the routers' logits its
+load-balancing loss reads) is gathered over cp in each block, so a mixture of experts' loss sees every position.
+
 Refused at setup, naming the module: a layer that mixes positions outside attention (a convolution over the
-sequence, as in Mamba's mixer, a recurrent layer, batch normalisation or pooling over it), mixture-of-experts layers.
-The first call of each block checks its output against the original block on the whole sequence, on every rank,
-so that what the static look cannot see (attention written as ``matmul -> softmax -> matmul``, a block that builds
-its own mask from its input's length) fails with its name instead of training on the wrong values.
+sequence, as in Mamba's mixer, a recurrent layer, batch normalisation or pooling over it). The first call of each
+block checks its output (the stream, and every other tensor it returns) against the original block on the whole
+sequence, on every rank, so that what the static look cannot see (attention written as ``matmul -> softmax ->
+matmul``, a block that builds its own mask from its input's length, a load-balancing loss computed over the block's
+positions and returned beside the stream) fails with its name instead of training on the wrong values.
 """
 
 from __future__ import annotations
@@ -34,12 +38,12 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_tpp._compat import in_backward, tree_flatten, tree_unflatten
+from lightning_tpp._compat import hf_output_collector, in_backward, tree_flatten, tree_unflatten
 from lightning_tpp.context_parallel.attention import ContextAttention, Traffic
 from lightning_tpp.context_parallel.hf import route_eager
 from lightning_tpp.context_parallel.split import SeqLayout, gather_positions, local_positions
 from lightning_tpp.core.comm import TPGroup, all_gather_seq, all_reduce_flag
-from lightning_tpp.core.reference import _verifying, first_difference, isolated
+from lightning_tpp.core.reference import _records_kept, _verifying, first_difference, isolated
 from lightning_tpp.core.seeding import OwnStream
 from lightning_tpp.core.swap import swap_class
 from lightning_tpp.core.walk import VERIFYING, ancestors, get_arg, map_first_tensor, replace_arg, stream_index
@@ -173,11 +177,6 @@ def _cut_inputs(shared: ContextState, args: tuple, kwargs: dict, where: tuple[st
     return args, kwargs
 
 
-def _first_tensor(out: Any) -> Optional[Tensor]:
-    leaves, _ = tree_flatten(out)
-    return next((t for t in leaves if isinstance(t, Tensor)), None)
-
-
 @contextlib.contextmanager
 def _evaluating(module: nn.Module) -> Iterator[None]:
     """``module`` in eval mode (no dropout draws) for a comparison, each submodule's mode restored after."""
@@ -262,8 +261,9 @@ class _ContextBlock:
 
     def _cp_forward(self, args: tuple, kwargs: dict, layout: SeqLayout) -> tuple[Any, int]:
         shared = self._tpp_cp.shared
+        stream = _get_stream(args, kwargs)
         with ContextAttention(shared.group, layout, shared.traffic, shared.a2a, shared.whole_of) as mode, \
-                _own_draws(self, _get_stream(args, kwargs)):  # type: ignore[arg-type]
+                _own_draws(self, stream), _records_whole(shared, layout, stream):  # type: ignore[arg-type]
             out = super().forward(*args, **kwargs)  # type: ignore[misc]
         return out, mode.taken
 
@@ -275,23 +275,17 @@ class _ContextBlock:
         slot = self._tpp_cp
         group = slot.shared.group
         stream = get_arg(args, kwargs, where)
-        problem, taken, raised = None, 0, False
-        try:
-            with torch.no_grad(), _evaluating(self):  # type: ignore[arg-type]
+        problem, taken, raised, beside = None, 0, False, False
+        try:  # what the layers record for the model (router logits) is dropped after: the real call records its own
+            with torch.no_grad(), _evaluating(self), _records_kept():  # type: ignore[arg-type]
                 w_args, w_kwargs = _private_state(*whole)
                 args, kwargs = _private_state(args, kwargs)
                 if not slot.first:  # the whole sequence from every rank's part
                     w_args, w_kwargs = replace_arg(w_args, w_kwargs, where, slot.shared.whole(stream, layout))
                 with _verifying():
-                    want = _first_tensor(super().forward(*w_args, **w_kwargs))  # type: ignore[misc]
+                    want = super().forward(*w_args, **w_kwargs)  # type: ignore[misc]
                 got, taken = self._cp_forward(args, kwargs, layout)
-                got = _first_tensor(got)
-                if got is None or want is None:
-                    problem = "its output holds no tensor"
-                elif got.dim() < 2 or not slot.shared.holds(got, layout):
-                    problem = f"its output has shape {tuple(got.shape)}, not this rank's {layout.local} positions"
-                else:
-                    problem = first_difference(slot.shared.whole(got, layout), want, group)
+                problem, beside = _compare(slot.shared, got, want, layout)
         except ContextParallelError:
             raise
         except Exception as err:  # noqa: BLE001 - reported on every rank below, with the block's name
@@ -300,6 +294,12 @@ class _ContextBlock:
             return
         if raised:
             hint = "it raised on this rank's positions, where it ran on the whole sequence"
+        elif beside:
+            hint = ("besides its output stream it returns a value computed over all of its positions (a router's "
+                    "load-balancing loss, a statistic over the tokens), which this rank computes over its own "
+                    "positions only; compute it outside the blocks from per-position values (Hugging Face's recorded "
+                    "router logits are gathered over cp for its loss), or record it as transformers records router "
+                    "logits")
         elif taken == 0:
             hint = ("no call of torch's scaled_dot_product_attention ran in it, so its attention (written as "
                     "matmul -> softmax -> matmul, or Hugging Face's attn_implementation='eager') saw this rank's "
@@ -311,6 +311,57 @@ class _ContextBlock:
             f"context parallelism: block {slot.name!r} ({type(self).__name__}) does not compute on this rank's "
             f"{layout.local} of {layout.length} positions what it computes on the whole sequence "
             f"({problem or 'on another cp rank'}): {hint}. Train it with cp=1")
+
+
+def _compare(shared: ContextState, got: Any, want: Any, layout: SeqLayout) -> tuple[Optional[str], bool]:
+    """The first difference between a block's output on this rank's positions and the original's on the whole
+    sequence (None when alike), and whether it is in a tensor beside the stream. The stream (the first tensor) is
+    compared whole; each other tensor whole when it carries this rank's positions (dim 1), as it is when its shape is
+    the original's (a scalar such as a load-balancing loss carried from block to block); others are not compared."""
+    got_t = [t for t in tree_flatten(got)[0] if isinstance(t, Tensor)]
+    want_t = [t for t in tree_flatten(want)[0] if isinstance(t, Tensor)]
+    if not got_t or not want_t:
+        return "its output holds no tensor", False
+    if got_t[0].dim() < 2 or not shared.holds(got_t[0], layout):
+        return f"its output has shape {tuple(got_t[0].shape)}, not this rank's {layout.local} positions", False
+    problem = first_difference(shared.whole(got_t[0], layout), want_t[0], shared.group)
+    if problem is not None:
+        return problem, False
+    for i, (g, w) in enumerate(zip(got_t[1:], want_t[1:]), 1):
+        if g.dim() >= 2 and w.dim() >= 2 and g.shape != w.shape and shared.holds(g, layout) \
+                and w.shape[1] == layout.length:
+            g = shared.whole(g, layout)
+        if g.shape == w.shape:
+            problem = first_difference(g, w, shared.group, f"the tensor {i} of its output (shape {tuple(w.shape)})")
+            if problem is not None:
+                return problem, True
+    return None, False
+
+
+@contextlib.contextmanager
+def _records_whole(shared: ContextState, layout: SeqLayout, stream: Optional[Tensor]) -> Iterator[None]:
+    """What the block's layers record on this rank's positions for the model to read after its layers (Hugging
+    Face's output collector: a router's logits for the load-balancing loss, attentions, hidden states), gathered over
+    cp as one process records them: ``(batch, positions, ...)`` along dim 1, ``(batch * positions, ...)`` (flattened
+    tokens) by batch then position; the padding dropped. Like the stream at the last block, the backward sums the
+    ranks' gradients (``split``)."""
+    collector = hf_output_collector()
+    lengths = {k: len(v) for k, v in collector.items() if isinstance(v, list)} if collector else {}
+    try:
+        yield
+    finally:
+        batch = stream.shape[0] if stream is not None else None
+        for key, n in lengths.items():
+            records = collector[key]  # type: ignore[index]
+            for i in range(n, len(records)):
+                t = records[i]
+                if batch is None or not isinstance(t, Tensor) or t.dim() < 1:
+                    continue
+                if t.dim() >= 2 and t.shape[:2] == (batch, layout.local):
+                    records[i] = gather_positions(t, 1, layout, shared.group)
+                elif t.shape[0] == batch * layout.local:
+                    whole = gather_positions(t.reshape(batch, layout.local, *t.shape[1:]), 1, layout, shared.group)
+                    records[i] = whole.reshape(batch * layout.length, *t.shape[1:])
 
 
 class _ContextTwin:

@@ -50,25 +50,30 @@ class ExpertGroup(TPGroup):
     traffic: Traffic = field(default_factory=Traffic, compare=False, repr=False)  # this rank's exchanges
 
 
-def check_ep(ep: Any, *, dp: int, tp: int) -> None:
-    """``ep`` against the data-parallel and tensor-parallel ranks it is drawn from."""
+def check_ep(ep: Any, *, dp: int, tp: int, cp: int = 1) -> None:
+    """``ep`` against the data-parallel, context-parallel and tensor-parallel ranks it is drawn from."""
     if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
         raise ValueError(f"ep={ep!r} must be a positive integer")
-    if (dp * tp) % ep:
-        valid = [d for d in range(1, dp * tp + 1) if (dp * tp) % d == 0]
-        raise ValueError(f"ep={ep} must divide dp*tp = {dp}*{tp} = {dp * tp}: the ranks that exchange tokens are "
-                         f"the data-parallel and tensor-parallel ranks of one pipeline stage; choose ep in {valid} "
-                         f"(or more devices)")
+    if (dp * cp * tp) % ep:
+        ranks = dp * cp * tp
+        valid = [d for d in range(1, ranks + 1) if ranks % d == 0]
+        what, product = ("dp*cp*tp", f"{dp}*{cp}*{tp}") if cp > 1 else ("dp*tp", f"{dp}*{tp}")
+        raise ValueError(f"ep={ep} must divide {what} = {product} = {ranks}: the ranks that exchange tokens are "
+                         f"the data-parallel{', context-parallel' if cp > 1 else ''} and tensor-parallel ranks of one "
+                         f"pipeline stage; choose ep in {valid} (or more devices)")
 
 
 def ep_grid(ranks: Tensor, ep: int) -> Tensor:
-    """The global ranks of a ``(dp, pp, tp)`` grid as ``(pp, replicas, ep)``: along the last axis an ep group (tp
-    fastest), along the middle one the ranks holding the same experts."""
-    return ranks.permute(1, 0, 2).reshape(ranks.shape[1], -1, ep)
+    """The global ranks of a ``(dp, pp, tp)`` grid (``(dp, pp, cp, tp)`` with cp) as ``(pp, replicas, ep)``: along
+    the last axis an ep group (tp fastest, then cp, then dp: the cp ranks hold other positions of the same sequences,
+    whose tokens travel as another replica's do), along the middle one the ranks holding the same experts."""
+    return ranks.movedim(1, 0).reshape(ranks.shape[1], -1, ep)
 
 
 def expert_group(mesh: DeviceMesh, ep: int, *, rank: int, dp: int) -> ExpertGroup:
-    """This rank's :class:`ExpertGroup` out of the ``("dp", "pp", "tp")`` mesh (collective: every rank calls it)."""
+    """This rank's :class:`ExpertGroup` out of the ``("dp", "pp", "tp")`` mesh (``("dp", "pp", "cp", "tp")``:
+    ``dp`` is then dp x cp, every rank's expert gradients being ``cp`` times its positions' part, see
+    ``context_parallel.split``); collective: every rank calls it."""
     grid = ep_grid(mesh.mesh, ep)
     experts = reused(("experts", mesh.device_type, tuple(grid.shape), tuple(grid.flatten().tolist())),
                      lambda: DeviceMesh(mesh.device_type, grid, mesh_dim_names=("pp", "edp", "ep")))

@@ -119,8 +119,8 @@ class MeshTopology:
         coords = self._dims.coords(self.global_rank)
         ep = None
         if self.config.ep > 1:
-            check_ep(self.config.ep, dp=self._dims.dp, tp=self._dims.tp)
-            ep = expert_group(mesh, self.config.ep, rank=self.global_rank, dp=self._dims.dp)
+            check_ep(self.config.ep, dp=self._dims.dp, tp=self._dims.tp, cp=self._dims.cp)
+            ep = expert_group(mesh, self.config.ep, rank=self.global_rank, dp=self._dims.dp * self._dims.cp)
         cp = replicas = None
         if self._dims.cp > 1:
             cp = TPGroup(mesh.get_group("cp"), coords.get("cp", 0), self._dims.cp)

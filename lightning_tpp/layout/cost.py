@@ -23,11 +23,11 @@ What it adds up (per pipeline rank; a step is ``accumulate`` pipeline runs of ``
 
 Expert parallelism (``ep > 1``, ``experts.dispatch``), per routed layer and micro-batch: forward, the counts'
 all-to-all and two of the rows (to the experts, back), backward two more (again in a recomputation); each rank sends
-its share of the tokens (1/tp of the micro-batch's under tp) x top-k rows of ``hidden`` elements, (ep-1)/ep of them
+its share of the tokens (1/tp of the micro-batch's under tp, 1/cp of its positions under cp) x top-k rows of ``hidden`` elements, (ep-1)/ep of them
 to other ranks, on the tp link while the ep group stays in a tp group or a node. The experts' compute per rank is
 unchanged: every rank of a stage holds 1/ep of the experts and receives on average ep/tp ranks' shares of the rows,
 the same work that expert tp gives it (1/tp of every expert for all its tokens). Their gradients are summed over their
-replicas (dp x tp / ep ranks) once per step, not overlapped (``StepTime.experts``); FSDP2 and the dp all-reduce carry
+replicas (dp x cp x tp / ep ranks) once per step, not overlapped (``StepTime.experts``); FSDP2 and the dp all-reduce carry
 only the dense rest.
 
 Context parallelism (``cp > 1``, ``cp_mode="allgather"``): a block's compute is ``1/cp`` of cp = 1's (its positions;
@@ -184,7 +184,7 @@ def _exchanges(block: BlockProfile, mb: float, layout: Layout, link: Link, seq_l
         return 0.0, 0.0
     f = b = 0.0
     for r in block.routed:
-        rows = link.all_to_all(mb * seq_len * r.top_k / layout.tp * r.hidden * elem, layout.ep)
+        rows = link.all_to_all(mb * seq_len / layout.cp * r.top_k / layout.tp * r.hidden * elem, layout.ep)
         f += 2 * rows + link.all_to_all(r.experts * 8, layout.ep)
         b += 2 * rows
     return f, b
@@ -246,7 +246,7 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
     optimizer = max(times.optimizer_step(n, (d / shard + e) / profile.dtype_bytes, profile.dtype_bytes,
                                          optimizer_states, device)
                     for n, d, e in zip(stage_tensors, stage_dense, stage_experts))
-    experts = dp_link.all_reduce(max(stage_experts), layout.dp * tp // layout.ep) + \
+    experts = dp_link.all_reduce(max(stage_experts), layout.dp * cp * tp // layout.ep) + \
         times.copies(max(stage_experts), 2, device) if layout.ep > 1 else 0.0
     samples = batch * layout.dp * layout.accumulate
     return StepTime(run * layout.accumulate, (run - busy) * layout.accumulate, fsdp, dp, optimizer, samples,

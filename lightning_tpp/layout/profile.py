@@ -266,13 +266,11 @@ def _profile(module: nn.Module, copy: nn.Module, lengths: Mapping[str, int], seq
         int(sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())),
         (int(pp1["first_tensors"]), int(pp1["last_tensors"])),
         Scaled.fit(pp1["transient"], figures[2][4]["transient"]),
-        Scaled.fit(pp1["shared"], figures[2][4]["shared"]), _cp_problem(copy, partition.names, layers))
+        Scaled.fit(pp1["shared"], figures[2][4]["shared"]), _cp_problem(copy, partition.names))
 
 
-def _cp_problem(copy: nn.Module, blocks: Sequence[str], experts: Sequence[MoELayer]) -> Optional[str]:
+def _cp_problem(copy: nn.Module, blocks: Sequence[str]) -> Optional[str]:
     """Why ``cp > 1`` is refused at setup for this model (``steps._context_runs``), or None."""
-    if experts:
-        return "cp: mixture-of-experts layers (their routers would see one rank's positions)"
     mixing = mixing_layers(copy, list(blocks))
     return f"cp: {mixing[0]}" if mixing else None
 

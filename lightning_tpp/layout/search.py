@@ -4,13 +4,13 @@ Enumerated (all pure arithmetic on a :class:`ModelProfile`; nothing is allocated
 
     tp   divides the world, the node's devices, and every block's heads/features (the profile's tp_choices)
     pp   divides world / tp, at most one block per stage
-    cp   divides world / (tp x pp), where context parallelism can run the model (no experts, nothing that mixes
-         positions outside attention: the profile's cp_problem) and each rank keeps at least MIN_CP_POSITIONS of
+    cp   divides world / (tp x pp), where context parallelism can run the model (nothing that mixes positions outside
+         attention: the profile's cp_problem) and each rank keeps at least MIN_CP_POSITIONS of
          the sequence (the cost model charges FLOPs at one rate, which a device does not reach on a few hundred
          positions; a cp given is taken down to 2 positions per rank); under a pipeline 2 x cp must divide the
          sequence (dropped with the reason where it does not)
     dp   world / (tp x pp x cp)
-    ep   divisors of dp x tp where the model has experts (else 1); dropped with the reason where they do not divide
+    ep   divisors of dp x cp x tp where the model has experts (else 1); dropped with the reason where they do not divide
          the experts or the experts are not a 3-D bank
     micro-batches   divisors of the per-process batch (1 without a pipeline), up to 4 x pp
     schedule        gpipe below pp micro-batches; else 1f1b, and zb-drain unless FSDP2 shards (as "auto" decides)
@@ -155,7 +155,7 @@ def enumerate_layouts(profile: ModelProfile, *, world: int, devices_per_node: in
                 if world % (t * p * c):
                     continue
                 d = world // (t * p * c)
-                eps = [e for e in _divisors(d * t) if (profile.routed and c == 1) or e == 1] if ep is None else [ep]
+                eps = [e for e in _divisors(d * c * t) if profile.routed or e == 1] if ep is None else [ep]
                 acs = (False, True) if activation_checkpointing is None else (activation_checkpointing,)
                 for e, m in ((e, m) for e in eps for m in _microbatches(p, batch)):
                     for schedule in _schedules(p, m):
@@ -227,8 +227,8 @@ def _ep_problem(profile: ModelProfile, layout: Layout) -> Optional[str]:
     experts must be 3-D banks (``experts.expert_parallel``)."""
     if layout.ep == 1:
         return None
-    if (layout.dp * layout.tp) % layout.ep:
-        return f"ep: ep={layout.ep} must divide dp*tp = {layout.dp * layout.tp}"
+    if (layout.dp * layout.cp * layout.tp) % layout.ep:
+        return f"ep: ep={layout.ep} must divide dp*cp*tp = {layout.dp * layout.cp * layout.tp}"
     problem = profile.ep_problem(layout.ep)
     return f"ep: {problem}" if problem else None
 
@@ -239,8 +239,6 @@ def _cp_problem(profile: ModelProfile, layout: Layout) -> Optional[str]:
         return None
     if profile.cp_problem is not None:
         return profile.cp_problem
-    if layout.ep > 1:
-        return f"cp: cp={layout.cp} with ep={layout.ep} (context parallelism does not run expert parallelism)"
     if layout.pp > 1 and profile.seq_len % (2 * layout.cp):
         return (f"cp: under a pipeline a sequence of {profile.seq_len} positions must be a multiple of 2 x cp = "
                 f"{2 * layout.cp}")

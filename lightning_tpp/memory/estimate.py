@@ -165,7 +165,7 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     if balance == "time":
         raise ValueError("estimate_memory cannot measure block times on the meta device: balance='time' is not "
                          "supported here; pass balance='params' or blocks per stage, e.g. balance=[10, 10]")
-    check_ep(ep, dp=dp, tp=tp)
+    check_ep(ep, dp=dp, tp=tp, cp=cp)
     dims = MeshDims(dp, pp, tp, cp)
     m = (microbatches or 2 * pp) if pp > 1 else 1
     specs = [resolve(n) for n in _runs(schedule, pp, m, virtual_stages, dp > 1 and dp_shard)]

@@ -4,7 +4,7 @@ cp2 x pp2 and cp2 x dp2, and a sequence length that needs padding, in both modes
 Each launch (2 and 4 ranks) trains several configurations one after the other (``worker_cp.py``) once per test run
 (a module fixture); each configuration is its own test, comparing per-step losses, per-parameter gradients and
 updated parameters by original name with one process from the same weights and batches (``parity.assert_parity``),
-on every rank (each pipeline's stages joined). The refusals are in ``test_errors.py`` (``cp_eager``, ``cp_scan``)."""
+on every rank (each pipeline's stages joined). The refusals are in ``test_errors.py`` (``cp_eager``, ``cp_block_aux``) and ``unit/test_cp_layout.py`` (a scan)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ from parity import Record, assert_parity, load_record, merge_stages, train
 from worker_cp import CONFIGS
 
 SCRIPT = Path(__file__).parent / "worker_cp.py"
-LAUNCHES = {2: ["cp2", "cp2_families", "cp2_padded", "cp2_dropout", "cp2_a2a", "cp2_a2a_padded"],
+LAUNCHES = {2: ["cp2", "cp2_families", "cp2_padded", "cp2_dropout", "cp2_a2a", "cp2_a2a_padded", "cp2_ep2"],
             4: ["cp2tp2", "cp2pp2", "cp2dp2", "cp2tp2_a2a"],
             # slow (python -m pytest -m slow): cp4, activation checkpointing, bf16, sequence parallelism inside, more
             # families, a2a at cp4 and under a pipeline, a2a's fallback
             "2 slow": ["cp2_recompute", "cp2_bf16", "cp2_families_slow", "cp2_a2a_fallback", "cp2_sdpa_families",
-                       "cp2_a2a_families"],
-            "4 slow": ["cp4", "cp2tp2sp", "cp2pp2_hf", "cp4_a2a", "cp2pp2_a2a"]}
+                       "cp2_a2a_families", "cp2_moe"],
+            "4 slow": ["cp4", "cp2tp2sp", "cp2pp2_hf", "cp4_a2a", "cp2pp2_a2a", "cp2tp2_ep4"]}
 
 
 @functools.lru_cache(maxsize=None)
@@ -256,3 +256,25 @@ def test_cp2_a2a_more_families(two_slow: Path) -> None:
     check_parity(two_slow, "cp2_a2a_families")
     calls = _a2a_calls(two_slow, "cp2_a2a_families")
     assert all(n > 0 and a2a == n for n, a2a in calls), calls
+
+
+def test_cp2_mixture_of_experts_over_ep(two: Path) -> None:
+    """Mixtral with its load-balancing loss on, the experts split over ep drawn from the two cp ranks: each rank's
+    tokens (its positions) travel to the experts' rank; the routers' logits the model records for its loss are
+    gathered over cp, so the loss is one process's, as are the experts' gradients (summed over their replicas,
+    divided by dp x cp)."""
+    check_parity(two, "cp2_ep2")
+
+
+@pytest.mark.slow
+def test_cp2_mixture_of_experts_families(two_slow: Path) -> None:
+    """Mixtral, Qwen2-MoE (a gated shared expert), DeepSeek-V3 (MLA, a dense first layer, group-limited routing) and
+    gpt-oss (attention sinks, transposed banks), the experts whole on each cp rank."""
+    check_parity(two_slow, "cp2_moe")
+
+
+@pytest.mark.slow
+def test_cp2_tp2_ep4(four_slow: Path) -> None:
+    """ep over cp x tp: the experts' tokens come from both cp ranks (each tp rank sending its slice); with every token
+    routed to one expert, three of the four ranks receive none and still join every exchange."""
+    check_parity(four_slow, "cp2tp2_ep4")

@@ -48,8 +48,13 @@ SCRIPT = ROOT / "tests" / "distributed" / "worker_errors.py"
                     r"not compute on this rank's 8 of 16 positions what it computes on the whole sequence .*no call "
                     r"of torch's scaled_dot_product_attention ran in it.*matmul -> softmax -> matmul.* Train it with "
                     r"cp=1"),
+    ("cp_block_aux", 2, r"ContextParallelError: context parallelism: block 'model\.blocks\.0' \(.*\[AuxMoEBlock\]\) "
+                        r"does not compute on this rank's 8 of 16 positions what it computes on the whole sequence "
+                        r"\(the tensor 1 of its output \(shape \(\)\): max abs difference .*\): besides its output "
+                        r"stream it returns a value computed over all of its positions \(a router's load-balancing "
+                        r"loss"),
 ], ids=["heads", "mismatch", "backward", "embedding", "sp_positions", "sp_bypassed", "sp_odd_length", "world",
-        "pp_stages", "pp_encdec", "pp_manual", "pp_fp16", "pp_trace", "pp_tied_cut", "cp_eager"])
+        "pp_stages", "pp_encdec", "pp_manual", "pp_fp16", "pp_trace", "pp_tied_cut", "cp_eager", "cp_block_aux"])
 def test_error_on_every_rank(scenario: str, devices: int, message: str) -> None:
     import re
 

@@ -32,6 +32,7 @@ class Config:
 
 
 RUN = dict(steps=3, seq=32)
+MOE_RUN = dict(steps=2, seq=16)
 FAMILIES = ("cp_llama", "cp_hf_llama", "cp_hf_mistral", "cp_hf_bert", "cp_hf_packed")
 CONFIGS = {
     # launch of 2 ranks
@@ -53,6 +54,11 @@ CONFIGS = {
     "cp2_sdpa_families": Config(("cp_hf_qwen3", "cp_hf_phi3", "cp_hf_neox", "cp_hf_gemma3"), dict(cp=2), RUN),
     "cp2_a2a_families": Config(("cp_hf_qwen3", "cp_hf_phi3", "cp_hf_neox", "cp_hf_gemma3"), dict(cp=2, cp_mode="a2a"),
                                RUN),
+    # mixtures of experts, the load-balancing loss on (the routers' recorded logits gathered over cp): the experts
+    # whole on every rank, and split over ep drawn from the cp ranks
+    "cp2_ep2": Config(("hf_mixtral_labels",), dict(cp=2, ep=2), MOE_RUN),
+    "cp2_moe": Config(("hf_mixtral_labels", "hf_qwen2_moe_labels", "hf_deepseek_v3_labels", "hf_gpt_oss_labels"),
+                      dict(cp=2), MOE_RUN),
     # launch of 4 ranks
     "cp4": Config(("cp_hf_mistral", "cp_hf_packed"), dict(cp=4), RUN),
     "cp2tp2": Config(("cp_hf_llama", "cp_hf_bert"), dict(cp=2, tp=2), RUN),
@@ -65,6 +71,8 @@ CONFIGS = {
     "cp2tp2_a2a": Config(("cp_hf_llama",), dict(cp=2, tp=2, cp_mode="a2a"), RUN),
     "cp4_a2a": Config(("cp_hf_mistral", "cp_hf_packed"), dict(cp=4, cp_mode="a2a"), RUN),
     "cp2pp2_a2a": Config(("cp_llama4",), dict(cp=2, pp=2, schedule="1f1b", cp_mode="a2a"), RUN),
+    # ep over cp x tp (the experts' tokens from both cp ranks, each tp rank sending its slice)
+    "cp2tp2_ep4": Config(("hf_mixtral_labels", "hf_gpt_oss_one_expert"), dict(cp=2, tp=2, ep=4), MOE_RUN),
 }
 
 

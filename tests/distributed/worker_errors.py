@@ -158,6 +158,8 @@ SCENARIOS = {  # name -> (module, strategy kwargs, batch size)
     "pp_tied_cut": (lambda: LitLM("nanogpt"), dict(tp=2, pp=2, tp_plan={"model.lm_head": "replicate"}), 4),
     # context parallelism: attention written as matmul -> softmax -> matmul (nanoGPT's), found at the first call
     "cp_eager": (lambda: LitLM("cp_nanogpt"), dict(cp=2), 4),
+    # ... and a load-balancing loss computed over a block's positions, returned beside its stream
+    "cp_block_aux": (lambda: LitLM("cp_aux_moe"), dict(cp=2), 4),
     "pp_fp16": (lambda: LitLM("nanogpt"), dict(pp=2, precision_plugin=MixedPrecision(
         "16-mixed", "cpu", torch.amp.GradScaler("cpu"))), 4),
 }

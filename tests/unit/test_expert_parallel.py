@@ -90,3 +90,16 @@ def test_planner_counts_experts_split_over_ep_and_their_exchange() -> None:
     assert split.activations > plain.activations  # the exchanged rows
     with pytest.raises(ValueError, match=r"ep=3 must divide dp\*tp = 4\*1 = 4"):
         estimate_memory(model, ep=3, **kwargs)
+
+
+def test_ep_with_context_parallelism_divides_dp_cp_tp() -> None:
+    """With cp the ep group is drawn from the dp, cp and tp ranks of a stage: ep divides their product, and the
+    error names the three degrees."""
+    check_ep(4, dp=1, tp=2, cp=2)
+    with pytest.raises(ValueError, match=r"ep=8 must divide dp\*cp\*tp = 1\*2\*2 = 4: .*context-parallel.* choose ep "
+                                         r"in \[1, 2, 4\]"):
+        check_ep(8, dp=1, tp=2, cp=2)
+    ranks = torch.arange(8).view(2, 1, 2, 2)  # (dp, pp, cp, tp)
+    grid = ep_grid(ranks, 4)  # (pp, replicas, ep): tp fastest, then cp, then dp
+    assert grid.tolist() == [[[0, 1, 2, 3], [4, 5, 6, 7]]]
+    assert ep_grid(torch.arange(8).view(2, 2, 2), 2).tolist() == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]  # (dp, pp, tp)
