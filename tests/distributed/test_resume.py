@@ -178,3 +178,33 @@ def test_adafactor_under_tp_is_refused(tmp_path: Path, adafactor_reference) -> N
         assert re.search(r"optimizer state '(row|col)_var' of model\.\S+ has shape \(\d+, 1\)|"
                          r"optimizer state '(row|col)_var' of model\.\S+ has shape \(1, \d+\)", out), out[-2000:]
         assert "cannot be split over tp=2" in out
+
+
+@pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["whole", "sharded"])
+def test_context_parallel_resumes_across_layouts(tmp_path: Path, sharded: bool) -> None:
+    """A run at cp=2 (parameters and momentum FSDP2-sharded over the two cp ranks) saved as one file resumes in one
+    process without the strategy; saved as DCP shards it resumes at tp=2 (slow). The steps after the resume equal an
+    uninterrupted run's, momentum included: cp leaves nothing of its own in a checkpoint."""
+    from worker_resume import run
+
+    name, ckpt = "cp_llama4", tmp_path / "run.ckpt"
+    reference = []
+    for phase in ("first", "second"):
+        run(tmp_path, phase, 0, 0, tmp_path / "plain.ckpt", model=name)
+        reference.append(load_record(tmp_path / f"{phase}.rank0.pt"))
+    run_ranks(SCRIPT, 2, [str(tmp_path), "first", "1", "1", str(ckpt), "sharded" if sharded else "whole", "sgdm", "1",
+                          name, "1", "2"], timeout=300).check()
+    for rank in range(2):
+        assert_parity(load_record(tmp_path / f"first.rank{rank}.pt"), reference[0], where=f"cp=2 first, rank {rank}")
+    if sharded:
+        run_ranks(SCRIPT, 2, [str(tmp_path), "second", "2", "1", str(ckpt), "sharded", "sgdm", "1", name],
+                  timeout=300).check()
+    else:
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+        from models import LitLM
+
+        assert len(state["optimizer_states"][0]["state"]) == len(list(LitLM(name).parameters()))  # every momentum
+        run(tmp_path, "second", 0, 0, ckpt, model=name)
+    second = load_record(tmp_path / "second.rank0.pt")
+    assert_parity(second, reference[1], rtol=1e-5, atol=1e-5, where=f"cp=2 -> {'tp=2' if sharded else 'one process'}")
+    torch.testing.assert_close(second.logged["val_loss"], reference[1].logged["val_loss"], rtol=1e-5, atol=1e-6)
