@@ -26,7 +26,8 @@ LAUNCHES = {2: ["cp2", "cp2_families", "cp2_padded", "cp2_dropout", "cp2_a2a", "
             # families, a2a at cp4 and under a pipeline, a2a's fallback
             "2 slow": ["cp2_recompute", "cp2_bf16", "cp2_families_slow", "cp2_a2a_fallback", "cp2_sdpa_families",
                        "cp2_a2a_families", "cp2_moe"],
-            "4 slow": ["cp4", "cp2tp2sp", "cp2pp2_hf", "cp4_a2a", "cp2pp2_a2a", "cp2tp2_ep4"]}
+            "4 slow": ["cp4", "cp2tp2sp", "cp2pp2_hf", "cp4_a2a", "cp2pp2_a2a", "cp2tp2_ep4", "cp2pp2_interleaved",
+                       "cp2pp2_zb"]}
 
 
 @functools.lru_cache(maxsize=None)
@@ -278,3 +279,11 @@ def test_cp2_tp2_ep4(four_slow: Path) -> None:
     """ep over cp x tp: the experts' tokens come from both cp ranks (each tp rank sending its slice); with every token
     routed to one expert, three of the four ranks receive none and still join every exchange."""
     check_parity(four_slow, "cp2tp2_ep4")
+
+
+@pytest.mark.slow
+def test_cp2_pp2_other_schedules(four_slow: Path) -> None:
+    """Interleaved 1F1B (two virtual stages per rank, each cut block run on its positions) and zero-bubble (the input
+    gradients first, the weights' deferred: the attention's recompute and its exchanges run in the input step)."""
+    check_parity(four_slow, "cp2pp2_interleaved")
+    check_parity(four_slow, "cp2pp2_zb")

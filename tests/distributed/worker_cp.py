@@ -71,6 +71,10 @@ CONFIGS = {
     "cp2tp2_a2a": Config(("cp_hf_llama",), dict(cp=2, tp=2, cp_mode="a2a"), RUN),
     "cp4_a2a": Config(("cp_hf_mistral", "cp_hf_packed"), dict(cp=4, cp_mode="a2a"), RUN),
     "cp2pp2_a2a": Config(("cp_llama4",), dict(cp=2, pp=2, schedule="1f1b", cp_mode="a2a"), RUN),
+    # the other schedules: interleaved (2 virtual stages per rank), zero-bubble (the weights' gradients deferred)
+    "cp2pp2_interleaved": Config(("cp_llama4",), dict(cp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2,
+                                                      microbatches=2), RUN),
+    "cp2pp2_zb": Config(("cp_llama4", "cp_hf_mistral"), dict(cp=2, pp=2, schedule="zero-bubble"), RUN),
     # ep over cp x tp (the experts' tokens from both cp ranks, each tp rank sending its slice)
     "cp2tp2_ep4": Config(("hf_mixtral_labels", "hf_gpt_oss_one_expert"), dict(cp=2, tp=2, ep=4), MOE_RUN),
 }
