@@ -158,7 +158,7 @@ def _plan_parser(sub: Any) -> None:
                                                               "parses); may be repeated")
     for name, default in (("--tp", 1), ("--pp", 1), ("--dp", 1), ("--virtual-stages", 1)):
         p.add_argument(name, type=int, default=default)
-    p.add_argument("--ep", type=int, default=1, help="experts split over ep ranks drawn from dp x tp (as the "
+    p.add_argument("--ep", type=int, default=1, help="experts split over ep ranks drawn from dp x cp x tp (as the "
                                                      "strategy's ep=)")
     p.add_argument("--cp", type=int, default=1, help="context parallelism: the blocks run on seq-len / cp positions "
                    "of each sequence (docs/context_parallel.md)")

@@ -387,11 +387,16 @@ def in_place_reduce_scatter() -> Any:
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                      async_op: bool = False) -> None:
-            if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-                raise ValueError(f"reduce-scatter over gloo: reduce op {op} is not supported (SUM or AVG)")
+            # PREMUL_SUM(f): a unit with its own gradient divide factor (experts over their replicas)
+            premul = getattr(op, "op", None) == dist.ReduceOp.RedOpType.PREMUL_SUM
+            if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and not premul:
+                raise ValueError(f"reduce-scatter over gloo: reduce op {op} is not supported (SUM, AVG or "
+                                 f"PREMUL_SUM)")
             dist.all_reduce(input_tensor, group=group)
             output_tensor.copy_(input_tensor.view(dist.get_world_size(group), -1)[dist.get_rank(group)])
-            if op == dist.ReduceOp.AVG:
+            if premul:
+                output_tensor.mul_(op.factor)
+            elif op == dist.ReduceOp.AVG:
                 output_tensor.div_(dist.get_world_size(group))
             input_tensor.untyped_storage().resize_(0)
 

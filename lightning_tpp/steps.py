@@ -21,7 +21,7 @@ from what setup does. A new capability is a new step::
     materialize       a meta-built model: this rank's shards allocated and initialised            (live)
     report            the plan table, the partition                                               (live)
     weights           weights= loaded into this rank's shards                                     (live)
-    split             the experts split over ep (FSDP2 leaves them, reduced apart)                (live)
+    split             the experts split over ep (sharded over their replicas, or reduced apart)   (live)
     dp                FSDP2 over dp (after the precision plugin fixed the dtype)                  (live)
     reduction         the per-step gradient reduction, built once                                 (live)
 
@@ -53,9 +53,9 @@ from lightning_tpp.core.grads import broadcast_module
 from lightning_tpp.core.materialize import has_meta, materialize
 from lightning_tpp.core.mesh import MeshDims, replica_mesh
 from lightning_tpp.core.recompute import recompute_blocks
-from lightning_tpp.data_parallel import shard_over_dp, sharded_numel, sync_batchnorm_over_dp
+from lightning_tpp.data_parallel import ExpertShards, shard_over_dp, sharded_numel, sync_batchnorm_over_dp
 from lightning_tpp.experts import ExpertParallelConfigError, active_parameters, find_experts, shard_banks
-from lightning_tpp.experts.expert_parallel import expert_parameters, split_experts
+from lightning_tpp.experts.expert_parallel import expert_parameters, split_banks, split_experts
 from lightning_tpp.parallel_state import GradientReduction, Materialization, ModelMap, ParallelState, ProcessGroups
 from lightning_tpp.pipeline.auto import settle_auto
 from lightning_tpp.pipeline.batchnorm import DeferredStatistics
@@ -487,14 +487,14 @@ def _weights(s: Setup) -> None:
 
 
 def _split(s: Setup) -> None:
-    s.split = expert_parameters(s.module)  # the same objects after FSDP2, which leaves them
+    s.split = expert_parameters(s.module)  # left out of the dp units (each bank a unit over its replicas)
 
 
 def _dp(s: Setup) -> None:
     """FSDP2 over the dp mesh axis, last (after tensor parallelism, the stages, materialising and loading weights;
     after the precision plugin, which fixes the dtype FSDP2 gathers in): each of this rank's blocks one unit, the
-    other parameters grouped by the module holding them; experts split over ep (whose replicas are not all of dp)
-    left out. Everything that held the replaced parameter objects follows them."""
+    other parameters grouped by the module holding them; each bank split over ep a unit of its own over the ranks
+    that hold the same experts (``data_parallel.fsdp.ExpertShards``), where there are several. Everything that held the replaced parameter objects follows them."""
     state, config = s.state, s.config
     assert state is not None
     if s.dims.dp * s.dims.cp == 1 or config.dp_sharding == "no_shard":
@@ -505,8 +505,12 @@ def _dp(s: Setup) -> None:
         assert s.map is not None
         s.map.blocks()  # the user's containers: the partitioner says what is wrong with them
     s.convert(s.module)
+    ep = s.groups.ep
+    banks = split_banks(s.module) if ep is not None and ep.replicas is not None else []
+    experts = ExpertShards(tuple(banks), ep.mesh["edp"], float(ep.dp)) \
+        if banks and dist.get_world_size(ep.replicas) > 1 else None  # type: ignore[union-attr,index]
     state.dp = dp = shard_over_dp(s.module, replicas, blocks=list(state.blocks),
-                                  sharding=config.dp_sharding, keep=s.split,
+                                  sharding=config.dp_sharding, keep=s.split, experts=experts,
                                   # the cp ranks of a replica hold the same tokens at the head: exchanged over dp x cp
                                   # they would be computed cp times; FSDP2 gathers the head instead
                                   vocab_exchange=config.vocab_exchange and s.dims.cp == 1,
@@ -534,7 +538,8 @@ def _dp(s: Setup) -> None:
 
 def _reduction(s: Setup) -> None:
     assert s.state is not None
-    s.state.reduction = GradientReduction.of(s.module, s.state, s.split)  # the parameters as FSDP2 left them
+    # the parameters as FSDP2 left them (experts sharded over their replicas are new objects)
+    s.state.reduction = GradientReduction.of(s.module, s.state, expert_parameters(s.module))
 
 
 STEPS: tuple[Step, ...] = (

@@ -552,9 +552,10 @@ class HFMoE(nn.Module):
         common = dict(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                       num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False,
                       output_router_logits=True, router_aux_loss_coef=0.02)
-        if kind == "mixtral":
-            cfg = transformers.MixtralConfig(**common, intermediate_size=2 * DIM, num_local_experts=4,
-                                             num_experts_per_tok=2)
+        if kind in ("mixtral", "mixtral_two"):  # two experts, top-1: at ep2, fewer experts per rank than replicas
+            two = kind == "mixtral_two"
+            cfg = transformers.MixtralConfig(**common, intermediate_size=2 * DIM, num_local_experts=2 if two else 4,
+                                             num_experts_per_tok=1 if two else 2)
             self.model = transformers.MixtralForCausalLM(cfg)
         elif kind == "qwen2_moe":
             cfg = transformers.Qwen2MoeConfig(**common, intermediate_size=2 * DIM, moe_intermediate_size=DIM,
@@ -769,6 +770,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     # mixtures of experts (their load-balancing loss in the model's loss)
     "hf_mixtral_labels": lambda: HFMoE("mixtral"),
     "hf_qwen2_moe_labels": lambda: HFMoE("qwen2_moe"),
+    "hf_mixtral_two_experts": lambda: HFMoE("mixtral_two"),
     "hf_deepseek_v3_labels": lambda: HFMoE("deepseek_v3"),
     "hf_gpt_oss_labels": lambda: HFMoE("gpt_oss"),
     "hf_gpt_oss_one_expert": lambda: HFMoE("gpt_oss_one_expert"),

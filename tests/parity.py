@@ -29,6 +29,8 @@ class Record:
     params: dict[str, Tensor] = field(default_factory=dict)
     logged: dict[str, float] = field(default_factory=dict)
     local_fraction: float = 1.0  # this rank's parameter elements / the whole model's (tensor-parallel shards)
+    expert_fraction: float = 1.0  # under ep: this rank's expert elements (parameters, optimizer state) / all experts'
+    expert_state_fraction: float = 1.0
     # running statistics of normalisation layers (running_mean/var, num_batches_tracked) after each step
     buffers: list[dict[str, Tensor]] = field(default_factory=list)
     rng: list[str] = field(default_factory=list)  # where the user's CPU generator stands after each step (a digest)
@@ -271,6 +273,18 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
                 if sharded < 0.9 * total:
                     raise AssertionError(f"{name}: only {sharded} of {total} parameters are sharded over dp: "
                                          f"{strategy.parallel_state.dp}")
+            if args.ep > 1:  # the experts' parameters and optimizer state held here, against all of them
+                from lightning_tpp.core.dp_shard import local
+                from lightning_tpp.experts.expert_parallel import expert_parameters
+
+                experts = expert_parameters(strategy.lightning_module)  # none: experts cut over tp instead
+                shards = strategy.parallel_state.shards
+                whole = sum(shards.full_numel(p) for p in experts) or 1
+                record.expert_fraction = sum(local(p).numel() for p in experts) / whole
+                states = strategy.lightning_module.trainer.optimizers[0].state
+                held = [v for p in experts for v in states.get(p, {}).values() if isinstance(v, torch.Tensor)
+                        and v.dim() > 0]
+                record.expert_state_fraction = sum(local(v).numel() for v in held) / whole if held else 0.0
             if (args.tp > 1 or args.ep > 1) and args.pp == 1 and (args.dp == 1 or args.dp_sharding == "no_shard"):
                 shards = strategy.parallel_state.shards
                 params = list(strategy.lightning_module.parameters())

@@ -75,6 +75,8 @@ class Layout:
     """How this rank's tensors map to whole tensors (the mesh, the tp group, and which parameters are cut how): wrap
     for DCP, and unwrap what DCP loaded.
 
+    Experts cut over ep are ``Shard(0)`` over ep and ``Replicate()`` over their replicas, or, sharded over these too,
+    ``Shard(0)`` over ep then FSDP2's ``Shard(0)`` or ``Shard(1)`` over the replicas (on the ``(ep, edp)`` mesh).
     A tensor also sharded over dp (FSDP2: ``Shard(0)`` of this rank's tp shard) is saved as what it is, a box of the
     whole tensor: ``Shard(0)`` over dp alone when tp did not cut it; ``Shard(dim)`` over tp and ``Shard(0)`` over dp
     (on the ``(dp, tp)`` mesh) for a row-parallel shard; dim 0 split by tp, then each tp part split by dp (two
@@ -87,6 +89,10 @@ class Layout:
 
     def wrap(self, t: Tensor, spec: Optional[ShardSpec], full_shape: tuple[int, ...]) -> Any:
         if spec is not None and spec.over is not None:  # experts: cut over ep, the same on their replicas
+            if isinstance(t, DTensor):  # ... or sharded over them (FSDP2: Shard(0) or Shard(1) of the ep part)
+                return DTensor.from_local(t.to_local(), spec.over.ep_edp, [Shard(spec.dim), t.placements[0]],
+                                          run_check=False, shape=torch.Size(full_shape),
+                                          stride=_contiguous_stride(full_shape))
             return DTensor.from_local(t.contiguous(), spec.over.mesh, [Replicate(), Shard(spec.dim)], run_check=False,
                                       shape=torch.Size(full_shape), stride=_contiguous_stride(full_shape))
         if isinstance(t, DTensor):  # sharded over dp

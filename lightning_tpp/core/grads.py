@@ -135,8 +135,11 @@ def global_grad_norm(params: Iterable[nn.Parameter], *, sharded: Container[Tenso
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     total = _norm_power([g for g in mine if not is_dp_sharded(g)], norm_type, device)
     if experts:  # cut over the ep group (alike on their replicas): summed over it, then counted on tp rank 0
-        over_ep = _norm_power([p.grad for p in experts], norm_type, device)
+        over_ep = _norm_power([local(p.grad) for p in experts], norm_type, device)
         dist.all_reduce(over_ep, op=op, group=spec_of(experts[0]).over.group)
+        on_replicas = next((p.grad for p in experts if is_dp_sharded(p.grad)), None)
+        if on_replicas is not None:  # ... and sharded over their replicas (FSDP2): each part counted once
+            dist.all_reduce(over_ep, op=op, group=on_replicas.device_mesh.get_group())
         if tp_rank == 0:
             total = torch.maximum(total, over_ep) if inf else total + over_ep
     parts = [local(g) for g in mine if is_dp_sharded(g)]

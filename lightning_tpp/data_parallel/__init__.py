@@ -11,6 +11,7 @@ from lightning_tpp.data_parallel.fsdp import (
     DPShards,
     DPSharding,
     DPUnitsMismatchError,
+    ExpertShards,
     called_where_read,
     fsdp_units,
     normalize_sharding,
@@ -21,6 +22,6 @@ from lightning_tpp.data_parallel.reads import ShardedReadError, find_reads, guar
 from lightning_tpp.data_parallel.rows import RowsOverDP, candidates, shard_rows_over_dp
 from lightning_tpp.data_parallel.sync_batchnorm import SyncBatchNormDeviceError, sync_batchnorm_over_dp
 
-__all__ = ["SHARDINGS", "DPShards", "DPSharding", "DPUnitsMismatchError", "RowsOverDP", "ShardedReadError",
+__all__ = ["SHARDINGS", "DPShards", "DPSharding", "DPUnitsMismatchError", "ExpertShards", "RowsOverDP", "ShardedReadError",
            "SyncBatchNormDeviceError", "called_where_read", "candidates", "find_reads", "fsdp_units", "guard_reads",
            "normalize_sharding", "shard_over_dp", "shard_rows_over_dp", "sharded_numel", "sync_batchnorm_over_dp"]

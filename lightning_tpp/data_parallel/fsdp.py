@@ -31,6 +31,12 @@ before (``replicated``).
 ``sharding``: ``"full_shard"`` (parameters gathered per unit for forward and again for backward; least memory),
 ``"shard_grad_op"`` (kept gathered from forward to backward, ZeRO-2-like: one all-gather less per unit and step),
 ``"no_shard"`` (everything replicated, gradients all-reduced).
+
+Experts split over ep (``experts.expert_parallel``) are not in the dp units: each bank is a unit of its own over the
+mesh of its replicas (the ranks holding the same experts, ``ExpertShards``: expert data parallelism), along the expert
+dimension (``Shard(0)``) where a rank keeps at least as many experts as it has replicas, else along the next one
+(``Shard(1)``), so that no replica is left without a part. Their gradients are summed over the replicas and divided
+by ``divide`` (dp, or dp x cp: what keeps one process's update, see ``reduce_expert_grads``).
 """
 
 from __future__ import annotations
@@ -74,6 +80,23 @@ def normalize_sharding(value: Any) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class ExpertShards:
+    """Expert banks split over ep to shard over their replicas: the banks (module names), the 1-d mesh of this rank's
+    replicas, and what their summed gradients are divided by."""
+
+    banks: tuple[str, ...]
+    mesh: DeviceMesh
+    divide: float
+
+    def placement(self, p: nn.Parameter) -> Any:
+        """``Shard(0)`` (whole experts per replica) where this rank's experts are at least its replicas, else
+        ``Shard(1)``."""
+        from torch.distributed.tensor import Shard
+
+        return Shard(0) if p.dim() < 2 or p.shape[0] >= self.mesh.size() else Shard(1)
+
+
 @dataclass
 class DPShards:
     """What ``shard_over_dp`` did: the FSDP units (module names), the parameters left replicated (names) and the
@@ -85,6 +108,7 @@ class DPShards:
     replaced: dict[int, nn.Parameter] = field(default_factory=dict)
     modules: list[nn.Module] = field(default_factory=list)
     rows: list[RowsOverDP] = field(default_factory=list)  # vocabulary matrices computed over dp (data_parallel.rows)
+    experts: list[str] = field(default_factory=list)  # expert banks sharded over their replicas (ExpertShards)
     reads: Reads = field(default_factory=Reads)  # where the forward reads each parameter (data_parallel.reads)
     guard: Optional[ReadGuard] = None  # the reads that forward did not see, handled at the first call
 
@@ -115,6 +139,9 @@ class DPShards:
     def describe(self, total: int, sharded: int) -> str:
         lines = [f"Data-parallel sharding ({self.sharding}, FSDP2): {len(self.units)} units, "
                  f"{sharded / max(total, 1):.0%} of this rank's parameters sharded over dp"]
+        if self.experts:
+            lines.append(f"  expert banks, each a unit over the ranks holding the same experts (their replicas): "
+                         f"{', '.join(self.experts)}")
         if self.rows:
             lines.append(f"  cut by rows over dp and computed there (tokens exchanged, the matrix never gathered): "
                          f"{', '.join(r.name for r in self.rows)}")
@@ -193,13 +220,15 @@ def _enclosing(units: set[str], needs: dict[int, str], holders: dict[int, list[s
 
 def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str], sharding: str,
                   vocab_exchange: bool = True, keep: Sequence[nn.Parameter] = (), tp_blocks: Collection[str] = (),
-                  quiet: Optional[Callable[[nn.Module], None]] = None) -> DPShards:
+                  quiet: Optional[Callable[[nn.Module], None]] = None,
+                  experts: Optional[ExpertShards] = None) -> DPShards:
     """``fully_shard`` each unit of ``module`` (this rank's stage, tensor-parallel shards as plain parameters) over the
     1-d ``mesh``; with ``vocab_exchange``, the vocabulary matrices cut by rows instead (``data_parallel.rows``);
     ``keep`` stays as it is (not sharded, gradients not reduced). Units and vocabulary matrices follow where the
     forward reads each parameter (``data_parallel.reads``), and reads it could not see are guarded at the first call.
     ``tp_blocks``: the tensor-parallel blocks; ``quiet``: turns their first-call checks off on the meta copy that
-    finds the reads. Returns what was done, with old parameter -> new parameter (FSDP2 replaces the objects)."""
+    finds the reads. ``experts``: banks of ``keep`` each made a unit over its replicas' mesh instead. Returns what was
+    done, with old parameter -> new parameter (FSDP2 replaces the objects)."""
     from torch.distributed.fsdp import fully_shard
 
     before = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
@@ -209,15 +238,24 @@ def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str],
     units, replicated = fsdp_units(module, blocks, skip={id(p) for p in (*moved.values(), *keep)},
                                    reads=reads.readers, tp_blocks=tp_blocks)
     _check_same_units(units, mesh)
-    ignored = {module.get_parameter(n) for n in replicated} | set(moved.values()) | set(keep)
     modules = dict(module.named_modules())
+    banks = list(experts.banks) if experts is not None else []
+    sharded_experts = {id(p) for b in banks for p in modules[b].parameters(recurse=False)}
+    # a bank made a unit of its own is a leaf to the units around it (FSDP2 skips a nested unit's parameters)
+    ignored = {module.get_parameter(n) for n in replicated} | set(moved.values()) | \
+        {p for p in keep if id(p) not in sharded_experts}
     # gloo (CPU): a reduce-scatter that neither clones its input nor keeps it (nor the gradient FSDP2 leaks through
     # it), no all-gather buffer kept for overlap, no all-gather issued ahead in backward (a CPU collective does not
     # overlap compute: the next unit's gathered parameters would only sit beside this unit's weight and gradient)
     cpu = dist.get_backend(mesh.get_group()) == "gloo"
-    for name in units:
-        fully_shard(modules[name], mesh=mesh, reshard_after_forward=sharding == "full_shard",
-                    ignored_params=ignored or None)
+    for name in [*banks, *units]:
+        bank = name in banks
+        assert experts is not None or not bank
+        fully_shard(modules[name], mesh=experts.mesh if bank else mesh,  # type: ignore[union-attr]
+                    reshard_after_forward=sharding == "full_shard", ignored_params=None if bank else ignored or None,
+                    shard_placement_fn=experts.placement if bank else None)  # type: ignore[union-attr]
+        if bank:
+            modules[name].set_gradient_divide_factor(experts.divide)  # type: ignore[union-attr]
         reduce_scatter = in_place_reduce_scatter() if cpu else None
         if reduce_scatter is not None:
             modules[name].set_custom_reduce_scatter(reduce_scatter)
@@ -233,7 +271,8 @@ def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str],
     module.__class__ = cls
     replaced = {id(p): m._parameters[name] for m, name, p in before if m._parameters[name] is not p}
     guard = guard_reads(module, [modules[n] for n in units], rows)
-    return DPShards(sharding, units, replicated, replaced, [modules[n] for n in units], rows, reads, guard)
+    return DPShards(sharding, [*banks, *units], replicated, replaced, [modules[n] for n in [*banks, *units]], rows,
+                    banks, reads, guard)
 
 
 def called_where_read(module: nn.Module, names: Sequence[str], reads: Mapping[int, Iterable[str]]) -> list[str]:

@@ -25,6 +25,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_tpp.core.comm import TPGroup
+from lightning_tpp.core.dp_shard import is_dp_sharded
 from lightning_tpp.core.grads import reduce_gradients
 from lightning_tpp.core.mesh import reused
 from lightning_tpp.core.params import ShardIndex, ShardInfo
@@ -46,6 +47,7 @@ class ExpertGroup(TPGroup):
 
     replicas: Optional[ProcessGroup] = None
     mesh: Optional[DeviceMesh] = field(default=None, repr=False)
+    ep_edp: Optional[DeviceMesh] = field(default=None, repr=False)  # ("ep", "edp"): ep outermost (checkpoints)
     dp: int = 1
     traffic: Traffic = field(default_factory=Traffic, compare=False, repr=False)  # this rank's exchanges
 
@@ -77,9 +79,12 @@ def expert_group(mesh: DeviceMesh, ep: int, *, rank: int, dp: int) -> ExpertGrou
     grid = ep_grid(mesh.mesh, ep)
     experts = reused(("experts", mesh.device_type, tuple(grid.shape), tuple(grid.flatten().tolist())),
                      lambda: DeviceMesh(mesh.device_type, grid, mesh_dim_names=("pp", "edp", "ep")))
+    swapped = grid.transpose(1, 2)  # a mesh's dimensions cannot be sliced out of order: one built the other way round
+    ep_edp = reused(("experts-ep-edp", mesh.device_type, tuple(swapped.shape), tuple(swapped.flatten().tolist())),
+                    lambda: DeviceMesh(mesh.device_type, swapped, mesh_dim_names=("pp", "ep", "edp")))
     where = (grid == rank).nonzero()[0].tolist()
     return ExpertGroup(experts.get_group("ep"), where[2], ep, replicas=experts.get_group("edp"),
-                       mesh=experts["edp", "ep"], dp=dp)
+                       mesh=experts["edp", "ep"], ep_edp=ep_edp["ep", "edp"], dp=dp)
 
 
 @dataclass
@@ -184,6 +189,11 @@ def _replicas(group: TPGroup) -> Optional[ProcessGroup]:
     return group.replicas if isinstance(group, ExpertGroup) else None
 
 
+def split_banks(model: nn.Module) -> list[str]:
+    """The names of the banks expert parallelism split."""
+    return [name for name, m in model.named_modules() if isinstance(m, _EPExperts)]
+
+
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters of every bank that expert parallelism split (they are reduced by :func:`reduce_expert_grads`,
     not by data parallelism)."""
@@ -193,5 +203,7 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 def reduce_expert_grads(params: list[nn.Parameter], group: ExpertGroup) -> None:
     """Each expert's gradient summed over its replicas and divided by dp: the average over every replica's batch,
     as the other parameters get. A bank whose parameter got no gradient on a rank (frozen, or no MoE call) gets
-    zeros there when another rank has one."""
-    reduce_gradients([p for p in params if p.requires_grad], group.replicas, divisor=group.dp)
+    zeros there when another rank has one. Banks sharded over their replicas (FSDP2, ``data_parallel.fsdp``) were
+    reduced in backward."""
+    reduce_gradients([p for p in params if p.requires_grad and not is_dp_sharded(p)], group.replicas,
+                     divisor=group.dp)

@@ -23,12 +23,13 @@ What it adds up (per pipeline rank; a step is ``accumulate`` pipeline runs of ``
 
 Expert parallelism (``ep > 1``, ``experts.dispatch``), per routed layer and micro-batch: forward, the counts'
 all-to-all and two of the rows (to the experts, back), backward two more (again in a recomputation); each rank sends
-its share of the tokens (1/tp of the micro-batch's under tp, 1/cp of its positions under cp) x top-k rows of ``hidden`` elements, (ep-1)/ep of them
-to other ranks, on the tp link while the ep group stays in a tp group or a node. The experts' compute per rank is
+its share of the tokens (1/tp of the micro-batch's under tp, 1/cp of its positions under cp) x top-k rows of
+``hidden`` elements, (ep-1)/ep of them to other ranks, on the tp link while the ep group stays in a tp group or a node. The experts' compute per rank is
 unchanged: every rank of a stage holds 1/ep of the experts and receives on average ep/tp ranks' shares of the rows,
-the same work that expert tp gives it (1/tp of every expert for all its tokens). Their gradients are summed over their
-replicas (dp x cp x tp / ep ranks) once per step, not overlapped (``StepTime.experts``); FSDP2 and the dp all-reduce carry
-only the dense rest.
+the same work that expert tp gives it (1/tp of every expert for all its tokens). Where FSDP2 shards, the experts are
+sharded over their replicas (dp x cp x tp / ep ranks) and gathered and reduce-scattered per micro-batch like a dense
+unit (``StepTime.experts``, what compute does not hide); under ``no_shard`` their gradients are summed over the
+replicas once per step, not overlapped.
 
 Context parallelism (``cp > 1``, ``cp_mode="allgather"``): a block's compute is ``1/cp`` of cp = 1's (its positions;
 the causal attention's work is equal on every rank by the head-and-tail chunks), its backward adds its attention's
@@ -243,11 +244,20 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
     if layout.dp > 1:
         dp += dp_link.gather(4.0 * layout.dp, layout.dp) * layout.accumulate  # the loss check's flags
     shard = replicas if layout.sharded else 1
-    optimizer = max(times.optimizer_step(n, (d / shard + e) / profile.dtype_bytes, profile.dtype_bytes,
+    expert_shard = layout.expert_replicas if layout.sharded else 1  # FSDP2 over the experts' replicas
+    optimizer = max(times.optimizer_step(n, (d / shard + e / expert_shard) / profile.dtype_bytes, profile.dtype_bytes,
                                          optimizer_states, device)
                     for n, d, e in zip(stage_tensors, stage_dense, stage_experts))
-    experts = dp_link.all_reduce(max(stage_experts), layout.dp * cp * tp // layout.ep) + \
-        times.copies(max(stage_experts), 2, device) if layout.ep > 1 else 0.0
+    experts = 0.0
+    if layout.ep > 1 and expert_shard > 1:  # gathered and reduce-scattered per micro-batch, as the dense units
+        bank = max(stage_experts)
+        gathers = 2 if layout.dp_sharding == "full_shard" else 1
+        per_mb = gathers * dp_link.gather(bank, expert_shard) + dp_link.reduce_scatter(bank, expert_shard) + \
+            times.copies(bank, gathers + 1, device)
+        experts = _exposed(per_mb * m * layout.accumulate, compute, device.overlap)
+    elif layout.ep > 1:  # whole on their replicas: summed once per step, after backward
+        experts = dp_link.all_reduce(max(stage_experts), layout.expert_replicas) + \
+            times.copies(max(stage_experts), 2, device)
     samples = batch * layout.dp * layout.accumulate
     return StepTime(run * layout.accumulate, (run - busy) * layout.accumulate, fsdp, dp, optimizer, samples,
                     experts)

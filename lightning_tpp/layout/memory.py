@@ -19,9 +19,9 @@ With context parallelism (``cp > 1``) the blocks run on ``1/cp`` of each sequenc
 what checkpointing keeps, a stage's send and the LM head's (``1/cp`` of the vocabulary's columns) are ``1/cp`` of
 cp = 1's; the embeddings' are not (they run on the whole sequence); states are sharded over dp x cp.
 
-With expert parallelism (``ep > 1``) a rank holds ``1 / ep`` of every expert bank, whole (not cut by tp) and not
-sharded by FSDP2 (the experts are left out of its units: their replicas are a part of dp), as ``estimate_memory(ep=)``
-counts them; the dense rest keeps tp and FSDP2. The exchange's rows held for backward are measured once at ep = 2
+With expert parallelism (``ep > 1``) a rank holds ``1 / ep`` of every expert bank (not cut by tp), and where FSDP2
+shards (``dp x cp > 1``, not ``no_shard``) that part is sharded again over the ranks holding the same experts
+(``dp x cp x tp / ep``: expert data parallelism), as ``estimate_memory(ep=)`` counts them; the dense rest keeps tp and FSDP2. The exchange's rows held for backward are measured once at ep = 2
 (``BlockProfile.exchange_saved``): a rank receives about as many rows at any ep (its share of the group's tokens).
 """
 
@@ -132,7 +132,8 @@ def layout_memory(profile: ModelProfile, layout: Layout, *, batch: int, optimize
             gathered = 2 * largest if backend == "gloo" else 4 * largest
             if layout.dp_sharding == "shard_grad_op":
                 gathered += dense * elem
-        held_params = dense / shard + experts  # experts: not sharded by FSDP2
+        # experts: sharded over their replicas (dp x cp x tp / ep ranks) where FSDP2 runs, as the strategy does
+        held_params = dense / shard + experts / (layout.expert_replicas if layout.sharded else 1)
         step = held_params * elem if optimizer in ("adam", "adamw") else 0.0
         memory = LayoutMemory(r, held_params * per_param, held, gathered, step)
         if best is None or memory.total > best.total:

@@ -52,6 +52,11 @@ class Layout:
         return self.dp * self.cp
 
     @property
+    def expert_replicas(self) -> int:
+        """The ranks that hold the same experts under ep > 1 (FSDP2 shards them over these): dp x cp x tp / ep."""
+        return self.dp * self.cp * self.tp // self.ep if self.ep > 1 else 1
+
+    @property
     def sharded(self) -> bool:
         """Whether FSDP2 shards parameters, gradients and optimizer state over dp x cp."""
         return self.replicas > 1 and self.dp_sharding != "no_shard"

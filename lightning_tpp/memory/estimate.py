@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_tpp.data_parallel import candidates, fsdp_units
 from lightning_tpp.core.mesh import MeshDims
-from lightning_tpp.experts.expert_parallel import check_ep, expert_parameters
+from lightning_tpp.experts.expert_parallel import check_ep, expert_parameters, split_banks
 from lightning_tpp.pipeline.partition import Partition
 from lightning_tpp.pipeline.auto import AUTO, AUTO_CANDIDATES, AUTO_MEASURE, settle_auto
 from lightning_tpp.pipeline.schedule import ScheduleLike, actions
@@ -193,7 +193,9 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     splitting = [pp > 1 and any(kind in ("I", "W") for kind, _, _ in spec.orders(0, pp, m, virtual_stages))
                  for spec in specs]
     for r, (rank_copy, rank_state) in enumerate(cuts):
-        params, grads, optim, count = _state_bytes(rank_copy, optimizer, dp * cp if dp_shard else 1)
+        # experts split over ep, sharded over their replicas too where FSDP2 runs (data_parallel.fsdp.ExpertShards)
+        replicas = dp * cp * tp // ep if dp_shard and dp * cp > 1 and ep > 1 else 1
+        params, grads, optim, count = _state_bytes(rank_copy, optimizer, dp * cp if dp_shard else 1, replicas)
         stages = tuple(c * pp + r for c in range(virtual_stages)) if pp > 1 else (0,)
         extra = max((recompute.get(g, 0) for g in stages), default=0)
         loss = max((transient.get(g, 0) for g in stages), default=0)
@@ -204,7 +206,7 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
             held_saved = _held(spec, r, pp, m, virtual_stages, [saved.get(g, 0) for g in stages],
                                [waiting_saved.get(g, 0) for g in stages])[1]
             gathered = _gathered(rank_copy, rank_state, splits, backend,
-                                 mb * seq_len if vocab_exchange and cp == 1 else 0, dp * cp) \
+                                 mb * seq_len if vocab_exchange and cp == 1 else 0, dp * cp, replicas > 1) \
                 if dp_shard and dp * cp > 1 else 0
             step = params if optimizer in ("adam", "adamw") else 0
             options.append(RankMemory(r, 0, stages, count, params, grads, optim, held + extra + loss, in_flight,
@@ -229,7 +231,7 @@ def _runs(schedule: ScheduleLike, pp: int, microbatches: int, virtual: int, dp_s
 
 
 def _gathered(cut: nn.Module, state: ParallelState, splits_backward: bool, backend: str,
-              exchanged_tokens: int, dp: int) -> int:
+              exchanged_tokens: int, dp: int, expert_units: bool = False) -> int:
     """What dp sharding holds whole beside the shards, at its most. FSDP2: during the backward of the largest unit
     its gathered parameters, its unsharded gradient and the reduce-scatter's input copy of it (FSDP2 keeps the
     gradient alive through the reduce-scatter), with the next block prefetched; over gloo (``data_parallel.fsdp``'s CPU
@@ -237,11 +239,15 @@ def _gathered(cut: nn.Module, state: ParallelState, splits_backward: bool, backe
     a schedule that splits backward (zero-bubble): the stage's parameters and gradients, which stay whole until the
     schedule ends. The vocabulary matrices computed over dp (``data_parallel.rows``; ``exchanged_tokens`` per
     micro-batch and rank, 0 when they are FSDP2 units) are never gathered: what they hold is their all-to-all's
-    buffers, the send and the receive side of a head's logits (``_exchange_bytes``)."""
+    buffers, the send and the receive side of a head's logits (``_exchange_bytes``). ``expert_units``: the banks split
+    over ep are units of their own, over their replicas (else they are never gathered)."""
     blocks, tp_blocks = list(state.blocks), [b.name for b in state.tp_blocks]  # what setup's FSDP2 step reads
     exchanged = candidates(cut, blocks, tp_blocks) if exchanged_tokens else []
     rows = {id(p) for n in exchanged for p in cut.get_submodule(n).parameters()}
-    rows |= {id(p) for p in expert_parameters(cut)}  # split over ep: outside FSDP2's units, never gathered
+    experts = expert_parameters(cut)
+    rows |= {id(p) for p in experts}  # split over ep: outside the dp units
+    bank = sum(p.numel() * p.element_size() for p in experts) // max(len(split_banks(cut)), 1) \
+        if expert_units else 0  # one bank gathered over its replicas
     exchange = max((_exchange_bytes(cut.get_submodule(n), exchanged_tokens, dp) for n in exchanged), default=0)
     if splits_backward:
         return max(exchange, 2 * sum(p.numel() * p.element_size() for p in {id(p): p for p in cut.parameters()
@@ -254,7 +260,7 @@ def _gathered(cut: nn.Module, state: ParallelState, splits_backward: bool, backe
         own = {id(p): p for p in modules[name].parameters() if id(p) not in claimed}
         claimed |= own.keys()
         sizes[name] = sum(p.numel() * p.element_size() for p in own.values())
-    largest = max(sizes.values(), default=0)
+    largest = max(max(sizes.values(), default=0), bank)
     if backend == "gloo":
         return max(exchange, 2 * largest)
     return max(exchange, 3 * largest + max((sizes.get(n, 0) for n in blocks), default=0))
@@ -288,14 +294,17 @@ def _cut(module: nn.Module, dims: MeshDims, pp_rank: int, virtual: int, dtype: t
     return copy, state
 
 
-def _state_bytes(cut: nn.Module, optimizer: str, dp: int) -> tuple[int, int, int, int]:
+def _state_bytes(cut: nn.Module, optimizer: str, dp: int, replicas: int = 1) -> tuple[int, int, int, int]:
     """(params, grads, optimizer state) bytes and the parameter elements of a cut copy, each parameter's dim 0
-    divided into ``dp`` padded pieces (FSDP2) when ``dp > 1``, but experts split over ep (FSDP2 leaves them)."""
+    divided into ``dp`` padded pieces (FSDP2) when ``dp > 1``; experts split over ep divided over their ``replicas``
+    instead (dim 0 where a rank's experts are at least its replicas, else dim 1, as ``ExpertShards`` places them)."""
     params = grads = optim = count = 0
     experts = {id(p) for p in expert_parameters(cut)}
     for p in {id(p): p for p in cut.parameters()}.values():
-        whole = dp == 1 or p.dim() == 0 or id(p) in experts
-        n = p.numel() if whole else math.ceil(p.shape[0] / dp) * math.prod(p.shape[1:])
+        parts = replicas if id(p) in experts else dp
+        dim = 1 if id(p) in experts and p.dim() >= 2 and p.shape[0] < replicas else 0
+        whole = parts == 1 or p.dim() == 0
+        n = p.numel() if whole else math.ceil(p.shape[dim] / parts) * (p.numel() // p.shape[dim])
         size = n * p.element_size()
         count, params = count + n, params + size
         if p.requires_grad:

@@ -28,10 +28,10 @@ def _launch(tmp: Path, models: list[str], *, ep: int, dp: int = 1, tp: int = 1, 
     return run_ranks(ROOT / "tests" / "parity.py", dp * tp * pp, args, timeout=500).check().outputs[0]
 
 
-def _reference(name: str, dp: int, clip: Optional[float] = None) -> Record:
+def _reference(name: str, dp: int, clip: Optional[float] = None, optimizer: str = "sgd", steps: int = 5) -> Record:
     if dp == 1:
-        return train(name, clip=clip)
-    ref = train(name, dp=dp, replicas_apart=True, accumulate=dp, clip=clip)
+        return train(name, clip=clip, optimizer=optimizer, steps=steps)
+    ref = train(name, dp=dp, replicas_apart=True, accumulate=dp, clip=clip, optimizer=optimizer, steps=steps)
     ref.losses = torch.tensor(ref.losses).view(-1, dp).sum(dim=1).tolist()  # each replica's loss, recorded / dp
     ref.buffers = ref.buffers[dp - 1::dp]  # as they stand after each optimizer step
     return ref
@@ -53,6 +53,25 @@ def test_ep2_over_dp2_with_fsdp2(tmp_path: Path) -> None:
         model.get_submodule(layer.experts).register_forward_pre_hook(lambda m, args: chosen.append(args[1]))
     model(token_dataset()[0:8][0])
     assert len(chosen) == 2 and all(bool((c == 3).all()) for c in chosen), chosen
+
+
+def test_experts_sharded_over_their_replicas(tmp_path: Path) -> None:
+    """Expert data parallelism: ep2 over dp4, so each expert has 2 replicas, over which FSDP2 shards its parameters,
+    gradients and momentum (each rank holds 1/4 of every bank's elements, not 1/2). Gradients are summed over the
+    replicas and divided by dp; clipping uses the global norm, counting each part once. Mixtral keeps two experts of
+    four per rank (Shard(0): one expert per replica); with two experts it keeps one, cut along its next dimension
+    (Shard(1)). gpt-oss routes every token to one expert: a rank receives none and still joins every exchange."""
+    models = ["hf_mixtral_labels", "hf_mixtral_two_experts", "hf_gpt_oss_one_expert"]
+    # 4 steps: one epoch of the 64 samples over 4 replicas of 4 (the next one reshuffles per replica)
+    _launch(tmp_path, models, ep=2, dp=4, extra=("--clip", "0.05", "--optimizer", "sgdm", "--steps", "4"))
+    for name in models:
+        ref = _reference(name, dp=4, clip=0.05, optimizer="sgdm", steps=4)
+        for rank in range(4):
+            record = load_record(tmp_path / f"{name}.rank{rank}.pt")
+            assert_parity(record, ref, where=f"{name} ep=2 dp=4 rank {rank}")
+            # experts / (ep x replicas), within 5% (FSDP2 pads an uneven split)
+            assert record.expert_fraction == pytest.approx(1 / 4, rel=0.05), (name, rank, record.expert_fraction)
+            assert record.expert_state_fraction == pytest.approx(1 / 4, rel=0.05), (name, rank)
 
 
 def test_ep2_over_tp2(tmp_path: Path) -> None:
@@ -143,6 +162,51 @@ def test_ep_checkpoints_resume_in_other_layouts(tmp_path: Path, sharded: bool) -
               timeout=300).check()
     assert_parity(load_record(tmp_path / "second.rank0.pt"), reference[1], rtol=1e-5, atol=1e-5,
                   where="ep=2 -> tp=2")
+
+
+@pytest.mark.parametrize("sharded", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["dcp", "whole"])
+def test_experts_sharded_over_replicas_resume_in_other_layouts(tmp_path: Path, sharded: bool) -> None:
+    """Saved at ep=2 over dp=4 (each expert's parameters and momentum sharded over its 2 replicas) as DCP shards,
+    resumed in one process (consolidated) and in the same layout (each rank reading its part of its experts); saved
+    as one file (slow), resumed in one process, at tp=2 and at ep=4 over dp=4 (one replica). The steps after the
+    resume equal an uninterrupted run's, momentum included; the file holds the model's own 3-D banks."""
+    from worker_resume import run
+
+    script = ROOT / "tests" / "distributed" / "worker_resume.py"
+    name, ckpt = "hf_mixtral_labels", tmp_path / "run.ckpt"
+    reference = []
+    for phase in ("first", "second"):
+        run(tmp_path, phase, 0, 0, tmp_path / "plain.ckpt", model=name)
+        reference.append(load_record(tmp_path / f"{phase}.rank0.pt"))
+    mode = "sharded" if sharded else "whole"
+    run_ranks(script, 4, [str(tmp_path), "first", "1", "1", str(ckpt), mode, "sgdm", "4", name, "2"],
+              timeout=300).check()
+    assert_parity(load_record(tmp_path / "first.rank0.pt"), reference[0], where="ep=2 dp=4 first phase")
+    single = ckpt
+    if sharded:
+        from lightning_tpp import consolidate
+
+        single = tmp_path / "single.ckpt"
+        consolidate(ckpt, single)
+    state = torch.load(single, map_location="cpu", weights_only=True)
+    assert tuple(state["state_dict"]["model.model.model.layers.0.mlp.experts.gate_up_proj"].shape) == (4, 128, 32)
+    run(tmp_path, "second", 0, 0, single, model=name)
+    assert_parity(load_record(tmp_path / "second.rank0.pt"), reference[1], rtol=1e-5, atol=1e-5,
+                  where="ep=2 x 2 replicas -> one process")
+    if sharded:
+        run_ranks(script, 4, [str(tmp_path), "second", "1", "1", str(ckpt), mode, "sgdm", "4", name, "2"],
+                  timeout=300).check()
+        for rank in range(4):
+            assert_parity(load_record(tmp_path / f"second.rank{rank}.pt"), reference[1], rtol=1e-5, atol=1e-5,
+                          where=f"ep=2 x 2 replicas -> the same, rank {rank}")
+        return
+    run_ranks(script, 2, [str(tmp_path), "second", "2", "1", str(ckpt), mode, "sgdm", "1", name], timeout=300).check()
+    assert_parity(load_record(tmp_path / "second.rank0.pt"), reference[1], rtol=1e-5, atol=1e-5,
+                  where="ep=2 x 2 replicas -> tp=2")
+    run_ranks(script, 4, [str(tmp_path), "second", "1", "1", str(ckpt), mode, "sgdm", "4", name, "4"],
+              timeout=300).check()
+    assert_parity(load_record(tmp_path / "second.rank0.pt"), reference[1], rtol=1e-5, atol=1e-5,
+                  where="ep=2 x 2 replicas -> ep=4")
 
 
 def test_one_process_checkpoint_resumes_at_ep2(tmp_path: Path) -> None:

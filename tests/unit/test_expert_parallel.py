@@ -75,9 +75,10 @@ def test_a_bank_called_otherwise_is_refused_before_any_exchange() -> None:
 
 
 def test_planner_counts_experts_split_over_ep_and_their_exchange() -> None:
-    """``estimate_memory(ep=2)`` at dp=4: the experts split over ep (not sharded over dp by FSDP2: their replicas
-    are not all of dp), the dense parameters sharded over dp; the exchange's buffers among the activations (the
-    rows sent and received for each (token, slot) pair, routing spread evenly on meta)."""
+    """``estimate_memory(ep=2)`` at dp=4: the experts split over ep and sharded over their 2 replicas (expert data
+    parallelism), the dense parameters sharded over dp; with ``dp_shard=False`` the experts whole on their replicas;
+    the exchange's buffers among the activations (the rows sent and received for each (token, slot) pair, routing
+    spread evenly on meta)."""
     from lightning_tpp import estimate_memory
 
     model = MODELS["hf_mixtral_labels"]()
@@ -86,8 +87,10 @@ def test_planner_counts_experts_split_over_ep_and_their_exchange() -> None:
     kwargs = dict(tp=1, pp=1, dp=4, batch_size=8, seq_len=16)
     plain, split = (estimate_memory(MODELS["hf_mixtral_labels"](), ep=ep, **kwargs).ranks[0] for ep in (1, 2))
     assert abs(plain.param_count - total / 4) < 0.01 * total
-    assert abs(split.param_count - (experts / 2 + (total - experts) / 4)) < 0.01 * total
+    assert abs(split.param_count - (experts / 4 + (total - experts) / 4)) < 0.01 * total
     assert split.activations > plain.activations  # the exchanged rows
+    whole = estimate_memory(MODELS["hf_mixtral_labels"](), ep=2, dp_shard=False, **kwargs).ranks[0]
+    assert abs(whole.param_count - (experts / 2 + total - experts)) < 0.01 * total
     with pytest.raises(ValueError, match=r"ep=3 must divide dp\*tp = 4\*1 = 4"):
         estimate_memory(model, ep=3, **kwargs)
 

@@ -351,7 +351,10 @@ def test_memory_per_rank_shrinks_with_ep(mixtral) -> None:
     experts = sum(b.experts.whole for b in profile.blocks) * 4 * 4  # fp32 parameter, gradient, AdamW's two states
     assert states[0] - states[1] == pytest.approx(experts / 2) and states[1] - states[2] == pytest.approx(experts / 4)
     sharded = [layout_memory(profile, Layout(1, 1, 4, ep=ep), batch=4).states for ep in (2, 4)]
-    assert sharded[0] > sharded[1]  # under FSDP2 too: experts are not sharded by it, ep divides them
+    # under FSDP2 the experts are sharded over their replicas too: 1/(ep x replicas) = 1/4 of them at either ep
+    assert sharded[0] == pytest.approx(sharded[1]) and sharded[0] < states[1]
+    dense = layout_memory(profile, Layout(1, 1, 4, ep=1), batch=4).states  # experts in FSDP2's units with the rest
+    assert sharded[0] == pytest.approx(dense, rel=0.01)
 
 
 def test_ep_step_time_adds_the_all_to_alls_and_the_replicas_reduction(mixtral) -> None:
