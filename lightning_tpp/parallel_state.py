@@ -152,7 +152,8 @@ class GradientReduction:
 
     @staticmethod
     def of(module: nn.Module, state: ParallelState, experts: list[nn.Parameter]) -> "GradientReduction":
-        """``experts``: :func:`expert_parameters` of ``module`` (split over ep, outside FSDP2: the same objects)."""
+        """``experts``: :func:`expert_parameters` of ``module`` as FSDP2 left them (split over ep; those sharded over
+        their replicas were reduced in backward)."""
         split = {id(p) for p in experts}
         return GradientReduction(state, [p for p in module.parameters() if id(p) not in split], experts)
 

@@ -101,7 +101,7 @@ class Setup:
     map: Optional[ModelMap] = None
     state: Optional[ParallelState] = None
     meta: Optional[Materialization] = None  # a model built on the meta device: how its tensors are made
-    split: list[nn.Parameter] = field(default_factory=list)  # experts split over ep: outside FSDP2, reduced apart
+    split: list[nn.Parameter] = field(default_factory=list)  # experts split over ep: outside the dp units
     context_runs: list[list[str]] = field(default_factory=list)  # cp > 1: the runs of blocks, read on the whole model
     context_heads: list[str] = field(default_factory=list)  # ... and the LM heads whose columns cp cuts
 

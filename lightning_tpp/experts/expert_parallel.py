@@ -12,7 +12,8 @@ Megatron-Core and torchtitan (so ``ep`` must divide ``dp * tp``)::
 
 An expert's gradient is the sum of what every rank's tokens gave it: summed over the ranks that hold the same
 experts (its replicas) and divided by dp, it is the data-parallel average that every other parameter gets. The
-bank's parameters stay outside FSDP2's units (their replicas are a subgroup of dp, not dp).
+bank's parameters stay outside the dp units (their replicas are a subgroup of dp, not dp): where FSDP2 shards, each
+bank is a unit of its own over its replicas (``data_parallel.fsdp.ExpertShards``), which reduce-scatters that sum.
 """
 
 from __future__ import annotations
