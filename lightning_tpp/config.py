@@ -62,13 +62,13 @@ def auto_request(*, tp: Any, pp: Any, dp: Any, layout: Optional[str], device_mem
                  cp: int = 1) -> Optional[AutoRequest]:
     """The request the strategy's arguments make, or ``None`` when every degree is given (the search is off).
     ``layout="auto"`` searches ep too, and cp unless one above 1 is given; ``tp="auto"`` / ``pp="auto"`` keep the
-    given ``ep`` and ``cp``."""
+    given ``ep`` and ``cp``; ``ep="auto"`` searches ep alone (and dp, micro-batches, schedule), keeping the rest."""
     if layout not in (None, AUTO):
         raise AutoLayoutError(f"layout={layout!r} must be 'auto' or None (tp, pp and dp given)")
-    if layout is None and AUTO not in (tp, pp):
+    if layout is None and AUTO not in (tp, pp, ep):
         if device_memory is not None or global_batch is not None:
             raise AutoLayoutError("device_memory= and global_batch= are budgets for the layout search; pass "
-                                  "layout='auto' (or tp='auto' / pp='auto') with them")
+                                  "layout='auto' (or tp='auto' / pp='auto' / ep='auto') with them")
         return None
     if dp != AUTO:
         raise AutoLayoutError(f"dp={dp!r} with a searched layout: dp is what tp and pp leave; pass dp='auto'")
@@ -78,7 +78,7 @@ def auto_request(*, tp: Any, pp: Any, dp: Any, layout: Optional[str], device_mem
     return AutoRequest(tp=None if whole or tp == AUTO else tp, pp=None if whole or pp == AUTO else pp,
                        activation_checkpointing=None if whole else activation_checkpointing,
                        dp_sharding=None if whole else dp_sharding, device_memory=_bytes(device_memory),
-                       global_batch=global_batch, ep=None if whole else ep,
+                       global_batch=global_batch, ep=None if whole or ep == AUTO else ep,
                        cp=None if whole and cp == 1 else cp)
 
 
@@ -126,8 +126,9 @@ class TensorPipeConfig:
         ep: expert parallelism for mixture-of-experts models: each rank holds ``experts / ep`` whole experts of
             every bank and the tokens travel to them by all-to-all (dropless). The ep group is drawn from the
             data-parallel and tensor-parallel ranks of a stage (``ep`` must divide ``dp * tp``); expert gradients
-            are averaged over the ranks holding the same experts. Searched with ``layout="auto"`` where the model
-            has experts (``docs/layout.md``). See ``docs/experts.md``.
+            are averaged over the ranks holding the same experts (and, where FSDP2 shards, the experts are sharded
+            over them). Searched with ``layout="auto"`` where the model has experts, or alone with ``ep="auto"``
+            (``docs/layout.md``). See ``docs/experts.md``.
         microbatches: micro-batches per step for the pipeline (default ``2 * pp``).
         schedule: pipeline schedule, one of ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble"``,
             ``"zb-drain"``, ``"zb-lead"`` (see ``docs/pipeline.md``: zero-bubble splits every backward, zb-drain a
@@ -228,7 +229,7 @@ class TensorPipeConfig:
     tp: Union[int, Literal["auto"]] = 1
     pp: Union[int, Literal["auto"]] = 1
     dp: Union[int, Literal["auto"]] = "auto"
-    ep: int = 1
+    ep: Union[int, Literal["auto"]] = 1
     cp: int = 1
     cp_mode: Literal["allgather", "a2a"] = "allgather"
     layout: Optional[Literal["auto"]] = None
@@ -284,7 +285,8 @@ class TensorPipeConfig:
             raise ValueError(f"microbatches={self.microbatches!r} must be a positive integer")
         if self.tp_plan != "auto" and not isinstance(self.tp_plan, Mapping):
             raise TypeError(f"tp_plan must be 'auto' or a mapping of module globs to styles, got {self.tp_plan!r}")
-        check_ep(self.ep, dp=self.ep, tp=1)  # its type and range; that it divides dp*tp is checked with the world
+        if self.ep != AUTO:  # its type and range; that it divides dp*tp is checked with the world
+            check_ep(self.ep, dp=self.ep, tp=1)
         fixed = None if auto else resolve_schedule(self.schedule).fixed  # action lists: for one micro-batch count
         if self.microbatches is None:
             set_("microbatches", fixed[1] if fixed else 2 * pp)

@@ -77,7 +77,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         pp: Union[int, Literal["auto"]] = 1,
         dp: Union[int, Literal["auto"]] = "auto",
         *,
-        ep: int = 1,
+        ep: Union[int, Literal["auto"]] = 1,
         cp: int = 1,
         cp_mode: Literal["allgather", "a2a"] = "allgather",
         layout: Optional[Literal["auto"]] = None,

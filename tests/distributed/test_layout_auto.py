@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 import worker_layout  # noqa: F401 - registers the model the ranks train
@@ -76,6 +77,26 @@ def test_tp_auto_with_ep_on_a_mixture_of_experts_trains_at_parity(tmp_path: Path
     for r in range(4):
         assert_parity(load_record(tmp_path / f"{name}.rank{r}.pt"), ref,
                       where=f"tp='auto' ep=2 chose {chosen.describe()}, rank {r}")
+
+
+@pytest.mark.slow
+def test_ep_auto_searches_ep_alone_and_trains_at_parity(tmp_path: Path) -> None:
+    """``ep="auto"`` at tp=1 on 4 processes: only ep (and dp, micro-batches, schedule) searched, tp kept; the choice
+    carried into the strategy's groups, at parity."""
+    name = "hf_mixtral_labels"
+    args = ["--model", name, "--out", str(tmp_path), "--batch-size", str(BATCH), "--ep", "auto"]
+    run_ranks(ROOT / "tests" / "distributed" / "worker_layout.py", 4, args, timeout=300).check()
+    infos = [json.loads((tmp_path / f"layout.rank{r}.json").read_text()) for r in range(4)]
+    assert all(i["layout"] == infos[0]["layout"] for i in infos), f"ranks chose differently: {infos}"
+    chosen = Layout(**infos[0]["layout"])
+    assert chosen.tp == 1 and chosen.pp == 1 and all(i["ep_group"] == chosen.ep for i in infos), infos
+    assert {r.split(" ep=")[1].split()[0] if " ep=" in r else "1" for r in infos[0]["ranked"]} > {"1"}  # ep searched
+    ref = train(name, dp=chosen.dp, replicas_apart=True, accumulate=chosen.dp, batch_size=BATCH, steps=3)
+    ref.losses = torch.tensor(ref.losses).view(-1, chosen.dp).sum(dim=1).tolist()  # each replica's loss / dp
+    ref.buffers = ref.buffers[chosen.dp - 1::chosen.dp]
+    for r in range(4):
+        assert_parity(load_record(tmp_path / f"{name}.rank{r}.pt"), ref,
+                      where=f"ep='auto' chose {chosen.describe()}, rank {r}")
 
 
 def test_layout_auto_chooses_cp_where_only_cp_fits_and_trains_at_parity(tmp_path: Path) -> None:

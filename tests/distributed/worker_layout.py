@@ -85,7 +85,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=SEQ, help="positions per sample")
-    parser.add_argument("--ep", type=int, default=None, help="tp='auto' with this ep (else layout='auto')")
+    parser.add_argument("--ep", default=None, help="tp='auto' with this ep, or 'auto': ep searched alone at tp=1 "
+                                                   "(else layout='auto')")
     args = parser.parse_args()
     from lightning_tpp import TensorPipeStrategy
 
@@ -93,7 +94,9 @@ def main() -> None:
     if args.ep is None:
         strategy = TensorPipeStrategy(layout="auto", device_memory=args.device_memory, print_plan=False)
     else:
-        strategy = TensorPipeStrategy(tp="auto", ep=args.ep, device_memory=args.device_memory, print_plan=False)
+        auto = args.ep == "auto"
+        strategy = TensorPipeStrategy(tp=1 if auto else "auto", ep="auto" if auto else int(args.ep),
+                                      device_memory=args.device_memory, print_plan=False)
 
     def prepare(module: torch.nn.Module) -> None:
         module.example_input_array = torch.zeros(args.batch_size, args.seq, dtype=torch.long)

@@ -161,6 +161,13 @@ def test_errors(llama4) -> None:
     assert [auto_request(**{**kwargs, "layout": "auto", "tp": "auto", "pp": "auto", "cp": c}).cp for c in (1, 2)] == \
         [None, 2]
     assert auto_request(**{**kwargs, "tp": "auto", "layout": None}).cp == 1
+    # ep="auto" searches ep alone: tp, pp, cp, checkpointing and dp sharding kept as given
+    alone = auto_request(**{**kwargs, "ep": "auto", "layout": None, "tp": 2, "cp": 2})
+    assert (alone.ep, alone.tp, alone.pp, alone.cp, alone.activation_checkpointing, alone.dp_sharding) == (
+        None, 2, 1, 2, False, "full_shard")
+    assert auto_request(**{**kwargs, "tp": "auto", "layout": None, "ep": 2}).ep == 2
+    with pytest.raises(AutoLayoutError, match="dp=2 with a searched layout"):
+        auto_request(**{**kwargs, "ep": "auto", "layout": None, "dp": 2})
     with pytest.raises(AutoLayoutError, match=r"example_input_array.*got NoneType.*torch.zeros\(batch_size"):
         batch_shape(torch.nn.Module())
 
