@@ -82,6 +82,22 @@ def auto_request(*, tp: Any, pp: Any, dp: Any, layout: Optional[str], device_mem
                        cp=None if whole and cp == 1 else cp)
 
 
+COMPILE_OPTIONS = ("backend", "mode", "options", "dynamic", "fullgraph")
+
+
+def check_compile(value: Any) -> None:
+    """``compile=``: True, False, or a dict of ``torch.compile`` options."""
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, Mapping):
+        raise TypeError(f"compile={value!r} must be True, False or a dict of torch.compile options, e.g. "
+                        f"{{'backend': 'aot_eager'}}")
+    unknown = [k for k in value if k not in COMPILE_OPTIONS]
+    if unknown:
+        raise ValueError(f"compile={dict(value)!r}: {unknown} not among the torch.compile options it passes on "
+                         f"{list(COMPILE_OPTIONS)}")
+
+
 def _bytes(value: Optional[Union[float, str]]) -> Optional[float]:
     if value is None or isinstance(value, (int, float)):
         return None if value is None else float(value)
@@ -214,6 +230,12 @@ class TensorPipeConfig:
             per-stage compute/send/receive/wait seconds, samples per second) through Lightning's loggers every
             ``log_every_n_steps``; timing costs two clock reads per action, the values one all-gather per logging
             step. See ``docs/pipeline_observability.md``.
+        compile: ``True`` (or a dict of ``torch.compile`` options: ``backend``, ``mode``, ``options``, ``dynamic``,
+            ``fullgraph``) compiles each of this rank's blocks after tensor, sequence, context and expert
+            parallelism and activation checkpointing, before FSDP2 (regional compilation); the first-call checks
+            run eagerly. Schedules that split backward (zero-bubble and its variants) do not run compiled blocks:
+            refused at setup, and ``schedule="auto"`` takes 1F1B. Dynamo's counters are logged under
+            ``compile/``. See ``docs/compile.md``.
         weights: a file or folder of weights loaded into the model at the end of setup, each rank reading only
             its own slices: a Hugging Face ``model.safetensors``, a folder with it or with
             ``model.safetensors.index.json`` (sharded), a consolidated Lightning ``.ckpt``, or a sharded
@@ -254,6 +276,7 @@ class TensorPipeConfig:
     async_save: bool = False
     on_nonfinite: Literal["raise", "skip", "warn"] = "raise"
     pipeline_metrics: bool = True
+    compile: Union[bool, Mapping[str, Any]] = False
     process_group_backend: Optional[str] = None
     timeout: Optional[timedelta] = default_pg_timeout
     start_method: Literal["auto", "popen", "spawn", "fork", "forkserver"] = "auto"
@@ -306,6 +329,7 @@ class TensorPipeConfig:
             raise ValueError(f"on_nonfinite={self.on_nonfinite!r} must be 'raise', 'skip' or 'warn'")
         if self.weights is not None:
             set_("weights", os.fspath(self.weights))
+        check_compile(self.compile)
 
     def auto_request(self) -> Any:
         """What ``layout="auto"`` / ``tp="auto"`` / ``pp="auto"`` leave to the search (an ``AutoRequest``), or None

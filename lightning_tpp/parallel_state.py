@@ -111,6 +111,7 @@ class ParallelState:
     experts: list[MoELayer] = field(default_factory=list)  # the mixture-of-experts layers of this rank
     config: dict[str, str] = field(default_factory=dict)
     blocks: tuple[str, ...] = ()  # this rank's blocks, in order (the modules whose forward each block runs)
+    compiled: list[str] = field(default_factory=list)  # compile=: this rank's blocks to compile (torch.compile)
     layout: Optional[Any] = None  # layout="auto": the chosen lightning_tpp.layout.Layout
     reduction: Optional["GradientReduction"] = None  # the per-step gradient reduction (built at the end of setup)
 

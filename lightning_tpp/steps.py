@@ -18,6 +18,7 @@ from what setup does. A new capability is a new step::
     context_parallel  the blocks run on this rank's positions of each sequence, the LM head on its columns (cp > 1)
     recompute         activation checkpointing of this rank's blocks
     engine            batch statistics deferred; dispatchers, tied weights, the engine            (live)
+    compile           compile=: the blocks to compile after the first step (regional)            (live)
     materialize       a meta-built model: this rank's shards allocated and initialised            (live)
     report            the plan table, the partition                                               (live)
     weights           weights= loaded into this rank's shards                                     (live)
@@ -57,7 +58,7 @@ from lightning_tpp.data_parallel import ExpertShards, shard_over_dp, sharded_num
 from lightning_tpp.experts import ExpertParallelConfigError, active_parameters, find_experts, shard_banks
 from lightning_tpp.experts.expert_parallel import expert_parameters, split_banks, split_experts
 from lightning_tpp.parallel_state import GradientReduction, Materialization, ModelMap, ParallelState, ProcessGroups
-from lightning_tpp.pipeline.auto import settle_auto
+from lightning_tpp.pipeline.auto import AutoChoice, settle_auto
 from lightning_tpp.pipeline.batchnorm import DeferredStatistics
 from lightning_tpp.pipeline.build import finish_stages, format_partition, prepare_stages
 from lightning_tpp.pipeline.partition import PipelinePartitionError, block_modules
@@ -407,6 +408,27 @@ def _recompute(s: Setup) -> None:
         element.recomputed = element.name in s.state.recomputed
 
 
+def _compile(s: Setup) -> None:
+    """``compile=``: the blocks of this rank to compile (``integration.compile_metrics.Compiled`` compiles them after
+    the first training step, whose first-call checks and one-time branches run eagerly). A schedule that splits
+    backward is refused: its weight-gradient split (``pipeline.wgrad``) is a function mode that a compiled graph's
+    backward bypasses."""
+    options = s.config.compile
+    state = s.state
+    if options is False or state is None:
+        return
+    engine = state.engine
+    if engine is not None and engine.deciding:
+        engine.settle(AutoChoice("1f1b", {}, [], reason="compile=True: a schedule that splits backward (zero-bubble, "
+                                                          "zb-drain, zb-lead) cannot split a compiled block's "
+                                                          "backward into input and weight gradients"))
+    elif engine is not None and engine.splits_backward:
+        raise ValueError(f"compile={options!r} with schedule={s.config.schedule!r}: this schedule splits each "
+                         f"backward into input and weight gradients, which a compiled block's backward cannot do; "
+                         f"use schedule='1f1b', 'interleaved-1f1b', 'gpipe' or 'auto', or compile=False")
+    state.compiled = list(state.blocks)
+
+
 def _engine(s: Setup) -> None:
     """Running statistics over the whole batch (below the dispatchers, which decide whether a layer runs), then the
     stages finished: dispatchers, tied-weight groups, the engine."""
@@ -559,6 +581,7 @@ STEPS: tuple[Step, ...] = (
     Step("context_parallel", _context_parallel),
     Step("recompute", _recompute),
     Step("engine", _engine, live=True),
+    Step("compile", _compile, live=True),
     Step("materialize", _materialize, live=True),
     Step("report", _report, live=True),
     Step("weights", _weights, live=True),

@@ -51,6 +51,7 @@ from lightning_tpp.parallel_state import ParallelState, ProcessGroups
 from lightning_tpp.steps import run as run_steps
 from lightning_tpp.pipeline.engine import PipelineEngine
 from lightning_tpp.pipeline.metrics import PipelineMetrics
+from lightning_tpp.integration.compile_metrics import Compiled
 from lightning_tpp.integration.context_metrics import ContextMetrics
 from lightning_tpp.integration.expert_load import ExpertLoad
 from lightning_tpp.pipeline.schedule import ScheduleLike
@@ -102,6 +103,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         async_save: bool = False,
         on_nonfinite: Literal["raise", "skip", "warn"] = "raise",
         pipeline_metrics: bool = True,
+        compile: Union[bool, dict[str, Any]] = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -125,7 +127,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
             sequence_parallel=sequence_parallel, dp_sharding=dp_sharding, vocab_exchange=vocab_exchange,
             loss_normalization=loss_normalization, print_plan=print_plan,
             save_distributed_checkpoint=save_distributed_checkpoint, async_save=async_save,
-            on_nonfinite=on_nonfinite, pipeline_metrics=pipeline_metrics,
+            on_nonfinite=on_nonfinite, pipeline_metrics=pipeline_metrics, compile=compile,
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
             weights=weights, weights_prefix=weights_prefix)
         self._auto_layout = self.config.auto_request()  # decided at setup (AutoLayout._before_mesh)
@@ -135,6 +137,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         self._metrics: Optional[PipelineMetrics] = None
         self._expert_load: Optional[ExpertLoad] = None  # tokens per expert, logged under moe/
         self._context_metrics: Optional[ContextMetrics] = None  # cp > 1: exchanges and attention time, under cp/
+        self._compiled: Optional[Compiled] = None  # compile=: the blocks compiled after the first step, compile/
         self._signal_report: Optional[SignalReport] = None  # the hang report on SIGUSR1 (MeshTopology)
         self._watch: Optional[FailureWatch] = None  # the failure watch (MeshTopology)
         self._skip_backward = False
@@ -226,6 +229,8 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
                                        ) if layers else None
         context = self.parallel_state.context
         self._context_metrics = ContextMetrics(context.traffic, context.a2a) if context is not None else None
+        compiled = self.parallel_state.compiled
+        self._compiled = Compiled(self.lightning_module, compiled, self.config.compile) if compiled else None
         self._watch_describes(f"rank {self.global_rank} {coords}", self._engine)
 
     def _config(self) -> dict[str, str]:
@@ -298,6 +303,8 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._skip_manual_steps = False
+        if self._compiled is not None:
+            self._compiled.before_step()
         if self.lightning_module is not None:  # the strategy's own random stream moves on per training batch
             self._groups.tp.stream.start_step(self.lightning_module.trainer.fit_loop.total_batch_idx)
         if self._engine is not None:
@@ -313,6 +320,8 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
             self._expert_load.after_step(self.lightning_module, args[1] if len(args) > 1 else None)
         if self._context_metrics is not None and self.lightning_module is not None:
             self._context_metrics.after_step(self.lightning_module, args[1] if len(args) > 1 else None)
+        if self._compiled is not None and self.lightning_module is not None:
+            self._compiled.after_step(self.lightning_module, args[1] if len(args) > 1 else None)
         if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
             return out  # the loss was checked where it met manual_backward (see backward)
         loss = out.get("loss") if isinstance(out, dict) else out

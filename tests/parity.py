@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -236,6 +237,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
     parser.add_argument("--no-verify", dest="verify", action="store_false", help="verify=False: no first-call checks")
     parser.add_argument("--loss-normalization", default="batch")
     parser.add_argument("--seed-by-rank", action="store_true", help="each rank builds its model from seed = rank")
+    parser.add_argument("--compile", default=None, help="compile= with this torch.compile backend (e.g. aot_eager)")
     args = parser.parse_args()
     from lightning_tpp import TensorPipeStrategy
 
@@ -257,6 +259,7 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
                                           dp_sharding=args.dp_sharding, vocab_exchange=args.vocab_exchange,
                                           sequence_parallel=args.sequence_parallel, verify=args.verify,
                                           loss_normalization=args.loss_normalization,
+                                          compile={"backend": args.compile} if args.compile else False,
                                           print_plan=rank == 0 and name == "nanogpt")
             record = train(name, strategy=strategy, devices=args.tp * args.dp * args.pp, dp=args.dp,
                            steps=args.steps, batch_size=args.batch_size, accumulate=args.accumulate, clip=args.clip,
@@ -298,6 +301,14 @@ def main() -> None:  # a rank of a parallel run (see tests/launch.py)
                 raise AssertionError(f"{name}: activation_checkpointing=True but no block is recomputed")
             stem = name if len(schedules) == 1 else f"{name}.{schedule_name}"
             stem = stem if len(counts) == 1 else f"{stem}.m{microbatches}"
+            if args.compile:  # what dynamo compiled, and since the first step (recompiles)
+                from lightning_tpp.integration.compile_metrics import dynamo_counts
+
+                graphs, breaks, _ = dynamo_counts()
+                compiled = strategy._compiled
+                (Path(args.out) / f"{stem}.compile.rank{rank}.json").write_text(json.dumps(
+                    {"compiled": strategy.parallel_state.compiled, "graphs": graphs, "breaks": breaks,
+                     "recompiles": compiled.recompiles if compiled is not None else None}))
             torch.save(asdict(record), Path(args.out) / f"{stem}.rank{rank}.pt")
 
 

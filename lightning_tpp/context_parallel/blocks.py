@@ -267,6 +267,7 @@ class _ContextBlock:
             out = super().forward(*args, **kwargs)  # type: ignore[misc]
         return out, mode.taken
 
+    @torch.compiler.disable  # compile=: runs eagerly, outside the block's graph
     def _cp_check(self, whole: tuple[tuple, dict], args: tuple, kwargs: dict, where: tuple[str, Any],
                   layout: SeqLayout) -> None:
         """This block on this rank's positions against the original block on the whole sequence (eval mode, no

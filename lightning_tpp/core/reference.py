@@ -217,6 +217,7 @@ def _forward(ref: nn.Module, args: tuple, kwargs: dict) -> Any:
     return ref.forward(*args, **kwargs)
 
 
+@torch.compiler.disable  # compile=: a first-call check inside a compiled block runs eagerly, outside its graph
 def check_forward(module: nn.Module, args: tuple, kwargs: dict, *, group: TPGroup, shards: ShardIndex,
                   parallel: Callable[[tuple, dict], Any], mismatch: Mismatch,
                   reference: Callable[[nn.Module, tuple, dict], Any] = _forward,
@@ -270,6 +271,7 @@ def _graded(out: Any) -> Optional[Tensor]:
     return next((t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.requires_grad), None)
 
 
+@torch.compiler.disable
 def check_gradients(module: nn.Module, args: tuple, kwargs: dict, *, group: TPGroup, shards: ShardIndex,
                     parallel: Callable[[tuple, dict], Any], mismatch: Mismatch,
                     reference: Callable[[nn.Module, tuple, dict], Any] = _forward,

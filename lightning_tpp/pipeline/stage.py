@@ -20,6 +20,7 @@ keys remains).
 from __future__ import annotations
 
 import copy
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -136,6 +137,9 @@ class StageRuntime:
     def zeros(self, meta: Any) -> Any:
         return tree_map(lambda t: _zeros(t, self.device) if isinstance(t, Tensor) else t, meta)
 
+    # compile=: the runtime's bookkeeping (which call of which unit, run or stand in) stays out of a compiled block's
+    # graph, whose guards would otherwise specialise on it (a recompile per unit and call); ``real`` is compiled
+    @partial(torch.compiler.disable, recursive=False)
     def dispatch(self, module: nn.Module, args: tuple, kwargs: dict, real: Optional[Callable[[], Any]]) -> Any:
         unit = module.__dict__[BINDING].index
         ctx = self.ctx

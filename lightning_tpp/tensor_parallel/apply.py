@@ -149,11 +149,16 @@ class BlockState:
     grads_pending: bool = True  # the gradient check, at the first call that trains (see verify_block_gradients)
     partial: list[tuple[nn.Module, str]] = dataclasses.field(default_factory=list)  # replicated parameters used on
     # this rank's heads (a per-head norm): each rank's gradient is a part, summed over tp before the optimizer steps
+    _shapes_mode: Optional["_LocalShapes"] = dataclasses.field(default=None, repr=False, compare=False)
 
     def shape_mode(self) -> contextlib.AbstractContextManager:
+        """The block's one mode (it holds no state of a call): a compiled block's frames guard on the function
+        modes on the stack, and a new object per call would recompile them every call."""
         if not self.shapes:
             return contextlib.nullcontext()
-        return _LocalShapes(self.scope.group.size, self.shapes, self.info.heads, self.scope.group)
+        if self._shapes_mode is None:
+            self._shapes_mode = _LocalShapes(self.scope.group.size, self.shapes, self.info.heads, self.scope.group)
+        return self._shapes_mode
 
 
 class _TPBlock:

@@ -53,8 +53,12 @@ SCRIPT = ROOT / "tests" / "distributed" / "worker_errors.py"
                         r"\(the tensor 1 of its output \(shape \(\)\): max abs difference .*\): besides its output "
                         r"stream it returns a value computed over all of its positions \(a router's load-balancing "
                         r"loss"),
+    ("compile_zero_bubble", 2, r"ValueError: compile=\{'backend': 'aot_eager'\} with schedule='zero-bubble': this "
+                               r"schedule splits each backward into input and weight gradients, which a compiled "
+                               r"block's backward cannot do; use schedule='1f1b', 'interleaved-1f1b', 'gpipe' or "
+                               r"'auto', or compile=False"),
 ], ids=["heads", "mismatch", "backward", "embedding", "sp_positions", "sp_bypassed", "sp_odd_length", "world",
-        "pp_stages", "pp_encdec", "pp_manual", "pp_fp16", "pp_trace", "pp_tied_cut", "cp_eager", "cp_block_aux"])
+        "pp_stages", "pp_encdec", "pp_manual", "pp_fp16", "pp_trace", "pp_tied_cut", "cp_eager", "cp_block_aux", "compile_zero_bubble"])
 def test_error_on_every_rank(scenario: str, devices: int, message: str) -> None:
     import re
 

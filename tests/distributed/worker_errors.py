@@ -160,6 +160,9 @@ SCENARIOS = {  # name -> (module, strategy kwargs, batch size)
     "cp_eager": (lambda: LitLM("cp_nanogpt"), dict(cp=2), 4),
     # ... and a load-balancing loss computed over a block's positions, returned beside its stream
     "cp_block_aux": (lambda: LitLM("cp_aux_moe"), dict(cp=2), 4),
+    # compile=: a schedule that splits backward cannot split a compiled block's backward
+    "compile_zero_bubble": (lambda: LitLM("llama4"), dict(pp=2, schedule="zero-bubble",
+                                                          compile={"backend": "aot_eager"}), 4),
     "pp_fp16": (lambda: LitLM("nanogpt"), dict(pp=2, precision_plugin=MixedPrecision(
         "16-mixed", "cpu", torch.amp.GradScaler("cpu"))), 4),
 }

@@ -43,6 +43,10 @@ def test_the_strategy_keeps_its_arguments_as_one_frozen_config() -> None:
     ({"cp": 2, "cp_mode": "ring"}, ValueError, r"cp_mode='ring' must be 'allgather' \(keys and values all-gathered\) "
                                                r"or 'a2a'"),
     ({"layout": "auto", "dp": 2}, AutoLayoutError, r"dp=2 with a searched layout"),
+    ({"compile": "yes"}, TypeError, r"compile='yes' must be True, False or a dict of torch.compile options"),
+    ({"compile": {"backend": "aot_eager", "fulgraph": True}}, ValueError,
+     r"\['fulgraph'\] not among the torch.compile options it passes on \['backend', 'mode', 'options', 'dynamic', "
+     r"'fullgraph'\]"),
 ])
 def test_a_bad_argument_is_refused_at_construction(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):

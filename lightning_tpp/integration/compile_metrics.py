@@ -1,0 +1,71 @@
+"""``compile=``: this rank's blocks compiled (regional ``torch.compile``), and the ``compile/`` metrics.
+
+The blocks are compiled at the end of the first training step, each as it then is (tensor, sequence, context and
+expert parallelism, activation checkpointing and FSDP2 in place; dynamo runs FSDP2's hooks outside its graphs). The
+first step runs them eagerly: their first-call checks and the branches a block takes once (its first call, its
+first training call, its first dropout draw) never enter a graph, which would otherwise recompile at the second
+step. The first-call checks are also ``torch.compiler.disable``'d, should a block be compiled by its user.
+
+Logged through Lightning's loggers every ``log_every_n_steps``::
+
+    compile/graphs         graphs dynamo compiled in this process (a block's, and one more per graph break it
+                           resumes after)
+    compile/graph_breaks   graph breaks met while compiling them (each distinct reason listed once after the first
+                           compiled step, with the blocks' count)
+    compile/recompiles     graphs compiled during training steps after the first compiled one: 0 in steady state
+                           (a validation pass compiles its own frames, outside training steps; a new batch size,
+                           such as an epoch's short last batch, recompiles once, dynamo then marks it dynamic)
+
+Cumulative, this rank's (dynamo's counters are per process)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Union
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_tpp.pipeline.metrics import is_logging_step
+
+PREFIX = "compile/"
+
+
+def dynamo_counts() -> tuple[int, int, dict[str, int]]:
+    """(graphs compiled, graph breaks, graph breaks by reason) in this process so far."""
+    from torch._dynamo.utils import counters
+
+    breaks = dict(counters["graph_break"])
+    return int(counters["stats"]["unique_graphs"]), sum(breaks.values()), breaks
+
+
+class Compiled:
+    """The blocks to compile, compiled after the first training step; dynamo's counters from then on."""
+
+    def __init__(self, module: Any, blocks: list[str], options: Union[bool, Mapping[str, Any]]) -> None:
+        self.module, self.blocks = module, blocks
+        self.options = {} if options is True else dict(options)  # type: ignore[arg-type]
+        self.steps = 0  # training steps finished
+        self.recompiles = 0
+        self._before: Optional[int] = None
+
+    def before_step(self) -> None:
+        self._before = dynamo_counts()[0]
+
+    def after_step(self, module: Any, batch_idx: Optional[int]) -> None:
+        """Called at the end of the strategy's ``training_step`` on every rank."""
+        self.steps += 1
+        graphs, breaks, reasons = dynamo_counts()
+        if self.steps == 1:
+            for name in self.blocks:
+                self.module.get_submodule(name).compile(**self.options)
+            return
+        if self.steps == 2 and reasons:
+            lines = [f"  {count} x {reason.splitlines()[0]}" for reason, count in reasons.items()]
+            rank_zero_info(f"compile=: {len(self.blocks)} blocks compiled with {breaks} graph breaks:\n"
+                           + "\n".join(lines))
+        if self.steps > 2 and self._before is not None:
+            self.recompiles += graphs - self._before
+        if not is_logging_step(module.trainer, batch_idx):
+            return
+        module.log_dict({f"{PREFIX}graphs": float(graphs), f"{PREFIX}graph_breaks": float(breaks),
+                         f"{PREFIX}recompiles": float(self.recompiles)}, on_step=True, on_epoch=False,
+                        prog_bar=False, logger=True)
