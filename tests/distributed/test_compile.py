@@ -19,11 +19,14 @@ def _compiled(tmp: Path, name: str, ranks: int) -> list[dict]:
     return [json.loads((tmp / f"{name}.compile.rank{r}.json").read_text()) for r in range(ranks)]
 
 
-def test_compiled_tp2_at_parity(tmp_path: Path) -> None:
-    """Hand-written Llama (SDPA, rotary tables) and Hugging Face Llama (GQA) at tp=2: their tensor-parallel blocks
-    compiled, the first-call checks run eagerly beside the graph; 5 steps, no frame compiled after the first."""
-    models = ["llama", "hf_llama"]
-    compare_layout(tmp_path, models, tp=2, steps=5, extra=COMPILE)
+@pytest.mark.parametrize(("models", "steps"), [(["hf_llama"], 3),
+                                               pytest.param(["llama", "hf_llama"], 5, marks=pytest.mark.slow)],
+                         ids=["hf_llama", "both-5-steps"])
+def test_compiled_tp2_at_parity(tmp_path: Path, models: list[str], steps: int) -> None:
+    """Hugging Face Llama (GQA) and a hand-written Llama (SDPA, rotary tables; slow) at tp=2: their tensor-parallel
+    blocks compiled after the first step (whose first-call checks run eagerly); no graph compiled in the steps after
+    the first compiled one."""
+    compare_layout(tmp_path, models, tp=2, steps=steps, extra=COMPILE)
     for name in models:
         for info in _compiled(tmp_path, name, 2):
             assert info["compiled"] and info["graphs"] > 0, info
