@@ -272,6 +272,13 @@ def is_hf_pretrained(module: Any) -> bool:
         module, "post_init")
 
 
+def dynamo_counters() -> Any:
+    """dynamo's counters of this process (``counters["stats"]["unique_graphs"]``, ``counters["graph_break"]``)."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
 def hf_output_collector() -> Optional[dict]:
     """transformers' active output collector (a dict of lists that forward hooks inside a model's layers append
     router logits, attentions and hidden states to, read by the model after its layers), or None."""

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Optional, Union
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_tpp._compat import dynamo_counters
 from lightning_tpp.pipeline.metrics import is_logging_step
 
 PREFIX = "compile/"
@@ -31,8 +32,7 @@ PREFIX = "compile/"
 
 def dynamo_counts() -> tuple[int, int, dict[str, int]]:
     """(graphs compiled, graph breaks, graph breaks by reason) in this process so far."""
-    from torch._dynamo.utils import counters
-
+    counters = dynamo_counters()
     breaks = dict(counters["graph_break"])
     return int(counters["stats"]["unique_graphs"]), sum(breaks.values()), breaks
 
