@@ -38,12 +38,12 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_tpp._compat import hf_output_collector, in_backward, tree_flatten, tree_unflatten
+from lightning_tpp._compat import in_backward, tree_flatten, tree_unflatten
 from lightning_tpp.context_parallel.attention import ContextAttention, Traffic
 from lightning_tpp.context_parallel.hf import route_eager
 from lightning_tpp.context_parallel.split import SeqLayout, gather_positions, local_positions
 from lightning_tpp.core.comm import TPGroup, all_gather_seq, all_reduce_flag
-from lightning_tpp.core.reference import _records_kept, _verifying, first_difference, isolated
+from lightning_tpp.core.reference import _records_kept, _verifying, first_difference, isolated, records_gathered
 from lightning_tpp.core.seeding import OwnStream
 from lightning_tpp.core.swap import swap_class
 from lightning_tpp.core.walk import VERIFYING, ancestors, get_arg, map_first_tensor, replace_arg, stream_index
@@ -263,7 +263,9 @@ class _ContextBlock:
         shared = self._tpp_cp.shared
         stream = _get_stream(args, kwargs)
         with ContextAttention(shared.group, layout, shared.traffic, shared.a2a, shared.whole_of) as mode, \
-                _own_draws(self, stream), _records_whole(shared, layout, stream):  # type: ignore[arg-type]
+                _own_draws(self, stream), records_gathered(  # type: ignore[arg-type]
+                    None if stream is None else stream.shape[0], layout.local, layout.length,
+                    lambda t: gather_positions(t, 1, layout, shared.group)):
             out = super().forward(*args, **kwargs)  # type: ignore[misc]
         return out, mode.taken
 
@@ -337,32 +339,6 @@ def _compare(shared: ContextState, got: Any, want: Any, layout: SeqLayout) -> tu
             if problem is not None:
                 return problem, True
     return None, False
-
-
-@contextlib.contextmanager
-def _records_whole(shared: ContextState, layout: SeqLayout, stream: Optional[Tensor]) -> Iterator[None]:
-    """What the block's layers record on this rank's positions for the model to read after its layers (Hugging
-    Face's output collector: a router's logits for the load-balancing loss, attentions, hidden states), gathered over
-    cp as one process records them: ``(batch, positions, ...)`` along dim 1, ``(batch * positions, ...)`` (flattened
-    tokens) by batch then position; the padding dropped. Like the stream at the last block, the backward sums the
-    ranks' gradients (``split``)."""
-    collector = hf_output_collector()
-    lengths = {k: len(v) for k, v in collector.items() if isinstance(v, list)} if collector else {}
-    try:
-        yield
-    finally:
-        batch = stream.shape[0] if stream is not None else None
-        for key, n in lengths.items():
-            records = collector[key]  # type: ignore[index]
-            for i in range(n, len(records)):
-                t = records[i]
-                if batch is None or not isinstance(t, Tensor) or t.dim() < 1:
-                    continue
-                if t.dim() >= 2 and t.shape[:2] == (batch, layout.local):
-                    records[i] = gather_positions(t, 1, layout, shared.group)
-                elif t.shape[0] == batch * layout.local:
-                    whole = gather_positions(t.reshape(batch, layout.local, *t.shape[1:]), 1, layout, shared.group)
-                    records[i] = whole.reshape(batch * layout.length, *t.shape[1:])
 
 
 class _ContextTwin:

@@ -213,6 +213,31 @@ def _records_kept() -> Iterator[None]:
             del collector[k][n:]  # type: ignore[index]
 
 
+@contextlib.contextmanager
+def records_gathered(batch: Optional[int], part: int, whole: int,
+                     gather: Callable[[Tensor], Tensor]) -> Iterator[None]:
+    """What a block's layers record on this rank's ``part`` of the sequence for the model to read after its layers
+    (Hugging Face's output collector: a router's logits for the load-balancing loss, attentions), made what one
+    process records on the ``whole`` sequence by ``gather(t)`` along dim 1: ``(batch, part, ...)`` records as they
+    are, ``(batch * part, ...)`` (flattened tokens, by batch then position) through ``(batch, part, ...)``. The
+    gather's backward decides what each rank's part receives."""
+    collector = hf_output_collector()
+    lengths = {k: len(v) for k, v in collector.items() if isinstance(v, list)} if collector else {}
+    try:
+        yield
+    finally:
+        for key, n in lengths.items() if batch is not None else ():
+            records = collector[key]  # type: ignore[index]
+            for i in range(n, len(records)):
+                t = records[i]
+                if not isinstance(t, Tensor) or t.dim() < 1:
+                    continue
+                if t.dim() >= 2 and t.shape[:2] == (batch, part):
+                    records[i] = gather(t)
+                elif t.shape[0] == batch * part:
+                    records[i] = gather(t.reshape(batch, part, *t.shape[1:])).reshape(batch * whole, *t.shape[1:])
+
+
 def _forward(ref: nn.Module, args: tuple, kwargs: dict) -> Any:
     return ref.forward(*args, **kwargs)
 

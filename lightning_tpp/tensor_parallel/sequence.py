@@ -33,15 +33,13 @@ rest; one that matches neither way is an error.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_tpp._compat import hf_output_collector
 from lightning_tpp.core.comm import TPGroup, copy_to_tp, gather_seq, scatter_seq
 from lightning_tpp.core.dp_shard import local
 from lightning_tpp.core.grads import all_reduce_coalesced
@@ -51,6 +49,7 @@ from lightning_tpp.core.reference import (
     check_forward,
     check_gradients,
     first_difference,
+    records_gathered,
     summed,
     whole_or_part,
 )
@@ -132,7 +131,8 @@ class _SequenceElement:
             args, kwargs = replace_arg(args, kwargs, where, gather_seq(stream, st.group))
             out = super().forward(*args, **kwargs)  # type: ignore[misc]
             return out if st.last else map_first_tensor(out, lambda t: scatter_seq(t, st.group))
-        with sequence_region(st.group, stream.shape, regather=not st.recomputed), _records_gathered(stream, st.group):
+        with sequence_region(st.group, stream.shape, regather=not st.recomputed), records_gathered(
+                stream.shape[0], stream.shape[1], stream.shape[1] * st.group.size, lambda t: gather_seq(t, st.group)):
             if not (self.training and st.draws is not False):  # type: ignore[attr-defined]
                 out = super().forward(*args, **kwargs)  # type: ignore[misc]
             else:  # dropout over the shards draws per tp rank, as over a column layer's output
@@ -141,31 +141,6 @@ class _SequenceElement:
                     out = super().forward(*args, **kwargs)  # type: ignore[misc]
                 st.draws = st.draws or draws.dropped
         return map_first_tensor(out, lambda t: gather_seq(t, st.group)) if st.last else out
-
-
-@contextlib.contextmanager
-def _records_gathered(stream: Tensor, group: TPGroup) -> Iterator[None]:
-    """What the block's layers record on this rank's shard for the model to read after its layers (Hugging Face's
-    output collector: a router's logits for the auxiliary loss, hidden states), gathered over the sequence as one
-    process records it: ``(batch, shard, ...)`` along the sequence, ``(batch * shard, ...)`` (flattened tokens) by
-    batch then sequence. Like the stream at the last block, the backward keeps this rank's part."""
-    collector = hf_output_collector()
-    lengths = {k: len(v) for k, v in collector.items() if isinstance(v, list)} if collector else {}
-    try:
-        yield
-    finally:
-        batch, shard = stream.shape[0], stream.shape[1]
-        for key, n in lengths.items():
-            records = collector[key]  # type: ignore[index]
-            for i in range(n, len(records)):
-                t = records[i]
-                if not isinstance(t, Tensor) or t.dim() < 1:
-                    continue
-                if t.dim() >= 2 and t.shape[:2] == (batch, shard):
-                    records[i] = gather_seq(t, group)
-                elif t.shape[0] == batch * shard:
-                    whole = gather_seq(t.reshape(batch, shard, *t.shape[1:]), group)
-                    records[i] = whole.reshape(batch * shard * group.size, *t.shape[1:])
 
 
 def _mismatch(element: nn.Module, st: ElementState, claim: str, cause: str) -> Mismatch:
