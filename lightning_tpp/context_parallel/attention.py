@@ -26,7 +26,6 @@ block's first-call check finds it (its keys are this rank's only) and names it.
 
 from __future__ import annotations
 
-import contextvars
 import math
 import time
 import warnings
@@ -40,12 +39,13 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from lightning_tpp.core.comm import TPGroup, all_to_all_swap
 from lightning_tpp.context_parallel.split import SeqLayout, gather_positions, local_positions, pad_to
+from lightning_tpp.core.comm import TPGroup, all_to_all_swap
+from lightning_tpp.core.walk import Scoped
 
 _SDPA = F.scaled_dot_product_attention
 _MHA = F.multi_head_attention_forward
-ACTIVE: contextvars.ContextVar[Optional["ContextAttention"]] = contextvars.ContextVar("tpp_cp_attention", default=None)
+ACTIVE: Scoped[Optional["ContextAttention"]] = Scoped("tpp_cp_attention", None)
 
 
 @dataclass

@@ -13,7 +13,6 @@ the qkv and MLP-in projections). Projections that read the same tensor (q, k and
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_tpp.core.seeding import OwnStream
 from lightning_tpp.core.sharding import ShardSpec, unshard_tensor
+from lightning_tpp.core.walk import Scoped
 
 
 @dataclass
@@ -238,8 +238,7 @@ def reduce_scatter_seq(x: Tensor, group: TPGroup) -> Tensor:
 # A layer cut over tp inside a block that runs on sequence shards (sequence parallelism) and that takes the block's
 # tokens flattened (an expert bank: (tokens, features)) gathers them over the group first and reduce-scatters its
 # partial output back: the group whose ranks hold different tokens while such a block runs, or None.
-_TOKENS_SHARDED: contextvars.ContextVar[Optional[TPGroup]] = contextvars.ContextVar("lightning_tpp_tokens_sharded",
-                                                                                   default=None)
+_TOKENS_SHARDED: Scoped[Optional[TPGroup]] = Scoped("lightning_tpp_tokens_sharded", None)
 
 
 @contextlib.contextmanager

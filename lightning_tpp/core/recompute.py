@@ -28,7 +28,6 @@ Recomputation is skipped when gradients are off (evaluation, the pipeline's trac
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import copy
 import inspect
 from typing import Any, Callable, ContextManager, Iterator, Optional
@@ -38,13 +37,13 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_tpp.core.swap import swap_class
+from lightning_tpp.core.walk import Scoped
 
 ContextFactory = Callable[[], ContextManager]
 
 # contexts to re-enter around each recomputation of a block run in the current forward (see replay_on_recompute)
-_REPLAY: contextvars.ContextVar[tuple[ContextFactory, ...]] = contextvars.ContextVar("lightning_tpp_replay",
-                                                                                     default=())
-_RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_tpp_recomputing", default=False)
+_REPLAY: Scoped[tuple[ContextFactory, ...]] = Scoped("lightning_tpp_replay", ())
+_RECOMPUTING: Scoped[bool] = Scoped("lightning_tpp_recomputing", False)
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size, slice)
 
 

@@ -4,8 +4,7 @@ numerical check (its extra forwards are not part of the model's run)."""
 
 from __future__ import annotations
 
-import contextvars
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Generic, Iterator, Optional, TypeVar
 
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
@@ -106,6 +105,33 @@ class Taint(TorchFunctionMode):
         return out
 
 
+T = TypeVar("T")
+
+
+class Scoped(Generic[T]):
+    """A value set for the extent of a call, with ``contextvars.ContextVar``'s ``get`` / ``set`` / ``reset``, held as
+    a plain attribute: ``torch.compile`` traces its reads inside a compiled block, where ``ContextVar.get`` is a graph
+    break (every one the strategy's tensor-parallel layers made). One value per process, not per thread: a model's
+    forward and backward run on one thread at a time (a backward thread of autograd's sees the value its forward's
+    caller left, as it would see the default of a ContextVar it did not set)."""
+
+    __slots__ = ("name", "value")
+
+    def __init__(self, name: str, default: T) -> None:
+        self.name, self.value = name, default
+
+    def get(self) -> T:
+        return self.value
+
+    def set(self, value: T) -> tuple[T]:
+        token = (self.value,)
+        self.value = value
+        return token
+
+    def reset(self, token: tuple[T]) -> None:
+        self.value = token[0]
+
+
 # True while a block is being verified: its extra forwards are not part of the model's run (a pipeline's dispatchers
 # pass them straight to the real modules instead of counting them as the step's calls)
-VERIFYING: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_tpp_verifying", default=False)
+VERIFYING: Scoped[bool] = Scoped("lightning_tpp_verifying", False)

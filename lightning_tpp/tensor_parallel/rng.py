@@ -23,7 +23,6 @@ whose first training forward drew dropout at all (``p > 0``): blocks without dro
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Any, Iterator, Optional
 
 import torch
@@ -33,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_tpp._compat import in_backward
 from lightning_tpp.core.seeding import OwnStream, derived_seed, seeded
-from lightning_tpp.core.walk import tensors_in
+from lightning_tpp.core.walk import Scoped, tensors_in
 
 # functions that draw a mask over their first argument: (position, keyword, default) of the probability and of the
 # training flag (None: always drawing)
@@ -104,8 +103,7 @@ class ShardedDraws(TorchFunctionMode):
         return out
 
 
-ACTIVE: contextvars.ContextVar[Optional[ShardedDraws]] = contextvars.ContextVar("lightning_tpp_sharded_draws",
-                                                                               default=None)
+ACTIVE: Scoped[Optional[ShardedDraws]] = Scoped("lightning_tpp_sharded_draws", None)
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ its column layers through an alias whose backward reduce-scatters (:func:`column
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -17,6 +16,7 @@ from torch import Tensor
 from lightning_tpp._compat import enclosing_saved_tensors_hooks, tree_map
 from lightning_tpp.core.comm import (TPGroup, all_gather_seq, gather_seq, reduce_scatter_seq, scatter_seq, seq_alias,
                                      tokens_sharded)
+from lightning_tpp.core.walk import Scoped
 
 
 @dataclass
@@ -36,7 +36,7 @@ class _Region:
         return torch.Size(s)
 
 
-_REGION: contextvars.ContextVar[Optional[_Region]] = contextvars.ContextVar("lightning_tpp_sp_region", default=None)
+_REGION: Scoped[Optional[_Region]] = Scoped("lightning_tpp_sp_region", None)
 
 
 @contextlib.contextmanager
