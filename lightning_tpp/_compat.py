@@ -33,14 +33,14 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
-    "BatchNormBase", "InstanceNormBase", "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType",
+    "BatchNormBase", "InstanceNormBase", "allow_graphs_per_function", "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType",
     "SubprocessScriptLauncher", "SummaryCallbackAdapter", "TorchDispatchMode",
-    "all_gather_ddp_if_available", "caching_save_planner", "collect_rng_states",
+    "all_gather_ddp_if_available", "caching_save_planner", "collect_rng_states", "compile_call", "compiled",
     "dcp_metadata_path", "default_store", "drop_persistent_iterator", "drop_save_plan_cache",
     "distributed_is_initialized",
     "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now",
     "fsdp_sharded_params", "fsdp_state", "get_layout", "hf_install_output_hook", "hf_output_collector",
-    "in_backward", "init_dist_connection", "layer_sync_requested", "optimizer_to_device", "optimizers_to_device",
+    "in_backward", "init_dist_connection", "layer_sync_requested", "maybe_mark_dynamic", "optimizer_to_device", "optimizers_to_device",
     "requested_weights_only", "run_data_source", "set_rank_zero", "set_rng_states", "storage_key",
     "sync_ddp_if_available", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_dense_tensors",
 ]
@@ -277,6 +277,38 @@ def dynamo_counters() -> Any:
     from torch._dynamo.utils import counters
 
     return counters
+
+
+def compiled(fn: Any, options: dict, before: Any) -> Any:
+    """``torch.compile(fn, **options)``, with ``before(args, kwargs)`` run eagerly ahead of each call (where inputs
+    can be marked dynamic)."""
+    graph = torch.compile(fn, **options)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        before(args, kwargs)
+        return graph(*args, **kwargs)
+
+    return call
+
+
+def compile_call(module: Any, options: dict, before: Any) -> None:
+    """``module.compile(**options)`` (its call compiled, hooks inside the graph, as ``nn.Module.compile`` does), with
+    ``before`` as in :func:`compiled`."""
+    module._compiled_call_impl = compiled(module._call_impl, options, before)
+
+
+def allow_graphs_per_function(n: int) -> None:
+    """dynamo keeps up to ``n`` graphs of one function before it runs it eagerly (``recompile_limit``, 8 by
+    default): the blocks of a stack share their class's forward, and a block whose forward reads its own index (a
+    Hugging Face layer's ``layer_idx`` into the KV cache) compiles a graph of its own."""
+    import torch._dynamo.config as config
+
+    config.recompile_limit = max(config.recompile_limit, n)
+
+
+def maybe_mark_dynamic(t: Any, dim: int) -> None:
+    """dynamo compiles ``t``'s size along ``dim`` as a symbol, unless the graph needs it as a constant."""
+    torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 def hf_output_collector() -> Optional[dict]:

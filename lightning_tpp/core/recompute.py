@@ -151,13 +151,22 @@ def _copy(args: tuple, kwargs: dict, owner: nn.Module) -> tuple[tuple, dict]:
 class _Recomputed:
     """Mixin for a block whose activations are recomputed in backward (see the module docstring)."""
 
+    _tpp_compiled: Optional[Callable[..., Any]] = None  # compile=: the block's own forward compiled (see compiled)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        forward = super().forward  # type: ignore[misc]
+        forward = self._tpp_compiled or super().forward  # type: ignore[misc]
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         call = _Call(forward, args, kwargs, self)  # type: ignore[arg-type]
         # args and kwargs passed as two positional pytrees: torch finds the devices whose RNG state to keep there
         return checkpoint(call, args, kwargs, use_reentrant=False, context_fn=_contexts)
+
+
+def compile_inside(module: nn.Module, compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """``compile=`` on a recomputed block: its own forward compiled, run by ``torch.utils.checkpoint`` in forward and
+    again in backward, the checkpoint and the copy of its arguments kept outside the graph (dynamo cannot trace
+    them: traced, the whole block ran eagerly)."""
+    module._tpp_compiled = compile_fn(super(_Recomputed, module).forward)  # type: ignore[attr-defined]
 
 
 def is_recomputed(module: nn.Module) -> bool:

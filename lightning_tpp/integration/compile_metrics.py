@@ -22,9 +22,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Union
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_tpp._compat import dynamo_counters
+from torch import Tensor
+
+from lightning_tpp._compat import allow_graphs_per_function, compile_call, compiled, dynamo_counters, maybe_mark_dynamic, tree_flatten
+from lightning_tpp.core.recompute import compile_inside, is_recomputed
+from lightning_tpp.core.walk import get_arg, stream_index
 from lightning_tpp.pipeline.metrics import is_logging_step
 
 PREFIX = "compile/"
@@ -35,6 +39,22 @@ def dynamo_counts() -> tuple[int, int, dict[str, int]]:
     counters = dynamo_counters()
     breaks = dict(counters["graph_break"])
     return int(counters["stats"]["unique_graphs"]), sum(breaks.values()), breaks
+
+
+def _mark_varying(args: tuple, kwargs: dict) -> None:
+    """Before each compiled call of a block: the sizes that vary between batches, the batch and the stream's sequence
+    (an epoch's short last batch, a validation batch, a padded-per-batch length), are compiled as symbols wherever
+    an input has them, so that a new size recompiles nothing."""
+    where = stream_index(args, kwargs)
+    stream = get_arg(args, kwargs, where) if where is not None else None
+    if not isinstance(stream, Tensor) or stream.dim() < 2:
+        return
+    sizes = {stream.shape[0], stream.shape[1]} if stream.dim() >= 3 else {stream.shape[0]}
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, Tensor):
+            for d, n in enumerate(t.shape):
+                if n > 1 and n in sizes:
+                    maybe_mark_dynamic(t, d)
 
 
 class Compiled:
@@ -55,9 +75,17 @@ class Compiled:
         self.steps += 1
         graphs, breaks, reasons = dynamo_counts()
         if self.steps == 1:
+            allow_graphs_per_function(2 * len(self.blocks) + 8)  # a training and an evaluation graph per block
             for name in self.blocks:
-                self.module.get_submodule(name).compile(**self.options)
+                block = self.module.get_submodule(name)
+                if is_recomputed(block):
+                    compile_inside(block, lambda fn: compiled(fn, self.options, _mark_varying))
+                else:
+                    compile_call(block, self.options, _mark_varying)
             return
+        if self.steps == 2 and graphs == 0:
+            rank_zero_warn(f"compile=: {len(self.blocks)} blocks were compiled but dynamo made no graph of them: they "
+                           "run eagerly. Run with TORCH_LOGS=graph_breaks to see why")
         if self.steps == 2 and reasons:
             lines = [f"  {count} x {reason.splitlines()[0]}" for reason, count in reasons.items()]
             rank_zero_info(f"compile=: {len(self.blocks)} blocks compiled with {breaks} graph breaks:\n"
