@@ -8,7 +8,8 @@ tokens, batch 8, AdamW), on this machine's CPUs with inductor's C++ backend.
 Per layout and mode: the slowest rank's median step time over the steps after the first compiled one (the strategy
 compiles the blocks after the first training step), the compiled / eager ratio (goal on CPU: <= 0.95 in at least
 one layout, never above 1.05), and on its own line the compile time: the first compiled step less a steady one.
-Also printed: the graphs and graph breaks of rank 0.
+Also printed: the graphs and graph breaks of rank 0, and the ratio and compile time with ``dynamic=False`` (no size
+marked dynamic: an epoch's short last batch then recompiles).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def rank(args: argparse.Namespace) -> None:
     layout = LAYOUTS[args.layout]
     module = LlamaLM()
     data = torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (BATCH * args.steps, SEQ)))
-    compile = {"backend": args.backend} if args.compiled else False
+    compile = {"backend": args.backend, **({"dynamic": False} if args.static else {})} if args.compiled else False
     strategy = TensorPipeStrategy(**layout, compile=compile, print_plan=False)
     trainer = L.Trainer(accelerator="cpu", devices=layout.get("tp", 1) * layout.get("pp", 1), strategy=strategy,
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--layout", default=None)
     parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--static", action="store_true", help="compile={..., 'dynamic': False}: no size marked dynamic")
     parser.add_argument("--name", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -88,19 +90,22 @@ def main() -> None:
         return rank(args)
     out = Path(tempfile.mkdtemp())
     print(f"{'layout':14} {'eager (s)':>9} {'compiled (s)':>12} {'ratio':>6} {'compile (s)':>11} {'graphs':>6} "
-          f"{'breaks':>6}")
+          f"{'breaks':>6} {'static ratio':>12} {'static compile (s)':>18}")
     for i, (name, layout) in enumerate(LAYOUTS.items()):
         n = layout.get("tp", 1) * layout.get("pp", 1)
         step = {}
-        for compiled in (False, True):
-            extra = ["--layout", name, "--name", f"l{i}{int(compiled)}", "--steps", str(args.steps), "--backend",
-                     args.backend] + (["--compiled"] if compiled else [])
-            ranks = launch("rank", n, out, extra, name=f"l{i}{int(compiled)}", script=__file__, timeout=1800)
+        for mode in ("eager", "compiled", "static"):  # static: dynamic=False, sizes compiled as constants
+            extra = ["--layout", name, "--name", f"l{i}{mode}", "--steps", str(args.steps), "--backend",
+                     args.backend] + (["--compiled"] if mode != "eager" else []) + (["--static"] if mode == "static"
+                                                                                     else [])
+            ranks = launch("rank", n, out, extra, name=f"l{i}{mode}", script=__file__, timeout=1800)
             slowest = [max(r["times"][s] for r in ranks) for s in range(args.steps)]
-            step[compiled] = (statistics.median(slowest[2:]), slowest[1], ranks[0])
-        eager, (compiled_step, first, info) = step[False][0], step[True]
+            step[mode] = (statistics.median(slowest[2:]), slowest[1], ranks[0])
+        eager = step["eager"][0]
+        (compiled_step, first, info), (static_step, static_first, _) = step["compiled"], step["static"]
         print(f"{name:14} {eager:9.3f} {compiled_step:12.3f} {compiled_step / eager:6.3f} "
-              f"{first - compiled_step:11.1f} {info['graphs']:6d} {info['breaks']:6d}")
+              f"{first - compiled_step:11.1f} {info['graphs']:6d} {info['breaks']:6d} {static_step / eager:12.3f} "
+              f"{static_first - static_step:18.1f}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = [
     "BatchNormBase", "InstanceNormBase", "allow_graphs_per_function", "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType",
     "SubprocessScriptLauncher", "SummaryCallbackAdapter", "TorchDispatchMode",
-    "all_gather_ddp_if_available", "caching_save_planner", "collect_rng_states", "compile_call", "compiled",
+    "all_gather_ddp_if_available", "caching_save_planner", "collect_rng_states", "compile_call",
     "dcp_metadata_path", "default_store", "drop_persistent_iterator", "drop_save_plan_cache",
     "distributed_is_initialized",
     "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now",
@@ -279,22 +279,10 @@ def dynamo_counters() -> Any:
     return counters
 
 
-def compiled(fn: Any, options: dict, before: Any) -> Any:
-    """``torch.compile(fn, **options)``, with ``before(args, kwargs)`` run eagerly ahead of each call (where inputs
-    can be marked dynamic)."""
-    graph = torch.compile(fn, **options)
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        before(args, kwargs)
-        return graph(*args, **kwargs)
-
-    return call
-
-
-def compile_call(module: Any, options: dict, before: Any) -> None:
-    """``module.compile(**options)`` (its call compiled, hooks inside the graph, as ``nn.Module.compile`` does), with
-    ``before`` as in :func:`compiled`."""
-    module._compiled_call_impl = compiled(module._call_impl, options, before)
+def compile_call(module: Any, make: Any) -> None:
+    """What ``module.compile()`` does (its call compiled, hooks inside the graph), with the compiled call made by
+    ``make(module's eager call)``."""
+    module._compiled_call_impl = make(module._call_impl)
 
 
 def allow_graphs_per_function(n: int) -> None:

@@ -43,7 +43,8 @@ from lightning_tpp.context_parallel.attention import ContextAttention, Traffic
 from lightning_tpp.context_parallel.hf import route_eager
 from lightning_tpp.context_parallel.split import SeqLayout, gather_positions, local_positions
 from lightning_tpp.core.comm import TPGroup, all_gather_seq, all_reduce_flag
-from lightning_tpp.core.reference import _records_kept, _verifying, first_difference, isolated, records_gathered
+from lightning_tpp.core.reference import (_records_kept, _verifying, evaluating, first_difference, hidden_state_whole,
+                                          isolated, records_gathered)
 from lightning_tpp.core.seeding import OwnStream
 from lightning_tpp.core.swap import swap_class
 from lightning_tpp.core.walk import VERIFYING, ancestors, get_arg, map_first_tensor, replace_arg, stream_index
@@ -177,18 +178,6 @@ def _cut_inputs(shared: ContextState, args: tuple, kwargs: dict, where: tuple[st
     return args, kwargs
 
 
-@contextlib.contextmanager
-def _evaluating(module: nn.Module) -> Iterator[None]:
-    """``module`` in eval mode (no dropout draws) for a comparison, each submodule's mode restored after."""
-    modes = [(m, m.training) for m in module.modules()]
-    module.train(False)
-    try:
-        yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
-
-
 def _private_state(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A call's arguments for the check's extra forwards (:func:`~lightning_tpp.core.reference.isolated`: its
     containers and stateful objects copied, its tensors shared), each cache among them emptied: what earlier blocks
@@ -250,6 +239,7 @@ class _ContextBlock:
             args, kwargs = replace_arg(args, kwargs, where, local_positions(stream, 1, layout))
         else:
             layout = shared.current(stream.shape[1])
+            hidden_state_whole(stream, lambda t: gather_positions(t, 1, layout, shared.group))
         args, kwargs = _cut_inputs(shared, args, kwargs, where, layout)
         if slot.check_pending and not stream.is_meta:  # not in a shapes-only forward
             slot.check_pending = False
@@ -280,7 +270,7 @@ class _ContextBlock:
         stream = get_arg(args, kwargs, where)
         problem, taken, raised, beside = None, 0, False, False
         try:  # what the layers record for the model (router logits) is dropped after: the real call records its own
-            with torch.no_grad(), _evaluating(self), _records_kept():  # type: ignore[arg-type]
+            with torch.no_grad(), evaluating(self), _records_kept():  # type: ignore[arg-type]
                 w_args, w_kwargs = _private_state(*whole)
                 args, kwargs = _private_state(args, kwargs)
                 if not slot.first:  # the whole sequence from every rank's part

@@ -200,6 +200,18 @@ def _verifying(on: bool = True) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def evaluating(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode (no dropout draws) for a comparison, each submodule's mode restored after."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.train(False)
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+@contextlib.contextmanager
 def _records_kept() -> Iterator[None]:
     """What the layers record while a check runs (Hugging Face's output collector: router logits, attentions) is
     dropped after it: the model's own run reads only its own records (a router's logits from a check's graph would
@@ -236,6 +248,22 @@ def records_gathered(batch: Optional[int], part: int, whole: int,
                     records[i] = gather(t)
                 elif t.shape[0] == batch * part:
                     records[i] = gather(t.reshape(batch, part, *t.shape[1:])).reshape(batch * whole, *t.shape[1:])
+
+
+def hidden_state_whole(stream: Tensor, gather: Callable[[Tensor], Tensor]) -> None:
+    """At the entry of a block that takes ``stream``, this rank's part of the block before's output: where Hugging
+    Face's output collector recorded that output as the model's hidden state (``output_hidden_states=True``; a hook
+    on the block before, run after its forward returned, so outside :func:`records_gathered`), the record is made
+    what one process records, ``gather(record)``. The record is the stream's tensor, or a view of it that FSDP2's
+    pre-forward hook made (the same elements)."""
+    collector = hf_output_collector()
+    records = collector.get("hidden_states") if collector else None
+    if not isinstance(records, list) or not records or stream.is_meta:
+        return
+    last = records[-1]
+    if last is stream or (isinstance(last, Tensor) and last.shape == stream.shape and last.stride() == stream.stride()
+                          and last.data_ptr() == stream.data_ptr()):
+        records[-1] = gather(last)
 
 
 def _forward(ref: nn.Module, args: tuple, kwargs: dict) -> Any:

@@ -1,8 +1,8 @@
 """``compile=``: this rank's blocks compiled (regional ``torch.compile``), and the ``compile/`` metrics.
 
-The blocks are compiled at the end of the first training step, each as it then is (tensor, sequence, context and
-expert parallelism, activation checkpointing and FSDP2 in place; dynamo runs FSDP2's hooks outside its graphs). The
-first step runs them eagerly: their first-call checks and the branches a block takes once (its first call, its
+The blocks are compiled at the end of the first training step (a recomputed block's own forward, inside its
+checkpoint), each as it then is (tensor, sequence, context and expert parallelism, activation checkpointing and FSDP2
+in place; dynamo runs FSDP2's hooks outside its graphs). The first step runs them eagerly: their first-call checks and the branches a block takes once (its first call, its
 first training call, its first dropout draw) never enter a graph, which would otherwise recompile at the second
 step. The first-call checks are also ``torch.compiler.disable``'d, should a block be compiled by its user.
 
@@ -13,20 +13,24 @@ Logged through Lightning's loggers every ``log_every_n_steps``::
     compile/graph_breaks   graph breaks met while compiling them (each distinct reason listed once after the first
                            compiled step, with the blocks' count)
     compile/recompiles     graphs compiled during training steps after the first compiled one: 0 in steady state
-                           (a validation pass compiles its own frames, outside training steps; a new batch size,
-                           such as an epoch's short last batch, recompiles once, dynamo then marks it dynamic)
+                           (the first validation batch compiles the evaluation graphs, outside training steps; an
+                           epoch's short last batch compiles nothing: the batch and sequence sizes are marked dynamic)
 
 Cumulative, this rank's (dynamo's counters are per process)."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Union
+import functools
+from typing import Any, Callable, Mapping, Optional, Union
 
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
 
-from torch import Tensor
-
-from lightning_tpp._compat import allow_graphs_per_function, compile_call, compiled, dynamo_counters, maybe_mark_dynamic, tree_flatten
+from lightning_tpp._compat import (allow_graphs_per_function, compile_call, dynamo_counters, maybe_mark_dynamic,
+                                   tree_flatten)
+from lightning_tpp.core.comm import TPGroup, all_reduce_flag
+from lightning_tpp.core.reference import _records_kept, evaluating, first_difference, isolated
 from lightning_tpp.core.recompute import compile_inside, is_recomputed
 from lightning_tpp.core.walk import get_arg, stream_index
 from lightning_tpp.pipeline.metrics import is_logging_step
@@ -39,6 +43,21 @@ def dynamo_counts() -> tuple[int, int, dict[str, int]]:
     counters = dynamo_counters()
     breaks = dict(counters["graph_break"])
     return int(counters["stats"]["unique_graphs"]), sum(breaks.values()), breaks
+
+
+def _compare(block: nn.Module, eager: Callable[..., Any], graph: Callable[..., Any], args: tuple,
+             kwargs: dict) -> Optional[str]:
+    """The first difference between a block's compiled call and its eager one on copies of this call's inputs, in
+    eval mode (no dropout draw to match) under ``inference_mode`` (a validation pass's graph, compiled here once)."""
+    try:
+        with torch.inference_mode(), evaluating(block), _records_kept():
+            a, k = isolated(args, kwargs)
+            want = eager(*a, **k)
+            a, k = isolated(args, kwargs)
+            got = graph(*a, **k)
+        return first_difference(got, want, TPGroup(None, 0, 1))
+    except Exception as err:  # noqa: BLE001 - reported on every rank, with the block's name
+        return f"it raised {type(err).__name__}: {err}"
 
 
 def _mark_varying(args: tuple, kwargs: dict) -> None:
@@ -57,15 +76,50 @@ def _mark_varying(args: tuple, kwargs: dict) -> None:
                     maybe_mark_dynamic(t, d)
 
 
+class CompiledMismatchError(RuntimeError):
+    """A compiled block's output differs from its eager forward's on the same inputs."""
+
+
 class Compiled:
     """The blocks to compile, compiled after the first training step; dynamo's counters from then on."""
 
-    def __init__(self, module: Any, blocks: list[str], options: Union[bool, Mapping[str, Any]]) -> None:
+    def __init__(self, module: Any, blocks: list[str], options: Union[bool, Mapping[str, Any]],
+                 check: bool = True) -> None:
         self.module, self.blocks = module, blocks
         self.options = {} if options is True else dict(options)  # type: ignore[arg-type]
+        self.check = check  # each block's first compiled call against its eager forward
+        self.problems: list[str] = []  # what those checks found on this rank
         self.steps = 0  # training steps finished
         self.recompiles = 0
         self._before: Optional[int] = None
+
+    def _compiled(self, name: str, block: nn.Module, before: Callable[[tuple, dict], None],
+                  eager: Callable[..., Any]) -> Callable[..., Any]:
+        """``eager`` (the block's call, or its own forward when recomputed) compiled; before each call ``before``
+        marks its inputs; the first call is also checked against ``eager``."""
+        graph = torch.compile(eager, **self.options)
+        pending = [self.check]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            before(args, kwargs)
+            if pending[0]:
+                pending[0] = False
+                problem = _compare(block, eager, graph, args, kwargs)
+                if problem is not None:
+                    self.problems.append(f"{name!r} ({type(block).__name__}): {problem}")
+            return graph(*args, **kwargs)
+
+        return call
+
+    def _agree(self) -> None:
+        """After the first compiled step, every rank: raise on all of them when a check found a difference on any."""
+        if all_reduce_flag(not self.problems, None):
+            return
+        raise CompiledMismatchError(
+            "compile=: a compiled block does not compute what its eager forward computes on the same inputs "
+            f"({'; '.join(self.problems) or 'on another rank'}). This is a bug of torch.compile or of the block's "
+            "compiled form: train with compile=False, or another backend (compile={'backend': 'aot_eager'}), and "
+            "report it with TORCH_LOGS=graph_code")
 
     def before_step(self) -> None:
         self._before = dynamo_counts()[0]
@@ -76,13 +130,18 @@ class Compiled:
         graphs, breaks, reasons = dynamo_counts()
         if self.steps == 1:
             allow_graphs_per_function(2 * len(self.blocks) + 8)  # a training and an evaluation graph per block
+            # dynamic=False: every size a constant (a new one recompiles); True: dynamo marks every size itself
+            before = _mark_varying if self.options.get("dynamic") is None else (lambda args, kwargs: None)
             for name in self.blocks:
                 block = self.module.get_submodule(name)
+                make = functools.partial(self._compiled, name, block, before)
                 if is_recomputed(block):
-                    compile_inside(block, lambda fn: compiled(fn, self.options, _mark_varying))
+                    compile_inside(block, make)
                 else:
-                    compile_call(block, self.options, _mark_varying)
+                    compile_call(block, make)
             return
+        if self.steps == 2 and self.check:
+            self._agree()
         if self.steps == 2 and graphs == 0:
             rank_zero_warn(f"compile=: {len(self.blocks)} blocks were compiled but dynamo made no graph of them: they "
                            "run eagerly. Run with TORCH_LOGS=graph_breaks to see why")

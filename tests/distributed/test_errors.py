@@ -57,8 +57,11 @@ SCRIPT = ROOT / "tests" / "distributed" / "worker_errors.py"
                                r"schedule splits each backward into input and weight gradients, which a compiled "
                                r"block's backward cannot do; use schedule='1f1b', 'interleaved-1f1b', 'gpipe' or "
                                r"'auto', or compile=False"),
+    ("compile_wrong", 2, r"CompiledMismatchError: compile=: a compiled block does not compute what its eager forward "
+                         r"computes on the same inputs \('model\.model\.model\.layers\.0' \(\w+\): output"),
 ], ids=["heads", "mismatch", "backward", "embedding", "sp_positions", "sp_bypassed", "sp_odd_length", "world",
-        "pp_stages", "pp_encdec", "pp_manual", "pp_fp16", "pp_trace", "pp_tied_cut", "cp_eager", "cp_block_aux", "compile_zero_bubble"])
+        "pp_stages", "pp_encdec", "pp_manual", "pp_fp16", "pp_trace", "pp_tied_cut", "cp_eager", "cp_block_aux",
+        "compile_zero_bubble", "compile_wrong"])
 def test_error_on_every_rank(scenario: str, devices: int, message: str) -> None:
     import re
 

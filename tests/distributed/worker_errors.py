@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import lightning as L
 import torch
@@ -12,6 +13,18 @@ from torch import nn
 from lightning_tpp import TensorPipeStrategy
 import models_cp  # noqa: F401 - registers the context-parallel families
 from models import LitLM, token_dataset
+
+
+def _off_by_a_little(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    """A torch.compile backend whose graphs are wrong (a compiler's bug): the first floating output off by 1e-2."""
+    def run(*args: Any) -> Any:
+        out = gm(*args)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        i = next(i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.is_floating_point())
+        outs[i] = outs[i] + 1e-2
+        return type(out)(outs) if isinstance(out, (tuple, list)) else outs[0]
+
+    return run
 
 
 class ShuffledMLP(nn.Module):
@@ -163,6 +176,8 @@ SCENARIOS = {  # name -> (module, strategy kwargs, batch size)
     # compile=: a schedule that splits backward cannot split a compiled block's backward
     "compile_zero_bubble": (lambda: LitLM("llama4"), dict(pp=2, schedule="zero-bubble",
                                                           compile={"backend": "aot_eager"}), 4),
+    # ... and a compiled block that computes something else than its eager forward (checked on its first call)
+    "compile_wrong": (lambda: LitLM("hf_llama"), dict(tp=2, compile={"backend": _off_by_a_little}), 4),
     "pp_fp16": (lambda: LitLM("nanogpt"), dict(pp=2, precision_plugin=MixedPrecision(
         "16-mixed", "cpu", torch.amp.GradScaler("cpu"))), 4),
 }
