@@ -33,7 +33,8 @@ class HFDecoder(nn.Module):
     """A Hugging Face causal LM; ``packed``: each row holds documents of 10, 14 and the remaining tokens, their
     position ids restarting at 0 (transformers turns them into a block-diagonal mask)."""
 
-    def __init__(self, kind: str = "LlamaConfig", packed: bool = False, eager: bool = False, **extra) -> None:
+    def __init__(self, kind: str = "LlamaConfig", packed: bool = False, eager: bool = False, hidden: bool = False,
+                 **extra) -> None:
         super().__init__()
         import transformers
 
@@ -41,9 +42,15 @@ class HFDecoder(nn.Module):
         if eager:
             cfg._attn_implementation = "eager"
         self.model = transformers.AutoModelForCausalLM.from_config(cfg)
-        self.packed = packed
+        self.packed, self.hidden = packed, hidden
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.hidden:  # every layer's hidden state read by the loss beside the logits: its last position's (as a
+            # sequence classifier pools it) and its root mean square (a mean over positions alone would be the
+            # mean of the cp ranks' parts, whole or not)
+            out = self.model(input_ids=idx, output_hidden_states=True)
+            return out.logits, sum((h[:, -1].pow(2).mean() + h.pow(2).mean().sqrt()) * (i + 1)
+                                   for i, h in enumerate(out.hidden_states))
         if not self.packed:
             return self.model(input_ids=idx).logits
         n = idx.shape[1]
@@ -149,6 +156,7 @@ MODELS.update({
     "cp_hf_llama_eager": lambda: HFDecoder("LlamaConfig", eager=True),  # matmul -> softmax -> matmul, HF's own
     "cp_hf_mistral": lambda: HFDecoder("MistralConfig", sliding_window=8),
     "cp_hf_packed": lambda: HFDecoder("LlamaConfig", packed=True),
+    "cp_hf_llama_hidden": lambda: HFDecoder("LlamaConfig", hidden=True),  # output_hidden_states=True, read by the loss
     # with SDPA, as transformers loads them by default: per-head query/key norms (Qwen3), fused qkv (Phi-3), per-head
     # fused qkv and partial rotary (GPT-NeoX), sliding and full layers alternating, window 8 (Gemma 3)
     "cp_hf_qwen3": lambda: HFDecoder("Qwen3Config"),

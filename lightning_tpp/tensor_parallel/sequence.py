@@ -49,6 +49,7 @@ from lightning_tpp.core.reference import (
     check_forward,
     check_gradients,
     first_difference,
+    hidden_state_whole,
     records_gathered,
     summed,
     whole_or_part,
@@ -116,6 +117,8 @@ class _SequenceElement:
             args, kwargs = _side_inputs(args, kwargs, where, lambda t: copy_to_tp(t, st.group))
         if st.first:
             args, kwargs = replace_arg(args, kwargs, where, scatter_seq(get_arg(args, kwargs, where), st.group))
+        else:
+            hidden_state_whole(get_arg(args, kwargs, where), lambda t: gather_seq(t, st.group))
         if st.verify_pending:
             st.verify_pending = False
             _verify(self, args, kwargs, where)  # type: ignore[arg-type]

@@ -69,7 +69,7 @@ def test_parity_no_verify_declared_partials(tmp_path: Path) -> None:
 
 SEQUENCE_PARALLEL = ["nanogpt", "llama", "hf_llama", "hf_gpt2", "flat_gpt", "split_gpt", "encoder", "seq2seq",
                      "hf_gemma", "hf_bert", "litgpt", "hf_phi3", "hf_neox", "conditioned", "nested_lists", "hf_qwen3",
-                     "post_norm", "hf_mixtral_labels", "hf_jamba"]
+                     "post_norm", "hf_mixtral_labels", "hf_jamba", "cp_hf_llama_hidden"]
 
 
 def test_parity_sequence_parallel(tmp_path: Path) -> None:

@@ -44,6 +44,8 @@ CONFIGS = {
     "cp2_families": Config(("cp_hf_llama_eager", "seq2seq"), dict(cp=2), dict(steps=2, seq=16)),
     "cp2_families_slow": Config(("encoder", "conditioned", "hf_bart", "hf_gemma", "hf_neox", "hf_phi3", "hf_qwen3",
                                  "hf_gpt2", "litgpt"), dict(cp=2), dict(steps=2, seq=16)),
+    # output_hidden_states=True, every layer's hidden state read by the loss: each recorded whole, as one process does
+    "cp2_hidden": Config(("cp_hf_llama_hidden",), dict(cp=2), dict(steps=2, seq=32)),
     "cp2_padded": Config(("cp_llama", "cp_hf_bert"), dict(cp=2), dict(steps=3, seq=30)),  # 30 = 4 * 7 + 2
     "cp2_recompute": Config(("cp_llama", "cp_hf_mistral"), dict(cp=2, activation_checkpointing=True), RUN),
     "cp2_bf16": Config(("cp_hf_llama",), dict(cp=2), dict(RUN, precision="bf16-mixed")),
@@ -59,6 +61,8 @@ CONFIGS = {
     "cp2_ep2": Config(("hf_mixtral_labels",), dict(cp=2, ep=2), MOE_RUN),
     "cp2_moe": Config(("hf_mixtral_labels", "hf_qwen2_moe_labels", "hf_deepseek_v3_labels", "hf_gpt_oss_labels"),
                       dict(cp=2), MOE_RUN),
+    # compile=: the cp blocks compiled (aot_eager) after the first step
+    "cp2_compiled": Config(("cp_hf_llama", "cp_llama"), dict(cp=2, compile={"backend": "aot_eager"}), RUN),
     # launch of 4 ranks
     "cp4": Config(("cp_hf_mistral", "cp_hf_packed"), dict(cp=4), RUN),
     "cp2tp2": Config(("cp_hf_llama", "cp_hf_bert"), dict(cp=2, tp=2), RUN),
@@ -182,9 +186,17 @@ def main() -> None:
             stem = f"{name}.{model}.rank{rank}"
             strategy = TensorPipeStrategy(**config.strategy, print_plan=False)
             activations, masks, heads = BlockActivations(), DropoutMasks(), HeadOutputs()
+            compiled = bool(config.strategy.get("compile"))  # no measuring hooks inside the compiled blocks
             record = train(model, strategy=strategy, devices=config.world, dp=config.strategy.get("dp", 1),
-                           callbacks=[activations, masks, heads], **config.train)
+                           callbacks=[heads] if compiled else [activations, masks, heads], **config.train)
             torch.save(asdict(record), out / f"{stem}.pt")
+            if compiled:
+                from lightning_tpp.integration.compile_metrics import dynamo_counts
+
+                graphs, breaks, reasons = dynamo_counts()
+                (out / f"{stem}.compile.json").write_text(json.dumps({
+                    "blocks": strategy.parallel_state.compiled, "graphs": graphs, "breaks": breaks,
+                    "reasons": sorted(r.splitlines()[0] for r in reasons), "recompiles": strategy._compiled.recompiles}))
             layout = strategy.parallel_state.context.layout  # the last sequence the blocks ran on
             (out / f"{stem}.json").write_text(json.dumps({"saved": activations.saved, "local": layout.local,
                                                           "length": layout.length, "padded": layout.padded,
