@@ -33,16 +33,15 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
-    "BatchNormBase", "InstanceNormBase", "allow_graphs_per_function", "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType",
-    "SubprocessScriptLauncher", "SummaryCallbackAdapter", "TorchDispatchMode",
-    "all_gather_ddp_if_available", "caching_save_planner", "collect_rng_states", "compile_call",
-    "dcp_metadata_path", "default_store", "drop_persistent_iterator", "drop_save_plan_cache",
-    "distributed_is_initialized",
-    "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now",
-    "fsdp_sharded_params", "fsdp_state", "get_layout", "hf_install_output_hook", "hf_output_collector",
-    "in_backward", "init_dist_connection", "layer_sync_requested", "maybe_mark_dynamic", "optimizer_to_device", "optimizers_to_device",
-    "requested_weights_only", "run_data_source", "set_rank_zero", "set_rng_states", "storage_key",
-    "sync_ddp_if_available", "tree_flatten", "tree_map", "tree_unflatten", "unflatten_dense_tensors",
+    "BatchNormBase", "InstanceNormBase", "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType",
+    "SubprocessScriptLauncher", "SummaryCallbackAdapter", "TorchDispatchMode", "all_gather_ddp_if_available",
+    "allow_graphs_per_function", "caching_save_planner", "collect_rng_states", "compile_call", "dcp_metadata_path",
+    "default_store", "distributed_is_initialized", "drop_persistent_iterator", "drop_save_plan_cache",
+    "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now", "fsdp_sharded_params", "fsdp_state", "get_layout",
+    "hf_install_output_hook", "hf_output_collector", "in_backward", "init_dist_connection", "layer_sync_requested",
+    "maybe_mark_dynamic", "optimizer_to_device", "optimizers_to_device", "requested_weights_only", "run_data_source",
+    "set_rank_zero", "set_rng_states", "storage_key", "sync_ddp_if_available", "tree_flatten", "tree_map",
+    "tree_unflatten", "unflatten_dense_tensors",
 ]
 
 # --- lightning.fabric: the process group, collectives, optimizer state and RNG states (what DDPStrategy uses) ---------

@@ -151,7 +151,7 @@ def _copy(args: tuple, kwargs: dict, owner: nn.Module) -> tuple[tuple, dict]:
 class _Recomputed:
     """Mixin for a block whose activations are recomputed in backward (see the module docstring)."""
 
-    _tpp_compiled: Optional[Callable[..., Any]] = None  # compile=: the block's own forward compiled (see compiled)
+    _tpp_compiled: Optional[Callable[..., Any]] = None  # compile=: the block's own forward compiled (compile_inside)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         forward = self._tpp_compiled or super().forward  # type: ignore[misc]

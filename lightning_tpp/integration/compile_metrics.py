@@ -2,9 +2,11 @@
 
 The blocks are compiled at the end of the first training step (a recomputed block's own forward, inside its
 checkpoint), each as it then is (tensor, sequence, context and expert parallelism, activation checkpointing and FSDP2
-in place; dynamo runs FSDP2's hooks outside its graphs). The first step runs them eagerly: their first-call checks and the branches a block takes once (its first call, its
-first training call, its first dropout draw) never enter a graph, which would otherwise recompile at the second
-step. The first-call checks are also ``torch.compiler.disable``'d, should a block be compiled by its user.
+in place; dynamo runs FSDP2's hooks outside its graphs). The first step runs them eagerly: their first-call checks
+and the branches a block takes once (its first call, its first training call, its first dropout draw) never enter a
+graph, which would otherwise recompile at the second step. The first-call checks are also
+``torch.compiler.disable``'d, should a block be compiled by its user. On its first compiled call each block is
+checked against its eager forward (see ``Compiled._compiled``).
 
 Logged through Lightning's loggers every ``log_every_n_steps``::
 
