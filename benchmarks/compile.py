@@ -18,12 +18,12 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import lightning as L
 import torch
 
+from pipeline import _StepTimer  # the benchmarks' step-time callback
 from pipeline import _launch as launch  # the benchmarks' one way to start ranks (this folder is on sys.path)
 
 LAYOUTS = {"tp=2": {"tp": 2}, "pp=2": {"pp": 2, "schedule": "1f1b"}, "tp=2 x pp=2": {"tp": 2, "pp": 2,
@@ -40,17 +40,9 @@ class LlamaLM(L.LightningModule):
                                        num_hidden_layers=LAYERS, num_attention_heads=8, num_key_value_heads=4,
                                        max_position_embeddings=SEQ)
         self.model = transformers.LlamaForCausalLM(cfg)
-        self.times: list[float] = []
-        self._t = 0.0
 
     def training_step(self, batch, batch_idx):
         return self.model(input_ids=batch[0], labels=batch[0]).loss
-
-    def on_train_batch_start(self, batch, batch_idx) -> None:
-        self._t = time.perf_counter()
-
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        self.times.append(time.perf_counter() - self._t)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -66,13 +58,14 @@ def rank(args: argparse.Namespace) -> None:
     data = torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (BATCH * args.steps, SEQ)))
     compile = {"backend": args.backend, **({"dynamic": False} if args.static else {})} if args.compiled else False
     strategy = TensorPipeStrategy(**layout, compile=compile, print_plan=False)
+    timer = _StepTimer()
     trainer = L.Trainer(accelerator="cpu", devices=layout.get("tp", 1) * layout.get("pp", 1), strategy=strategy,
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+                        enable_model_summary=False, callbacks=[timer.callback()])
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
     graphs, breaks, _ = dynamo_counts()
     (Path(args.out) / f"{args.name}.{trainer.global_rank}.json").write_text(
-        json.dumps({"times": module.times, "graphs": graphs, "breaks": breaks}))
+        json.dumps({"times": timer.times, "graphs": graphs, "breaks": breaks}))
 
 
 def main() -> None:
