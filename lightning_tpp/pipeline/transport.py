@@ -37,7 +37,9 @@ _MAX_LEAVES = 64  # tensors per bundle
 
 Posted = tuple[Tensor, Any]  # a receive buffer and its pending work
 Message = tuple[str, int, int, int]  # what ("activations", "gradients"), micro-batch, sending stage, receiving stage
-Blocked = tuple[str, Message, int, float]  # "receive" or "send", the message, the peer's rank, since (perf_counter)
+# "receive" or "send", the message, the peer's rank, since, and until (perf_counter; None while it waits: a wait that
+# raised, when a peer's connection closed, stays recorded until the next, for the failure's report)
+Blocked = tuple[str, Message, int, float, Optional[float]]
 CommSpan = tuple[str, Message, int, float, float]  # "receive" or "send", the message, peer rank, start, end
 
 
@@ -112,12 +114,14 @@ class Transport:
         """Block until the posted receives of ``message`` complete."""
         start = time.perf_counter()
         peer = self.rank_of_stage(message[2])
-        self.blocked = ("receive", message, peer, start)
+        self.blocked = ("receive", message, peer, start, None)
         try:
             for _, work in posted:
                 work.wait()
-        finally:
-            self.blocked = None
+        except BaseException:
+            self.blocked = ("receive", message, peer, start, time.perf_counter())
+            raise
+        self.blocked = None
         end = time.perf_counter()
         self.waited += end - start
         if self.spans is not None:
@@ -125,17 +129,18 @@ class Transport:
         return [buf for buf, _ in posted]
 
     def describe_blocked(self) -> str:
-        """The message a wait is blocked on now, in words, or ``''``."""
+        """The message a wait is blocked on now (or was, when the wait raised), in words, or ``''``."""
         blocked = self.blocked
         if blocked is None:
             return ""
-        direction, (what, mb, src, dst), peer, since = blocked
-        took = time.perf_counter() - since
+        direction, (what, mb, src, dst), peer, since, until = blocked
+        took = (time.perf_counter() if until is None else until) - since
+        ended = "" if until is None else ", until the wait raised"
         if direction == "receive":
             return (f"waiting {took:.1f} s to receive the {what} of micro-batch {mb} from stage {src} (rank {peer}) "
-                    f"for stage {dst}")
+                    f"for stage {dst}{ended}")
         return (f"waiting {took:.1f} s for the send of the {what} of micro-batch {mb} from stage {src} to stage {dst} "
-                f"(rank {peer}) to complete")
+                f"(rank {peer}) to complete{ended}")
 
     def post_headers(self, inbound: dict[int, dict[int, int]], microbatches: int) -> None:
         """Every header this rank will receive in the step (``inbound``: local stage -> {source stage: tensors}),
@@ -195,11 +200,13 @@ class Transport:
         """Wait for this step's sends (their buffers must live until then)."""
         for work, message, peer in self._sends:
             start = time.perf_counter()
-            self.blocked = ("send", message, peer, start)
+            self.blocked = ("send", message, peer, start, None)
             try:
                 work.wait()
-            finally:
-                self.blocked = None
+            except BaseException:
+                self.blocked = ("send", message, peer, start, time.perf_counter())
+                raise
+            self.blocked = None
             self._sending(message, peer, start)
         self._sends = []
         self._mailbox.clear()

@@ -118,6 +118,8 @@ class FailureWatch:
         """This rank (``label``: its rank and coordinates) failed ``during`` a stage of the run (``where``: in the
         pipeline schedule): :meth:`report` it, naming the ranks that went silent when a peer may be gone."""
         message = f"{label} failed during {during}{where}: {type(exception).__name__}: {str(exception)[:500]}"
+        if threading.current_thread() is threading.main_thread():  # where it was, for a report made meanwhile
+            _RAISED[0] = traceback.extract_tb(exception.__traceback__)
         if isinstance(exception, (dist.DistBackendError, RuntimeError)):
             silent = self.silent_ranks()
             if silent:
@@ -185,13 +187,22 @@ def _short(frame: traceback.FrameSummary) -> str:
     return f"{name}:{frame.lineno} in {frame.name}"
 
 
+# where the exception the main thread is reporting (FailureWatch.report_exception) was raised, outermost frame first
+_RAISED: list[Optional[traceback.StackSummary]] = [None]
+
+
 def main_thread_location(callers: int = 3) -> str:
     """Where the main thread is now: the ``torch.distributed`` call it is in (the one called from outside
-    torch.distributed) and its callers, else its innermost line and callers."""
+    torch.distributed) and its callers, else its innermost line and callers. While it reports its own exception
+    (a peer's closed connection ended the wait it was blocked in), where it raised that exception."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
     if frame is None:
         return "main thread not found"
     stack = traceback.extract_stack(frame)  # outermost first
+    reporting = any(f.name == "report_exception" and f.filename == __file__ for f in stack)
+    until = ""
+    if reporting and _RAISED[0]:
+        stack, until = _RAISED[0], " until it raised there"
     inside = [i for i, f in enumerate(stack) if _in_torch_distributed(f)]
     if inside:
         first = inside[-1]
@@ -204,7 +215,7 @@ def main_thread_location(callers: int = 3) -> str:
     else:
         where = f"at {_short(stack[-1])}: {(stack[-1].line or '').strip()}"
         outer = stack[max(len(stack) - 1 - callers, 0):-1]
-    return f"main thread blocked {where}" + "".join(f" <- {_short(f)}" for f in reversed(outer))
+    return f"main thread blocked {where}" + "".join(f" <- {_short(f)}" for f in reversed(outer)) + until
 
 
 def rank_report(label: str, activity: Optional[Callable[[], str]] = None) -> str:
