@@ -274,7 +274,8 @@ class _ContextBlock:
                 w_args, w_kwargs = _private_state(*whole)
                 args, kwargs = _private_state(args, kwargs)
                 if not slot.first:  # the whole sequence from every rank's part
-                    w_args, w_kwargs = replace_arg(w_args, w_kwargs, where, slot.shared.whole(stream, layout))
+                    w_args, w_kwargs = _whole_rows(*replace_arg(w_args, w_kwargs, where,
+                                                                slot.shared.whole(stream, layout)), layout, group)
                 with _verifying():
                     want = super().forward(*w_args, **w_kwargs)  # type: ignore[misc]
                 got, taken = self._cp_forward(args, kwargs, layout)
@@ -304,6 +305,17 @@ class _ContextBlock:
             f"context parallelism: block {slot.name!r} ({type(self).__name__}) does not compute on this rank's "
             f"{layout.local} of {layout.length} positions what it computes on the whole sequence "
             f"({problem or 'on another cp rank'}): {hint}. Train it with cp=1")
+
+
+def _whole_rows(args: tuple, kwargs: dict, layout: SeqLayout, group: TPGroup) -> tuple[tuple, dict]:
+    """A later block's inputs for its check's reference: a bias an earlier block of the run made for this rank's rows
+    against every key (T5's relative position bias, passed on from its first block) with every rank's rows."""
+    def whole(a: Any) -> Any:
+        leaves, spec = tree_flatten(a)
+        return tree_unflatten([gather_positions(t, 2, layout, group) if isinstance(t, Tensor) and t.dim() == 4 and
+                               t.shape[-2:] == (layout.local, layout.length) else t for t in leaves], spec)
+
+    return tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
 
 
 def _compare(shared: ContextState, got: Any, want: Any, layout: SeqLayout) -> tuple[Optional[str], bool]:

@@ -28,7 +28,7 @@ LAUNCHES = {2: ["cp2", "cp2_families", "cp2_padded", "cp2_dropout", "cp2_a2a", "
             "2 slow": ["cp2_recompute", "cp2_bf16", "cp2_families_slow", "cp2_a2a_fallback", "cp2_sdpa_families",
                        "cp2_a2a_families", "cp2_moe", "cp2_compiled"],
             "4 slow": ["cp4", "cp2tp2sp", "cp2pp2_hf", "cp4_a2a", "cp2pp2_a2a", "cp2tp2_ep4", "cp2pp2_interleaved",
-                       "cp2pp2_zb"]}
+                       "cp2pp2_zb", "cp2pp2_t5"]}
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,7 +120,9 @@ def test_cp2_more_families(two_slow: Path) -> None:
 
 def test_cp2_length_that_needs_padding(two: Path) -> None:
     """30 positions over 2 * cp = 4 chunks: padded to 32 inside the block stack, exact for causal and padded-mask
-    attention alike."""
+    attention alike, and for T5 (encoder and decoder stacks cut): its relative position bias computed inside its
+    first blocks' attention for this rank's rows (padded ones included) against every key, its decoder's
+    cross-attention reading the whole encoder output."""
     check_parity(two, "cp2_padded")
 
 
@@ -308,3 +310,10 @@ def test_cp2_pp2_other_schedules(four_slow: Path) -> None:
     gradients first, the weights' deferred: the attention's recompute and its exchanges run in the input step)."""
     check_parity(four_slow, "cp2pp2_interleaved")
     check_parity(four_slow, "cp2pp2_zb")
+
+
+@pytest.mark.slow
+def test_cp2_pp2_t5(four_slow: Path) -> None:
+    """T5 over two stages: each stack's relative position bias made for this rank's rows in its first block and
+    passed on to the others, the encoder's output crossing to the decoder's cross-attention."""
+    check_parity(four_slow, "cp2pp2_t5")

@@ -46,7 +46,7 @@ CONFIGS = {
                                  "hf_gpt2", "litgpt"), dict(cp=2), dict(steps=2, seq=16)),
     # output_hidden_states=True, every layer's hidden state read by the loss: each recorded whole, as one process does
     "cp2_hidden": Config(("cp_hf_llama_hidden",), dict(cp=2), dict(steps=2, seq=32)),
-    "cp2_padded": Config(("cp_llama", "cp_hf_bert"), dict(cp=2), dict(steps=3, seq=30)),  # 30 = 4 * 7 + 2
+    "cp2_padded": Config(("cp_llama", "cp_hf_bert", "hf_t5"), dict(cp=2), dict(steps=3, seq=30)),  # 30 = 4 * 7 + 2
     "cp2_recompute": Config(("cp_llama", "cp_hf_mistral"), dict(cp=2, activation_checkpointing=True), RUN),
     "cp2_bf16": Config(("cp_hf_llama",), dict(cp=2), dict(RUN, precision="bf16-mixed")),
     # cp_mode="a2a" (Ulysses): positions exchanged for heads around each SDPA call
@@ -79,6 +79,8 @@ CONFIGS = {
     "cp2pp2_interleaved": Config(("cp_llama4",), dict(cp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2,
                                                       microbatches=2), RUN),
     "cp2pp2_zb": Config(("cp_llama4", "cp_hf_mistral"), dict(cp=2, pp=2, schedule="zero-bubble"), RUN),
+    # T5 (relative position bias computed in its first blocks, two stacks, cross-attention) under a pipeline
+    "cp2pp2_t5": Config(("hf_t5",), dict(cp=2, pp=2, schedule="1f1b"), dict(steps=2, seq=16)),
     # ep over cp x tp (the experts' tokens from both cp ranks, each tp rank sending its slice)
     "cp2tp2_ep4": Config(("hf_mixtral_labels", "hf_gpt_oss_one_expert"), dict(cp=2, tp=2, ep=4), MOE_RUN),
 }
