@@ -37,7 +37,8 @@ __all__ = [
     "SubprocessScriptLauncher", "SummaryCallbackAdapter", "TorchDispatchMode", "all_gather_ddp_if_available",
     "allow_graphs_per_function", "caching_save_planner", "collect_rng_states", "compile_call", "dcp_metadata_path",
     "default_store", "distributed_is_initialized", "drop_persistent_iterator", "drop_save_plan_cache",
-    "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now", "fsdp_sharded_params", "fsdp_state", "get_layout",
+    "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now", "fsdp_sharded_params", "fsdp_state", "function_modes",
+    "get_layout",
     "hf_install_output_hook", "hf_output_collector", "in_backward", "init_dist_connection", "layer_sync_requested",
     "maybe_mark_dynamic", "optimizer_to_device", "optimizers_to_device", "requested_weights_only", "run_data_source",
     "set_rank_zero", "set_rng_states", "storage_key", "sync_ddp_if_available", "tree_flatten", "tree_map",
@@ -121,6 +122,11 @@ def outside_function_modes() -> Iterator[None]:
             if getattr(mode, "keep_in_checks", False):
                 stack.enter_context(mode)
         yield
+
+
+def function_modes() -> list[Any]:
+    """The torch-function modes entered around the caller, outermost first (torch has no public accessor)."""
+    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
 
 
 def default_store() -> Any:

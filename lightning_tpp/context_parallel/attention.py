@@ -26,6 +26,7 @@ block's first-call check finds it (its keys are this rank's only) and names it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -39,6 +40,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
+from lightning_tpp._compat import function_modes
 from lightning_tpp.context_parallel.split import SeqLayout, gather_positions, local_positions, pad_to
 from lightning_tpp.core.comm import TPGroup, all_to_all_swap
 from lightning_tpp.core.walk import Scoped
@@ -134,7 +136,7 @@ class ContextAttention(TorchFunctionMode):
 
         if torch.is_grad_enabled() and not query.is_meta and (query.requires_grad or key.requires_grad):
             out = checkpoint(run, query, key, value, mask, use_reentrant=False,
-                             preserve_rng_state=bool(options.get("dropout")))
+                             preserve_rng_state=bool(options.get("dropout")), context_fn=_replayed_modes())
         else:
             out = run(query, key, value, mask)
         self.traffic.attention_seconds += time.perf_counter() - start
@@ -200,7 +202,7 @@ class ContextAttention(TorchFunctionMode):
             # backward gathers the keys and values again and recomputes this attention: what it keeps is this
             # rank's part (the whole sequence's keys and values, kept, would be cp times a block's own)
             out = checkpoint(self._attend, query, key, value, attn_mask, dropout_p, is_causal, gathered, options,
-                             use_reentrant=False, preserve_rng_state=dropout_p > 0)
+                             use_reentrant=False, preserve_rng_state=dropout_p > 0, context_fn=_replayed_modes())
         else:
             out = self._attend(query, key, value, attn_mask, dropout_p, is_causal, gathered, options)
         self.traffic.attention_seconds += time.perf_counter() - start
@@ -300,6 +302,22 @@ class ContextAttention(TorchFunctionMode):
         if mask.shape[-1] != keys and mask.shape[-1] == layout.padded:
             mask = mask.narrow(-1, 0, keys)
         return mask
+
+
+def _replayed_modes() -> Callable[[], tuple[Any, Any]]:
+    """``checkpoint``'s ``context_fn``: the recompute in backward runs under the function modes of the forward that
+    say ``replay_in_recompute`` (tensor parallelism's, which cuts a whole per-head bias to this rank's heads where
+    the attention reads it); torch's checkpoint replays none."""
+    modes = [m for m in function_modes() if getattr(m, "replay_in_recompute", False)]
+
+    @contextlib.contextmanager
+    def replay() -> Any:
+        with contextlib.ExitStack() as stack:
+            for mode in modes:
+                stack.enter_context(mode)
+            yield
+
+    return lambda: (contextlib.nullcontext(), replay())
 
 
 def _no_heads_exchange(query: Tensor, key: Tensor, cp: int) -> Optional[str]:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from lightning_tpp.context_parallel.attention import ACTIVE
 from lightning_tpp.context_parallel.split import gather_positions
-from lightning_tpp.core.swap import original_class, swap_class
+from lightning_tpp.core.swap import original_attrs, original_class, swap_class
 
 NAME = "lightning_tpp_cp_eager"
 _REGISTERED: list[bool] = []
@@ -122,9 +122,13 @@ def route_eager(module: nn.Module, blocks: list[str]) -> list[Any]:
                 continue
             relative = _relative_bias(m)
             if relative and not isinstance(m, _RelativeBias):
-                swap_class(m, _RelativeBias)
+                swap_class(m, _RelativeBias, kept=True)  # a tensor-parallel check's reference computes alike
             if relative or getattr(config, "_attn_implementation", None) == "eager":
-                configs[id(config)] = config
+                # and the model's own, where tensor parallelism gave the module a copy with its heads: the model's
+                # masks are made from that one, before the blocks
+                for c in (config, original_attrs(m).get("config")):
+                    if c is not None:
+                        configs[id(c)] = c
     if not configs or not _register():
         return []
     for config in configs.values():

@@ -21,6 +21,9 @@ _SWAP = "_tpp_swap"
 class SwapRecord:
     original_class: type
     saved_attrs: dict[str, Any] = field(default_factory=dict)  # attribute -> its value before it was made local
+    # mixins a reference copy keeps (``swap_class(..., kept=True)``): what the model computes under a parallel mode,
+    # not a cut of it (context parallelism's T5 bias of this rank's rows), which the original must compute alike
+    kept: list[type] = field(default_factory=list)
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,9 +39,11 @@ def swap_record(module: nn.Module) -> SwapRecord:
     return module.__dict__[_SWAP]
 
 
-def swap_class(module: nn.Module, mixin: type) -> None:
-    swap_record(module)  # remembers the class before the first swap
+def swap_class(module: nn.Module, mixin: type, *, kept: bool = False) -> None:
+    record = swap_record(module)  # remembers the class before the first swap
     module.__class__ = parallel_class(mixin, type(module))
+    if kept:
+        record.kept.append(mixin)
 
 
 def original_class(module: nn.Module) -> type:
@@ -65,6 +70,8 @@ def unswap(module: nn.Module) -> None:
         module.__class__ = record.original_class
         for name, value in record.saved_attrs.items():
             setattr(module, name, value)
+        for mixin in record.kept:
+            swap_class(module, mixin, kept=True)
 
 
 def slots(module: nn.Module) -> Iterator[Any]:

@@ -106,6 +106,8 @@ def _shared_infos(layer: nn.Module, shards: ShardIndex) -> dict[str, ShardInfo]:
 
 
 class _LocalShapes(TorchFunctionMode):
+    replay_in_recompute = True  # context parallelism's attention, recomputed in backward, reads per-head biases
+
     def __init__(self, tp: int, global_sizes: frozenset[int], heads: int = 0, group: Optional[TPGroup] = None) -> None:
         super().__init__()
         self.tp, self.sizes, self.heads, self.group = tp, global_sizes, heads, group

@@ -22,7 +22,7 @@ from worker_cp import CONFIGS
 SCRIPT = Path(__file__).parent / "worker_cp.py"
 LAUNCHES = {2: ["cp2", "cp2_families", "cp2_padded", "cp2_dropout", "cp2_a2a", "cp2_a2a_padded", "cp2_ep2",
                 "cp2_hidden"],
-            4: ["cp2tp2", "cp2pp2", "cp2dp2", "cp2tp2_a2a"],
+            4: ["cp2tp2", "cp2pp2", "cp2dp2", "cp2tp2_a2a", "cp2tp2_t5"],
             # slow (python -m pytest -m slow): cp4, activation checkpointing, bf16, sequence parallelism inside, more
             # families, a2a at cp4 and under a pipeline, a2a's fallback
             "2 slow": ["cp2_recompute", "cp2_bf16", "cp2_families_slow", "cp2_a2a_fallback", "cp2_sdpa_families",
@@ -310,6 +310,14 @@ def test_cp2_pp2_other_schedules(four_slow: Path) -> None:
     gradients first, the weights' deferred: the attention's recompute and its exchanges run in the input step)."""
     check_parity(four_slow, "cp2pp2_interleaved")
     check_parity(four_slow, "cp2pp2_zb")
+
+
+def test_cp2_tp2_t5(four: Path) -> None:
+    """T5 with its heads over tp: the bias of this rank's rows made whole over the heads and cut to this tp rank's
+    where its eager attention reads it, in the forward and in the attention's recompute in backward (tensor
+    parallelism's function mode replayed there); its masks made by the model's own config (tensor parallelism gives
+    the attention a copy with its heads), routed to the eager attention too."""
+    check_parity(four, "cp2tp2_t5")
 
 
 @pytest.mark.slow
