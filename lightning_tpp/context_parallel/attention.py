@@ -136,7 +136,7 @@ class ContextAttention(TorchFunctionMode):
 
         if torch.is_grad_enabled() and not query.is_meta and (query.requires_grad or key.requires_grad):
             out = checkpoint(run, query, key, value, mask, use_reentrant=False,
-                             preserve_rng_state=bool(options.get("dropout")), context_fn=_replayed_modes())
+                             preserve_rng_state=bool(options.get("dropout")), **_replayed_modes())
         else:
             out = run(query, key, value, mask)
         self.traffic.attention_seconds += time.perf_counter() - start
@@ -202,7 +202,7 @@ class ContextAttention(TorchFunctionMode):
             # backward gathers the keys and values again and recomputes this attention: what it keeps is this
             # rank's part (the whole sequence's keys and values, kept, would be cp times a block's own)
             out = checkpoint(self._attend, query, key, value, attn_mask, dropout_p, is_causal, gathered, options,
-                             use_reentrant=False, preserve_rng_state=dropout_p > 0, context_fn=_replayed_modes())
+                             use_reentrant=False, preserve_rng_state=dropout_p > 0, **_replayed_modes())
         else:
             out = self._attend(query, key, value, attn_mask, dropout_p, is_causal, gathered, options)
         self.traffic.attention_seconds += time.perf_counter() - start
@@ -304,11 +304,14 @@ class ContextAttention(TorchFunctionMode):
         return mask
 
 
-def _replayed_modes() -> Callable[[], tuple[Any, Any]]:
-    """``checkpoint``'s ``context_fn``: the recompute in backward runs under the function modes of the forward that
-    say ``replay_in_recompute`` (tensor parallelism's, which cuts a whole per-head bias to this rank's heads where
-    the attention reads it); torch's checkpoint replays none."""
+def _replayed_modes() -> dict[str, Any]:
+    """``checkpoint``'s ``context_fn``, where one is needed: the recompute in backward runs under the function modes
+    of the forward that say ``replay_in_recompute`` (tensor parallelism's, which cuts a whole per-head bias to this
+    rank's heads where the attention reads it); torch's checkpoint replays none. Not while dynamo traces (it cannot
+    trace a checkpoint's context function)."""
     modes = [m for m in function_modes() if getattr(m, "replay_in_recompute", False)]
+    if not modes or torch.compiler.is_compiling():
+        return {}
 
     @contextlib.contextmanager
     def replay() -> Any:
@@ -317,7 +320,7 @@ def _replayed_modes() -> Callable[[], tuple[Any, Any]]:
                 stack.enter_context(mode)
             yield
 
-    return lambda: (contextlib.nullcontext(), replay())
+    return {"context_fn": lambda: (contextlib.nullcontext(), replay())}
 
 
 def _no_heads_exchange(query: Tensor, key: Tensor, cp: int) -> Optional[str]:
