@@ -91,7 +91,7 @@ def plan(args: argparse.Namespace) -> Optional[MemoryReport]:
         ranking = rank_on_paper(model, devices=args.devices, devices_per_node=args.devices_per_node,
                                 device=args.device, batch=args.batch_size, seq_len=args.seq_len,
                                 device_memory=parse_bytes(args.device_memory), global_batch=args.global_batch,
-                                dtype=getattr(torch, args.dtype), optimizer=args.optimizer)
+                                dtype=getattr(torch, args.dtype), optimizer=args.optimizer, cp_mode=args.cp_mode)
         print(ranking.table(top=args.top))
         print(ranking.why())
         return None

@@ -55,11 +55,12 @@ class AutoRequest:
     margin: float = 0.1
     ep: Optional[int] = None  # searched (layout="auto", where the model has experts), else the given one
     cp: Optional[int] = 1  # searched (layout="auto" with cp=1, where context parallelism can run), else the given one
+    cp_mode: str = "allgather"  # the strategy's, which the search's costs charge the attention by under cp
 
 
 def auto_request(*, tp: Any, pp: Any, dp: Any, layout: Optional[str], device_memory: Optional[Union[float, str]],
                  global_batch: Optional[int], activation_checkpointing: bool, dp_sharding: str, ep: int = 1,
-                 cp: int = 1) -> Optional[AutoRequest]:
+                 cp: int = 1, cp_mode: str = "allgather") -> Optional[AutoRequest]:
     """The request the strategy's arguments make, or ``None`` when every degree is given (the search is off).
     ``layout="auto"`` searches ep too, and cp unless one above 1 is given; ``tp="auto"`` / ``pp="auto"`` keep the
     given ``ep`` and ``cp``; ``ep="auto"`` searches ep alone (and dp, micro-batches, schedule), keeping the rest."""
@@ -79,7 +80,7 @@ def auto_request(*, tp: Any, pp: Any, dp: Any, layout: Optional[str], device_mem
                        activation_checkpointing=None if whole else activation_checkpointing,
                        dp_sharding=None if whole else dp_sharding, device_memory=_bytes(device_memory),
                        global_batch=global_batch, ep=None if whole or ep == AUTO else ep,
-                       cp=None if whole and cp == 1 else cp)
+                       cp=None if whole and cp == 1 else cp, cp_mode=cp_mode)
 
 
 COMPILE_OPTIONS = ("backend", "mode", "options", "dynamic", "fullgraph")
@@ -292,7 +293,7 @@ class TensorPipeConfig:
         request = auto_request(tp=self.tp, pp=self.pp, dp=self.dp, layout=self.layout,
                                device_memory=self.device_memory, global_batch=self.global_batch,
                                activation_checkpointing=self.activation_checkpointing,
-                               dp_sharding=self.dp_sharding, ep=self.ep, cp=self.cp)
+                               dp_sharding=self.dp_sharding, ep=self.ep, cp=self.cp, cp_mode=self.cp_mode)
         # a searched degree is decided at setup (with_layout); until then the layout is checked as tp = pp = 1
         tp, pp = (1, 1) if request is not None else (self.tp, self.pp)
         tp = 1 if tp == "auto" else tp

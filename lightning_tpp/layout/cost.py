@@ -38,7 +38,11 @@ over cp in forward, again in backward, and reduce-scatters their gradients (the 
 The stack's output is gathered once per micro-batch (reduce-scattered in backward); the LM head computes ``1/cp`` of
 the vocabulary's columns (the ends' time / cp) and its input's gradient is all-reduced over cp. The cp group sits
 next to tp in the mesh (its link: within a node while tp x cp fit in one). FSDP2 and the gradient average run over
-dp x cp; a step reads ``dp`` samples per micro-batch row (the cp ranks read the same ones).
+dp x cp; a step reads ``dp`` samples per micro-batch row (the cp ranks read the same ones). Under ``cp_mode="a2a"``
+each SDPA call instead moves its queries, keys and values to ``1/cp`` of the heads and its output back, one
+all-to-all of ``(2 queries + keys) / cp`` per rank in forward and one in backward, and recomputes nothing (a block
+whose attention is no SDPA call, which a2a runs as allgather, is charged as allgather; the repetition of key/value
+heads that cp does not divide is not counted).
 
 Processes that share cores (CPU) wait for the slowest at each synchronisation point: the compute is scaled by
 ``1 + BlockTimes.straggle``, the wait measured at the barriers of the block timing (``timing.Meeting``); 0 on GPUs
@@ -172,6 +176,11 @@ def _context(block: BlockProfile, bf: float, mb: float, layout: Layout, link: Li
     cp = layout.cp
     if cp == 1:
         return 0.0, 0.0
+    if layout.cp_mode == "a2a" and block.queries:
+        # queries, keys and values of this rank's positions to 1/cp of the heads (the output back), and their
+        # gradients the other way; nothing recomputed
+        moved = link.all_to_all((2 * block.queries + block.keys) * mb / (layout.tp * cp), cp)
+        return moved, moved
     keys = block.keys * mb / layout.tp  # the whole sequence's keys and values of this rank's heads
     gather = link.gather(keys, cp)
     recompute = bf * block.attention_flops / block.flops.whole if block.flops.whole else 0.0

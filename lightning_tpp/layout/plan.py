@@ -36,6 +36,7 @@ class Layout:
     accumulate: int = 1
     ep: int = 1  # expert parallelism: ranks of a stage's dp x tp that split the experts (1: none)
     cp: int = 1  # context parallelism: ranks that split each sequence's positions in the blocks (1: none)
+    cp_mode: str = "allgather"  # the strategy's cp_mode= (what the cost model charges an attention under cp)
 
     @property
     def world(self) -> int:
@@ -62,9 +63,10 @@ class Layout:
         return self.replicas > 1 and self.dp_sharding != "no_shard"
 
     def describe(self) -> str:
-        """``tp=2 pp=2 dp=1 m=4 1f1b ac=off`` (``cp=2`` after pp, ``ep=2`` after dp when used) as the ranked table
-        prints it."""
-        parts = [f"tp={self.tp}", f"pp={self.pp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + \
+        """``tp=2 pp=2 dp=1 m=4 1f1b ac=off`` (``cp=2`` after pp, ``cp=2 a2a`` in that mode, ``ep=2`` after dp
+        when used) as the ranked table prints it."""
+        cp = [f"cp={self.cp}"] + (["a2a"] if self.cp_mode == "a2a" else []) if self.cp > 1 else []
+        parts = [f"tp={self.tp}", f"pp={self.pp}"] + cp + \
             [f"dp={self.dp}"] + ([f"ep={self.ep}"] if self.ep > 1 else [])
         if self.pp > 1:
             parts += [f"m={self.microbatches}", self.schedule]

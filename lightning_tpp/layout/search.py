@@ -140,7 +140,7 @@ def enumerate_layouts(profile: ModelProfile, *, world: int, devices_per_node: in
                       tp: Optional[int] = None, pp: Optional[int] = None,
                       activation_checkpointing: Optional[bool] = None,
                       shardings: Optional[Sequence[Sharding]] = None, ep: Optional[int] = None,
-                      cp: Optional[int] = None) -> list[Layout]:
+                      cp: Optional[int] = None, cp_mode: str = "allgather") -> list[Layout]:
     """Every layout the search considers (``tp``/``pp``/``activation_checkpointing``/``ep``/``cp`` fixed where
     given)."""
     out = []
@@ -163,7 +163,8 @@ def enumerate_layouts(profile: ModelProfile, *, world: int, devices_per_node: in
                             for sharding in (("full_shard",) if d * c == 1 else tuple(shardings or SHARDINGS)):
                                 if d * c > 1 and sharding != "no_shard" and schedule not in ("1f1b", "gpipe"):
                                     continue  # a split backward keeps FSDP2's units gathered ("auto" runs 1f1b)
-                                out.append(Layout(t, p, d, m, schedule, ac, sharding, ep=e, cp=c))
+                                out.append(Layout(t, p, d, m, schedule, ac, sharding, ep=e, cp=c,
+                                                  cp_mode=cp_mode if c > 1 else "allgather"))
     return out
 
 
@@ -184,10 +185,11 @@ def search_layouts(profile: ModelProfile, *, world: int, device: DeviceSpec, tim
                    tp: Optional[int] = None, pp: Optional[int] = None,
                    activation_checkpointing: Optional[bool] = None, shardings: Optional[Sequence[Sharding]] = None,
                    optimizer: str = "adamw", backend: str = "nccl", ep: Optional[int] = None,
-                   cp: Optional[int] = None) -> Ranking:
+                   cp: Optional[int] = None, cp_mode: str = "allgather") -> Ranking:
     """Rank every layout of ``world`` devices for per-process batches of ``batch`` sequences. A layout whose
     largest rank needs more than ``device_memory / (1 + margin)`` is dropped (``margin``: what the planner does not
-    count, allocator and communication buffers)."""
+    count, allocator and communication buffers). ``cp_mode``: the strategy's, which the cost of every layout with
+    ``cp > 1`` charges its attention calls by (``layout.cost``)."""
     if batch < 1:
         raise ValueError(f"batch={batch} must be at least one sequence per process")
     if ep is not None and ep > 1 and not profile.routed:
@@ -198,7 +200,7 @@ def search_layouts(profile: ModelProfile, *, world: int, device: DeviceSpec, tim
     states = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}[optimizer]
     for layout in enumerate_layouts(profile, world=world, devices_per_node=device.devices_per_node, batch=batch,
                                     tp=tp, pp=pp, activation_checkpointing=activation_checkpointing,
-                                    shardings=shardings, ep=ep, cp=cp):
+                                    shardings=shardings, ep=ep, cp=cp, cp_mode=cp_mode):
         problem = _ep_problem(profile, layout) or _cp_problem(profile, layout)
         if problem is not None:
             ranking.dropped.append(Dropped(layout, problem))

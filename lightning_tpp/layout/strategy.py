@@ -277,7 +277,8 @@ def _rank(profile: Any, request: AutoRequest, device: torch.device, link: Any, l
                           margin=request.margin, global_batch=request.global_batch, tp=request.tp, pp=request.pp,
                           activation_checkpointing=request.activation_checkpointing,
                           shardings=(request.dp_sharding,) if request.dp_sharding else None,  # type: ignore[arg-type]
-                          backend="gloo" if device.type == "cpu" else "nccl", ep=request.ep, cp=request.cp)
+                          backend="gloo" if device.type == "cpu" else "nccl", ep=request.ep, cp=request.cp,
+                          cp_mode=request.cp_mode)
 
 
 def _device(device: torch.device, link: Any, local_processes: int, memory: Optional[float]) -> DeviceSpec:

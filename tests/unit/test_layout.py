@@ -222,6 +222,32 @@ def test_262k_positions_of_an_8b_fit_eight_devices_only_with_cp() -> None:
     assert {lay.cp for lay in enumerate_layouts(short, world=8, devices_per_node=8, batch=1)} == {1, 2}
 
 
+def test_cp_costs_charge_the_attention_by_the_strategys_cp_mode() -> None:
+    """Under cp_mode="a2a" a cp layout's attention moves its queries, keys and values to 1/cp of the heads and its
+    output back (one all-to-all each way) and recomputes nothing; under "allgather" it gathers the keys and values in
+    forward, again in backward with their reduce-scatter, and recomputes the attention. The profile's figures are the
+    SDPA calls' bytes: queries (4096 positions x 8 heads x 32 features, bf16) and keys + values (2 key/value heads)."""
+    from lightning_tpp.layout.cost import _context
+
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=2, vocab_size=1024)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    profile = profile_model(model, seq_len=4096, dtype=torch.bfloat16)
+    block = profile.blocks[0]
+    assert (block.queries, block.keys) == (4096 * 256 * 2, 2 * 4096 * 64 * 2)
+    link = device_spec("h100").intra
+    gather, a2a = (Layout(2, 1, 1, cp=4, cp_mode=mode) for mode in ("allgather", "a2a"))
+    moved = link.all_to_all((2 * block.queries + block.keys) * 2 / (2 * 4), 4)
+    assert _context(block, 1e-3, 2, a2a, link) == (moved, moved)
+    forward, backward = _context(block, 1e-3, 2, gather, link)
+    assert forward == link.gather(block.keys * 2 / 2, 4) and backward > forward + link.reduce_scatter(
+        block.keys * 2 / 2, 4)  # and the attention's recompute
+    ranking = search_layouts(profile, world=4, device=device_spec("h100"), times=BlockTimes(), batch=1, cp=4,
+                             cp_mode="a2a")
+    assert ranking.ranked and all(c.layout.describe().startswith("tp=1 pp=1 cp=4 a2a dp=1") for c in ranking.ranked)
+
+
 def _plan_auto(tmp_path, capsys, cfg: transformers.PretrainedConfig, top: int) -> str:
     """``lightning-tpp plan config.json --auto`` on 16 H100s (8 per node) with ``cfg``: what it prints."""
     from lightning_tpp.__main__ import main
