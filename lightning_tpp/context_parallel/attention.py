@@ -16,7 +16,9 @@ rows is taken over by :class:`ContextAttention`, a ``TorchFunctionMode``:
   relative-position biases stay exactly what the model built.
 
 The model's own call does the rest (its scale, dropout, GQA), so the result is what one process computes for these
-rows. ``nn.MultiheadAttention`` (``F.multi_head_attention_forward``, which projects keys and values itself) gets the whole
+rows. Under ``compile=`` these calls run eagerly between the block's graphs (``torch.compiler.disable``): torch's
+causal bias and the attention's checkpoint cannot be traced, and a graph break inside the checkpoint made dynamo
+run the whole attention frame eagerly anyway. ``nn.MultiheadAttention`` (``F.multi_head_attention_forward``, which projects keys and values itself) gets the whole
 sequence's inputs for its keys and values instead. A Hugging Face model whose attention is ``eager`` (matmul ->
 softmax -> matmul) is routed through
 transformers' own attention-interface registry to :meth:`ContextAttention.eager` (``hf.py``): its own eager function
@@ -115,6 +117,7 @@ class ContextAttention(TorchFunctionMode):
         ACTIVE.reset(self._tokens.pop())
         return super().__exit__(*exc)
 
+    @torch.compiler.disable  # compile=: between the block's graphs (see the module docstring)
     def eager(self, attend: Callable[..., Any], module: Any, query: Tensor, key: Tensor, value: Tensor,
               mask: Optional[Tensor], options: dict) -> Any:
         """A Hugging Face eager attention (the model's own ``eager_attention_forward``: matmul, its mask, softmax,
@@ -126,7 +129,7 @@ class ContextAttention(TorchFunctionMode):
         self.taken += 1
         if self.a2a:
             _fell_back("Hugging Face eager attention (its own function reads the module's head counts)")
-        start = time.perf_counter()
+        start = _clock()
         self.traffic.bytes += (key.numel() + value.numel()) * key.element_size() * (layout.cp - 1)
 
         def run(q: Tensor, k: Tensor, v: Tensor, m: Optional[Tensor]) -> Any:
@@ -139,7 +142,7 @@ class ContextAttention(TorchFunctionMode):
                              preserve_rng_state=bool(options.get("dropout")), **_replayed_modes())
         else:
             out = run(query, key, value, mask)
-        self.traffic.attention_seconds += time.perf_counter() - start
+        self.traffic.attention_seconds += _clock() - start
         self.traffic.calls += 1
         return out
 
@@ -151,6 +154,7 @@ class ContextAttention(TorchFunctionMode):
             return self.multi_head(*args, **kwargs)
         return func(*args, **kwargs)
 
+    @torch.compiler.disable  # compile=: between the block's graphs (see the module docstring)
     def multi_head(self, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Any:
         """``nn.MultiheadAttention`` (and the ``nn.Transformer`` layers): its inputs are gathered instead of its keys
         and values, which it projects inside (``(sequence, batch, features)``; each rank projects every position's
@@ -161,7 +165,7 @@ class ContextAttention(TorchFunctionMode):
         self.taken += 1
         if self.a2a:
             _fell_back("nn.MultiheadAttention (it projects its keys and values inside)")
-        start = time.perf_counter()
+        start = _clock()
         self.traffic.bytes += (key.numel() + (value.numel() if value is not key else 0)) * key.element_size() * (
             layout.cp - 1)
         if kwargs.get("is_causal") and kwargs.get("attn_mask") is not None:
@@ -169,17 +173,18 @@ class ContextAttention(TorchFunctionMode):
         whole_key = gather_positions(key, 0, layout, self.group)
         whole_value = whole_key if value is key else gather_positions(value, 0, layout, self.group)
         out = _MHA(query, whole_key, whole_value, *args, **kwargs)
-        self.traffic.attention_seconds += time.perf_counter() - start
+        self.traffic.attention_seconds += _clock() - start
         self.traffic.calls += 1
         return out
 
+    @torch.compiler.disable  # compile=: between the block's graphs (see the module docstring)
     def attention(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                   dropout_p: float = 0.0, is_causal: bool = False, **options: Any) -> Tensor:
         layout, n = self.layout, self.layout.local
         if query.dim() < 2 or query.shape[-2] != n:  # not over this rank's positions
             return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **options)
         self.taken += 1
-        start = time.perf_counter()
+        start = _clock()
         device = query.device.type
         if device != "meta" and torch.is_autocast_enabled(device):  # what autocast does to an SDPA call, before the per-chunk calls
             dtype = torch.get_autocast_dtype(device)  # (torch's causal bias checks the dtypes before autocast would)
@@ -189,7 +194,7 @@ class ContextAttention(TorchFunctionMode):
             reason = _no_heads_exchange(query, key, layout.cp)
             if reason is None:
                 out = self._ulysses(query, key, value, attn_mask, dropout_p, is_causal, options)
-                self.traffic.attention_seconds += time.perf_counter() - start
+                self.traffic.attention_seconds += _clock() - start
                 self.traffic.calls += 1
                 self.traffic.a2a_calls += 1
                 return out
@@ -205,7 +210,7 @@ class ContextAttention(TorchFunctionMode):
                              use_reentrant=False, preserve_rng_state=dropout_p > 0, **_replayed_modes())
         else:
             out = self._attend(query, key, value, attn_mask, dropout_p, is_causal, gathered, options)
-        self.traffic.attention_seconds += time.perf_counter() - start
+        self.traffic.attention_seconds += _clock() - start
         self.traffic.calls += 1
         return out
 
@@ -302,6 +307,12 @@ class ContextAttention(TorchFunctionMode):
         if mask.shape[-1] != keys and mask.shape[-1] == layout.padded:
             mask = mask.narrow(-1, 0, keys)
         return mask
+
+
+def _clock() -> float:
+    """Seconds for ``cp/attention_seconds``; 0 while dynamo traces (a compiled block's attention is not timed: the
+    clock would break its graph, and the graph runs the call later anyway)."""
+    return 0.0 if torch.compiler.is_compiling() else time.perf_counter()
 
 
 def _replayed_modes() -> dict[str, Any]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -142,6 +142,7 @@ class BlockSlot:
     first: bool
     last: bool
     check_pending: bool = True
+    compiled: Optional[Callable[..., Any]] = None  # compile=: the block's own forward, compiled (compile_positions)
 
 
 def _sequence_dim(t: Tensor, length: int, name: str) -> Optional[int]:
@@ -256,7 +257,7 @@ class _ContextBlock:
                 _own_draws(self, stream), records_gathered(  # type: ignore[arg-type]
                     None if stream is None else stream.shape[0], layout.local, layout.length,
                     lambda t: gather_positions(t, 1, layout, shared.group)):
-            out = super().forward(*args, **kwargs)  # type: ignore[misc]
+            out = (self._tpp_cp.compiled or super().forward)(*args, **kwargs)  # type: ignore[misc]
         return out, mode.taken
 
     @torch.compiler.disable  # compile=: runs eagerly, outside the block's graph
@@ -305,6 +306,17 @@ class _ContextBlock:
             f"context parallelism: block {slot.name!r} ({type(self).__name__}) does not compute on this rank's "
             f"{layout.local} of {layout.length} positions what it computes on the whole sequence "
             f"({problem or 'on another cp rank'}): {hint}. Train it with cp=1")
+
+
+def compile_positions(block: nn.Module, compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """``compile=`` on a block that runs on this rank's positions: its own forward compiled, run inside what the
+    block does around it (the inputs cut, the attention's function mode entered, dropout drawn per rank, the
+    records gathered), which stays eager, outside the graph (traced, each of those broke it: about 55 breaks for
+    two Llama blocks). Returns whether ``block`` is such a block."""
+    if not isinstance(block, _ContextBlock):
+        return False
+    block._tpp_cp.compiled = compile_fn(super(_ContextBlock, block).forward)
+    return True
 
 
 def _whole_rows(args: tuple, kwargs: dict, layout: SeqLayout, group: TPGroup) -> tuple[tuple, dict]:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from lightning_tpp._compat import (allow_graphs_per_function, compile_call, dynamo_counters, maybe_mark_dynamic,
                                    tree_flatten)
+from lightning_tpp.context_parallel.blocks import compile_positions
 from lightning_tpp.core.comm import TPGroup, all_reduce_flag
 from lightning_tpp.core.reference import _records_kept, evaluating, first_difference, isolated
 from lightning_tpp.core.recompute import compile_inside, is_recomputed
@@ -137,7 +138,9 @@ class Compiled:
             for name in self.blocks:
                 block = self.module.get_submodule(name)
                 make = functools.partial(self._compiled, name, block, before)
-                if is_recomputed(block):
+                if compile_positions(block, make):
+                    pass
+                elif is_recomputed(block):
                     compile_inside(block, make)
                 else:
                     compile_call(block, make)
