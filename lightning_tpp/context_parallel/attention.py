@@ -16,14 +16,16 @@ rows is taken over by :class:`ContextAttention`, a ``TorchFunctionMode``:
   relative-position biases stay exactly what the model built.
 
 The model's own call does the rest (its scale, dropout, GQA), so the result is what one process computes for these
-rows. Under ``compile=`` these calls run eagerly between the block's graphs (``torch.compiler.disable``): torch's
-causal bias and the attention's checkpoint cannot be traced, and a graph break inside the checkpoint made dynamo
-run the whole attention frame eagerly anyway. ``nn.MultiheadAttention`` (``F.multi_head_attention_forward``, which projects keys and values itself) gets the whole
-sequence's inputs for its keys and values instead. A Hugging Face model whose attention is ``eager`` (matmul ->
-softmax -> matmul) is routed through
-transformers' own attention-interface registry to :meth:`ContextAttention.eager` (``hf.py``): its own eager function
-on the whole sequence's keys. Other attention written as ``matmul -> softmax -> matmul`` is not an SDPA call: the
-block's first-call check finds it (its keys are this rank's only) and names it.
+rows. ``nn.MultiheadAttention`` (``F.multi_head_attention_forward``, which projects keys and values itself) gets the
+whole sequence's inputs for its keys and values instead. A Hugging Face model whose attention is ``eager`` (matmul
+-> softmax -> matmul) is routed through transformers' own attention-interface registry to
+:meth:`ContextAttention.eager` (``hf.py``): its own eager function on the whole sequence's keys. Other attention
+written as ``matmul -> softmax -> matmul`` is not an SDPA call: the block's first-call check finds it (its keys are
+this rank's only) and names it.
+
+Under ``compile=`` these calls run eagerly between the block's graphs (``torch.compiler.disable``): torch's causal
+bias and the attention's checkpoint cannot be traced, and a graph break inside the checkpoint made dynamo run the
+whole attention frame eagerly anyway.
 """
 
 from __future__ import annotations

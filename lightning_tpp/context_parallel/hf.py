@@ -10,11 +10,13 @@ config, not written by ``save_pretrained``).
 
 T5's family (in transformers 5: T5, mT5, UMT5, Switch Transformers, Pop2Piano, UDOP) computes a relative position bias
 inside its attention, ``compute_bias(query_length, key_length, device, past_seen_tokens)``, from positions ``0 ..
-length - 1``; the modules are found by that signature. Under cp they are swapped (:class:`_RelativeBias`): the bias of this rank's rows is
-its own ``compute_bias`` once per chunk (the chunk's first position as ``past_seen_tokens``, every key), never
-``sequence x sequence``; an encoder's output read by a cross-attention is gathered whole, so that the zero bias the
-module builds beside it has every key's columns. These models take the eager route whatever their implementation:
-SDPA's route in transformers builds a causal mask around the bias from the rows' own count."""
+length - 1``; the modules are found by that signature. Under cp they are swapped (:class:`_RelativeBias`): the bias
+of this rank's rows is its own ``compute_bias`` once per chunk (the chunk's first position as ``past_seen_tokens``,
+every key), never ``sequence x sequence``; an encoder's output read by a cross-attention is gathered whole, so that
+the zero bias the module builds beside it has every key's columns. These models take the eager route whatever their
+implementation: SDPA's route in transformers builds a causal mask around the bias from the rows' own count. Where
+tensor parallelism gave an attention module a copy of its config (its heads), the model's own config is switched
+too: the masks are made from it, before the blocks."""
 
 from __future__ import annotations
 
