@@ -98,6 +98,7 @@ def _counts_exchange(counts: Tensor, group: TPGroup) -> Tensor:
     return out.view(p, -1)
 
 
+@torch.compiler.disable  # compile=: eagerly between the block's graphs (row counts known only from the routing)
 def dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, index: Tensor, weight: Tensor, *,
              experts: int, ep: TPGroup, tp: TPGroup, params: list[Tensor], traffic: Optional[Traffic] = None,
              ) -> Tensor:

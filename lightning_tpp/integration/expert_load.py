@@ -58,6 +58,7 @@ class ExpertLoad:
         return module.training and not recomputing() and not VERIFYING.get() and torch.is_grad_enabled()
 
     def _bank_hook(self, layer: MoELayer) -> Any:
+        @torch.compiler.disable  # compile=: the count (a bincount moved to the host) outside the block's graph
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             index = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)
                           and not t.is_floating_point() and not t.is_meta), None)
@@ -68,6 +69,7 @@ class ExpertLoad:
         return hook
 
     def _expert_hook(self, layer: MoELayer, e: int) -> Any:
+        @torch.compiler.disable  # compile=: outside the block's graph
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             x = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)), None)
             if x is not None and not x.is_meta and self._counting(module):

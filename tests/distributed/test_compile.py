@@ -80,3 +80,32 @@ def test_no_recompile_over_epochs_with_a_short_batch_validation_and_predict(tmp_
                 (what, compiled[what], eager[what])
         for got, want in zip(compiled["predicted"], eager["predicted"], strict=True):
             assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_experts_over_ep2_and_bf16(tmp_path: Path) -> None:
+    """Mixtral with ep=2 drawn from dp=2 (the experts' all-to-all, of data-dependent sizes, inside the compiled blocks;
+    the dense parameters FSDP2-sharded), and Hugging Face Llama at tp=2 in bf16-mixed (autocast inside the graphs),
+    each compiled after the first step against one eager process: fp32 at rtol 1e-5; bf16 against one eager bf16
+    process at bf16's tolerance, as the eager tp2 bf16 test compares."""
+    from launch import ROOT, run_ranks
+    from parity import FP32, assert_parity, load_record, train
+    from test_moe_ep import _launch, _reference
+
+    (tmp_path / "ep").mkdir()
+    (tmp_path / "bf16").mkdir()
+    _launch(tmp_path / "ep", ["hf_mixtral_labels"], ep=2, dp=2, extra=(*COMPILE, "--steps", "3"))
+    ref = _reference("hf_mixtral_labels", dp=2, steps=3)
+    for rank in range(2):
+        assert_parity(load_record(tmp_path / "ep" / f"hf_mixtral_labels.rank{rank}.pt"), ref,
+                      where=f"compiled hf_mixtral_labels ep=2 dp=2 rank {rank}", **FP32)
+    for info in _compiled(tmp_path / "ep", "hf_mixtral_labels", 2):
+        assert info["compiled"] and info["graphs"] > 0 and info["recompiles"] == 0, info
+    run_ranks(ROOT / "tests" / "parity.py", 2, ["--models", "hf_llama", "--tp", "2", "--out", str(tmp_path / "bf16"),
+                                                 "--steps", "3", "--precision", "bf16-mixed", *COMPILE],
+              timeout=400).check()
+    ref = train("hf_llama", precision="bf16-mixed", steps=3)
+    for rank in range(2):  # bf16 keeps 8 bits of mantissa; tp sums each matmul in another order (test_tp_parity)
+        assert_parity(load_record(tmp_path / "bf16" / f"hf_llama.rank{rank}.pt"), ref, rtol=2e-2, atol=2e-2,
+                      where=f"compiled hf_llama tp=2 bf16-mixed rank {rank}")
+    for info in _compiled(tmp_path / "bf16", "hf_llama", 2):
+        assert info["compiled"] and info["breaks"] == 0 and info["recompiles"] == 0, info
