@@ -2,7 +2,8 @@
 write them: a hand-written Llama calling ``F.scaled_dot_product_attention(is_causal=True)`` with rotary tables
 passed to every block, Hugging Face Llama (GQA, rotary; with SDPA, and with its eager attention), Mistral with a
 sliding window shorter than the sequence, BERT (bidirectional) with a padding mask, Qwen3, Phi-3, GPT-NeoX and
-Gemma 3 (sliding and full layers) with SDPA, Llama on packed documents (position ids restarting per document: a
+Gemma 3 (sliding and full layers) with SDPA, Gemma 2 (eager, soft-capped), Falcon and GPT-BigCode (multi-query),
+Llama on packed documents (position ids restarting per document: a
 block-diagonal mask), and three that cp must refuse: nanoGPT's attention written as matmul -> softmax -> matmul, a
 Mamba-style block (a depthwise convolution over time and a scan), and a mixture-of-experts block that returns its
 load-balancing loss beside the stream (a function of all of its positions)."""
@@ -165,6 +166,13 @@ MODELS.update({
     "cp_hf_gemma3": lambda: HFDecoder("Gemma3TextConfig", head_dim=DIM // HEADS, sliding_window=8,
                                       layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2)
                                       + ["sliding_attention"] * (LAYERS % 2)),
+    # eager attention with logit soft-capping, sliding (window 8) and global layers (Gemma 2); a new-architecture
+    # Falcon with 2 key/value heads; GPT-BigCode with one key/value head (multi-query)
+    "cp_hf_gemma2": lambda: HFDecoder("Gemma2Config", eager=True, head_dim=DIM // HEADS,
+                                      query_pre_attn_scalar=DIM // HEADS, sliding_window=8),
+    "cp_hf_falcon": lambda: HFDecoder("FalconConfig", new_decoder_architecture=True, num_kv_heads=2),
+    "cp_hf_bigcode": lambda: HFDecoder("GPTBigCodeConfig", multi_query=True, attn_pdrop=0.0, resid_pdrop=0.0,
+                                       embd_pdrop=0.0),
     "cp_hf_bert": HFBertPadded,
     "cp_hf_bert_dropout": lambda: HFBertPadded(dropout=0.5),  # BERT's default is 0.1; 0.5 for a clear mask
     "cp_nanogpt": lambda: NanoGPT(block_size=CP_SEQ),  # matmul -> softmax -> matmul: refused

@@ -26,9 +26,9 @@ LAUNCHES = {2: ["cp2", "cp2_families", "cp2_padded", "cp2_dropout", "cp2_a2a", "
             # slow (python -m pytest -m slow): cp4, activation checkpointing, bf16, sequence parallelism inside, more
             # families, a2a at cp4 and under a pipeline, a2a's fallback
             "2 slow": ["cp2_recompute", "cp2_bf16", "cp2_families_slow", "cp2_a2a_fallback", "cp2_sdpa_families",
-                       "cp2_a2a_families", "cp2_moe"],
+                       "cp2_a2a_families", "cp2_moe", "cp2_hf_more"],
             "4 slow": ["cp4", "cp2tp2sp", "cp2pp2_hf", "cp4_a2a", "cp2pp2_a2a", "cp2tp2_ep4", "cp2pp2_interleaved",
-                       "cp2pp2_zb", "cp2pp2_t5"]}
+                       "cp2pp2_zb", "cp2pp2_t5", "cp2tp2_hf_more"]}
 
 
 @functools.lru_cache(maxsize=None)
@@ -326,3 +326,12 @@ def test_cp2_pp2_t5(four_slow: Path) -> None:
     """T5 over two stages: each stack's relative position bias made for this rank's rows in its first block and
     passed on to the others, the encoder's output crossing to the decoder's cross-attention."""
     check_parity(four_slow, "cp2pp2_t5")
+
+
+@pytest.mark.slow
+def test_cp2_and_cp2_tp2_more_hugging_face_families(two_slow: Path, four_slow: Path) -> None:
+    """Gemma 2 (eager attention with logit soft-capping, a sliding window of 8 on alternate layers), Falcon's new
+    architecture (2 key/value heads), GPT-BigCode (multi-query: one key/value head, held whole by both tp ranks), at
+    cp2 and cp2 x tp2."""
+    check_parity(two_slow, "cp2_hf_more")
+    check_parity(four_slow, "cp2tp2_hf_more")

@@ -54,6 +54,7 @@ CONFIGS = {
     "cp2_a2a_padded": Config(("cp_llama", "cp_hf_bert"), dict(cp=2, cp_mode="a2a"), dict(steps=3, seq=30)),
     "cp2_a2a_fallback": Config(("cp_hf_llama_eager", "seq2seq"), dict(cp=2, cp_mode="a2a"), dict(steps=2, seq=16)),
     "cp2_sdpa_families": Config(("cp_hf_qwen3", "cp_hf_phi3", "cp_hf_neox", "cp_hf_gemma3"), dict(cp=2), RUN),
+    "cp2_hf_more": Config(("cp_hf_gemma2", "cp_hf_falcon", "cp_hf_bigcode"), dict(cp=2), RUN),
     "cp2_a2a_families": Config(("cp_hf_qwen3", "cp_hf_phi3", "cp_hf_neox", "cp_hf_gemma3"), dict(cp=2, cp_mode="a2a"),
                                RUN),
     # mixtures of experts, the load-balancing loss on (the routers' recorded logits gathered over cp): the experts
@@ -80,6 +81,7 @@ CONFIGS = {
                                                       microbatches=2), RUN),
     "cp2pp2_zb": Config(("cp_llama4", "cp_hf_mistral"), dict(cp=2, pp=2, schedule="zero-bubble"), RUN),
     # T5 (relative position bias computed in its first blocks, two stacks, cross-attention) under tp and a pipeline
+    "cp2tp2_hf_more": Config(("cp_hf_gemma2", "cp_hf_falcon", "cp_hf_bigcode"), dict(cp=2, tp=2), RUN),
     "cp2tp2_t5": Config(("hf_t5",), dict(cp=2, tp=2), dict(steps=2, seq=16)),
     "cp2pp2_t5": Config(("hf_t5",), dict(cp=2, pp=2, schedule="1f1b"), dict(steps=2, seq=16)),
     # ep over cp x tp (the experts' tokens from both cp ranks, each tp rank sending its slice)
