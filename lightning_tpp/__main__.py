@@ -91,10 +91,14 @@ def plan(args: argparse.Namespace) -> Optional[MemoryReport]:
         ranking = rank_on_paper(model, devices=args.devices, devices_per_node=args.devices_per_node,
                                 device=args.device, batch=args.batch_size, seq_len=args.seq_len,
                                 device_memory=parse_bytes(args.device_memory), global_batch=args.global_batch,
-                                dtype=getattr(torch, args.dtype), optimizer=args.optimizer, cp_mode=args.cp_mode)
+                                dtype=getattr(torch, args.dtype), optimizer=args.optimizer,
+                                cp_mode=None if args.cp_mode == "auto" else args.cp_mode)
         print(ranking.table(top=args.top))
         print(ranking.why())
         return None
+    if args.cp_mode == "auto":
+        raise SystemExit("lightning-tpp plan: --cp-mode auto ranks both modes with --auto; without it, give "
+                         "--cp-mode allgather or a2a")
     kwargs = dict(tp=args.tp, pp=args.pp, dp=args.dp, microbatches=args.microbatches, batch_size=args.batch_size,
                   seq_len=args.seq_len, schedule=args.schedule, virtual_stages=args.virtual_stages,
                   optimizer=args.optimizer, param_dtype=getattr(torch, args.dtype), dp_shard=args.dp_shard,
@@ -162,8 +166,9 @@ def _plan_parser(sub: Any) -> None:
                                                      "strategy's ep=)")
     p.add_argument("--cp", type=int, default=1, help="context parallelism: the blocks run on seq-len / cp positions "
                    "of each sequence (docs/context_parallel.md)")
-    p.add_argument("--cp-mode", default="allgather", choices=("allgather", "a2a"),
-                   help="how each attention sees the whole sequence under cp (as the strategy's cp_mode=)")
+    p.add_argument("--cp-mode", default="allgather", choices=("allgather", "a2a", "auto"),
+                   help="how each attention sees the whole sequence under cp (as the strategy's cp_mode=; 'auto' "
+                        "with --auto: both modes ranked)")
     p.add_argument("--microbatches", type=int, default=None, help="per step (default 2 * pp, as the strategy)")
     p.add_argument("--batch-size", type=int, required=True, help="global batch: all dp replicas together")
     p.add_argument("--seq-len", type=int, required=True)

@@ -55,7 +55,7 @@ class AutoRequest:
     margin: float = 0.1
     ep: Optional[int] = None  # searched (layout="auto", where the model has experts), else the given one
     cp: Optional[int] = 1  # searched (layout="auto" with cp=1, where context parallelism can run), else the given one
-    cp_mode: str = "allgather"  # the strategy's, which the search's costs charge the attention by under cp
+    cp_mode: Optional[str] = "allgather"  # the strategy's, which the search charges cp by (None: searched)
 
 
 def auto_request(*, tp: Any, pp: Any, dp: Any, layout: Optional[str], device_memory: Optional[Union[float, str]],
@@ -80,7 +80,7 @@ def auto_request(*, tp: Any, pp: Any, dp: Any, layout: Optional[str], device_mem
                        activation_checkpointing=None if whole else activation_checkpointing,
                        dp_sharding=None if whole else dp_sharding, device_memory=_bytes(device_memory),
                        global_batch=global_batch, ep=None if whole or ep == AUTO else ep,
-                       cp=None if whole and cp == 1 else cp, cp_mode=cp_mode)
+                       cp=None if whole and cp == 1 else cp, cp_mode=None if cp_mode == "auto" else cp_mode)
 
 
 COMPILE_OPTIONS = ("backend", "mode", "options", "dynamic", "fullgraph")
@@ -190,7 +190,9 @@ class TensorPipeConfig:
             an all-to-all gives each rank ``1/cp`` of the heads over the whole sequence before each
             ``scaled_dot_product_attention`` call and returns its output after; query heads per tp rank must divide
             by cp, key/value heads are repeated when fewer; less traffic per rank for many-headed attention, no
-            recompute). Attention that is not an SDPA call runs as ``"allgather"``, with a warning.
+            recompute). Attention that is not an SDPA call runs as ``"allgather"``, with a warning. ``"auto"``: the
+            layout search chooses between them (with ``layout="auto"``, ``tp="auto"``, ``pp="auto"`` or
+            ``ep="auto"``), by its cost of each; a mode whose heads do not divide is costed as ``"allgather"``.
         sequence_parallel: with tp > 1, Megatron's sequence parallelism: the blocks of the model's block sequence
             run norms, dropout and residual adds on this rank's part of the sequence (dim 1), gathering it before
             each attention/MLP and reduce-scattering after it (the bytes of the all-reduces they replace), so those
@@ -254,7 +256,7 @@ class TensorPipeConfig:
     dp: Union[int, Literal["auto"]] = "auto"
     ep: Union[int, Literal["auto"]] = 1
     cp: int = 1
-    cp_mode: Literal["allgather", "a2a"] = "allgather"
+    cp_mode: Literal["allgather", "a2a", "auto"] = "allgather"
     layout: Optional[Literal["auto"]] = None
     device_memory: Optional[Union[float, str]] = None
     global_batch: Optional[int] = None
@@ -300,9 +302,12 @@ class TensorPipeConfig:
         pp = 1 if pp == "auto" else pp
         resolve_dims(tp * pp * self.cp * (self.dp if isinstance(self.dp, int) else 1), tp, pp, self.dp,
                      self.cp)  # types and ranges
-        if self.cp_mode not in ("allgather", "a2a"):
-            raise ValueError(f"cp_mode={self.cp_mode!r} must be 'allgather' (keys and values all-gathered) or 'a2a' "
-                             f"(Ulysses: positions exchanged for heads)")
+        if self.cp_mode not in ("allgather", "a2a", "auto"):
+            raise ValueError(f"cp_mode={self.cp_mode!r} must be 'allgather' (keys and values all-gathered), 'a2a' "
+                             f"(Ulysses: positions exchanged for heads) or 'auto' (the layout search chooses)")
+        if self.cp_mode == "auto" and request is None:
+            raise ValueError("cp_mode='auto' is chosen by the layout search: pass layout='auto' (or tp='auto' / "
+                             "pp='auto' / ep='auto') with it, or cp_mode='allgather' or 'a2a'")
         auto = isinstance(self.schedule, str) and self.schedule == AUTO_SCHEDULE
         set_("schedule", AUTO_SCHEDULE if auto else normalize_schedule(self.schedule))
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
@@ -337,13 +342,14 @@ class TensorPipeConfig:
         when every degree is given."""
         return auto_request(tp=self.tp, pp=self.pp, dp=self.dp, layout=self.layout, device_memory=self.device_memory,
                             global_batch=self.global_batch, activation_checkpointing=self.activation_checkpointing,
-                            dp_sharding=self.dp_sharding, ep=self.ep, cp=self.cp)
+                            dp_sharding=self.dp_sharding, ep=self.ep, cp=self.cp, cp_mode=self.cp_mode)
 
     def with_layout(self, layout: Any) -> "TensorPipeConfig":
         """The config the search chose (a ``lightning_tpp.layout.Layout``): the degrees, micro-batches, schedule,
         activation checkpointing and dp sharding given, as a user could have written them."""
         return dataclasses.replace(
             self, tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, cp=layout.cp,
+            cp_mode=layout.cp_mode if self.cp_mode == "auto" else self.cp_mode,
             microbatches=layout.microbatches, virtual_stages=1,
             schedule=layout.schedule if layout.pp > 1 else self.schedule,
             activation_checkpointing=layout.activation_checkpointing, dp_sharding=layout.dp_sharding, layout=None,

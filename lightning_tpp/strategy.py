@@ -80,7 +80,7 @@ class TensorPipeStrategy(AutoLayout, CheckpointMixin, PipelineSteps, GlobalNormC
         *,
         ep: Union[int, Literal["auto"]] = 1,
         cp: int = 1,
-        cp_mode: Literal["allgather", "a2a"] = "allgather",
+        cp_mode: Literal["allgather", "a2a", "auto"] = "allgather",
         layout: Optional[Literal["auto"]] = None,
         device_memory: Optional[Union[float, str]] = None,
         global_batch: Optional[int] = None,

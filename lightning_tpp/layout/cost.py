@@ -42,7 +42,8 @@ dp x cp; a step reads ``dp`` samples per micro-batch row (the cp ranks read the 
 each SDPA call instead moves its queries, keys and values to ``1/cp`` of the heads and its output back, one
 all-to-all of ``(2 queries + keys) / cp`` per rank in forward and one in backward, and recomputes nothing (a block
 whose attention is no SDPA call, which a2a runs as allgather, is charged as allgather; the repetition of key/value
-heads that cp does not divide is not counted).
+heads that cp does not divide is not counted; query heads per tp rank that cp does not divide: charged as allgather,
+as the call runs). ``cp_mode="auto"`` ranks both modes.
 
 Processes that share cores (CPU) wait for the slowest at each synchronisation point: the compute is scaled by
 ``1 + BlockTimes.straggle``, the wait measured at the barriers of the block timing (``timing.Meeting``); 0 on GPUs
@@ -176,7 +177,7 @@ def _context(block: BlockProfile, bf: float, mb: float, layout: Layout, link: Li
     cp = layout.cp
     if cp == 1:
         return 0.0, 0.0
-    if layout.cp_mode == "a2a" and block.queries:
+    if layout.cp_mode == "a2a" and block.queries and block.heads % (layout.tp * cp) == 0:
         # queries, keys and values of this rank's positions to 1/cp of the heads (the output back), and their
         # gradients the other way; nothing recomputed
         moved = link.all_to_all((2 * block.queries + block.keys) * mb / (layout.tp * cp), cp)

@@ -17,9 +17,9 @@ from lightning_tpp.layout.search import Ranking, search_layouts
 def rank_on_paper(model: nn.Module, *, devices: int, devices_per_node: int, device: str, batch: int, seq_len: int,
                   device_memory: Optional[float] = None, global_batch: Optional[int] = None,
                   dtype: torch.dtype = torch.bfloat16, optimizer: str = "adamw", margin: float = 0.1,
-                  cp_mode: str = "allgather") -> Ranking:
+                  cp_mode: Optional[str] = "allgather") -> Ranking:
     """Every layout of ``devices`` ``device``s for ``model`` (on meta) on per-process batches of ``batch``
-    sequences of ``seq_len`` tokens, ranked (layouts with cp charged as ``cp_mode``)."""
+    sequences of ``seq_len`` tokens, ranked (layouts with cp charged as ``cp_mode``; ``None``: both modes)."""
     spec = device_spec(device, memory=device_memory, devices_per_node=devices_per_node)
     profile = profile_model(model, seq_len=seq_len, dtype=dtype, max_tp=devices_per_node)
     ranking = search_layouts(profile, world=devices, device=spec, times=BlockTimes(), batch=batch,

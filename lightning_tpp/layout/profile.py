@@ -103,6 +103,7 @@ class BlockProfile:
     attention_flops: float = 0.0  # of ``flops``, the attention's (query x key products): what cp recomputes
     queries: float = 0.0  # bytes per sequence (tp = 1) of its SDPA calls' queries (cp_mode="a2a" exchanges them and
     # the outputs, of the queries' size, besides the keys and values; 0: no SDPA call, a2a runs it as "allgather")
+    heads: int = 0  # query heads of its SDPA calls (tp = 1): a2a needs heads per tp rank divisible by cp
 
     @property
     def active(self) -> float:
@@ -253,7 +254,7 @@ def _profile(module: nn.Module, copy: nn.Module, lengths: Mapping[str, int], seq
                                        Scaled(flops[i], flops[i] if red else 0.0), red,
                                        Scaled.fit(banks1[i], banks2[i]), routed[i], exchange[i],
                                        int(pp1["tensors"][i]), attention[i][0] or 2.0 * pp1["sent"],
-                                       attention[i][1], attention[i][2]))
+                                       attention[i][1], attention[i][2], attention[i][3]))
     block_list = _expand(block_list, partition.blocks, lengths)
     ends = set(partition.pre) | set(partition.post)
     vocab = sum(1 for m, s in styles.items() if s in ("vocab", "colwise_gather") and m in ends)
@@ -397,6 +398,7 @@ class _Attention(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.keys = self.flops = self.queries = 0.0
+        self.heads = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -404,6 +406,7 @@ class _Attention(TorchFunctionMode):
             q, k, v = args[:3]
             self.keys += float(k.nbytes + v.nbytes)
             self.queries += float(q.nbytes)
+            self.heads = int(q.shape[1]) if q.dim() == 4 else 0
             self.flops += 2.0 * q.numel() / q.shape[-1] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
         elif func is F.multi_head_attention_forward and len(args) >= 3:  # its inputs are gathered under cp
             q, k, v = args[:3]
@@ -422,7 +425,7 @@ def _flops(copy: nn.Module, names: Sequence[str], seq_len: int, forward: Optiona
     modules = dict(copy.named_modules())
     done: dict[Any, tuple[float, Any, tuple[float, float]]] = {}
     per_block = [0.0] * len(names)
-    attention = [(0.0, 0.0, 0.0)] * len(names)
+    attention = [(0.0, 0.0, 0.0, 0)] * len(names)
     counter = FlopCounterMode(display=False)
 
     def run(i: int, block: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
@@ -435,7 +438,7 @@ def _flops(copy: nn.Module, names: Sequence[str], seq_len: int, forward: Optiona
         with _Attention() as calls:
             result = original(*args, **kwargs)
         per_block[i] = float(_total(counter) - before)
-        attention[i] = (calls.keys, calls.flops, calls.queries)
+        attention[i] = (calls.keys, calls.flops, calls.queries, calls.heads)
         done[kind] = (per_block[i], result, attention[i])
         return result
 

@@ -140,9 +140,9 @@ def enumerate_layouts(profile: ModelProfile, *, world: int, devices_per_node: in
                       tp: Optional[int] = None, pp: Optional[int] = None,
                       activation_checkpointing: Optional[bool] = None,
                       shardings: Optional[Sequence[Sharding]] = None, ep: Optional[int] = None,
-                      cp: Optional[int] = None, cp_mode: str = "allgather") -> list[Layout]:
-    """Every layout the search considers (``tp``/``pp``/``activation_checkpointing``/``ep``/``cp`` fixed where
-    given)."""
+                      cp: Optional[int] = None, cp_mode: Optional[str] = "allgather") -> list[Layout]:
+    """Every layout the search considers (``tp``/``pp``/``activation_checkpointing``/``ep``/``cp``/``cp_mode``
+    fixed where given; ``cp_mode=None``: both modes for each layout with ``cp > 1``)."""
     out = []
     tps = [t for t in profile.tp_choices if world % t == 0 and devices_per_node % t == 0] if tp is None else [tp]
     for t in tps:
@@ -163,8 +163,9 @@ def enumerate_layouts(profile: ModelProfile, *, world: int, devices_per_node: in
                             for sharding in (("full_shard",) if d * c == 1 else tuple(shardings or SHARDINGS)):
                                 if d * c > 1 and sharding != "no_shard" and schedule not in ("1f1b", "gpipe"):
                                     continue  # a split backward keeps FSDP2's units gathered ("auto" runs 1f1b)
-                                out.append(Layout(t, p, d, m, schedule, ac, sharding, ep=e, cp=c,
-                                                  cp_mode=cp_mode if c > 1 else "allgather"))
+                                modes = ("allgather",) if c == 1 else (cp_mode,) if cp_mode else ("allgather", "a2a")
+                                out.extend(Layout(t, p, d, m, schedule, ac, sharding, ep=e, cp=c, cp_mode=mode)
+                                           for mode in modes)
     return out
 
 
@@ -185,11 +186,11 @@ def search_layouts(profile: ModelProfile, *, world: int, device: DeviceSpec, tim
                    tp: Optional[int] = None, pp: Optional[int] = None,
                    activation_checkpointing: Optional[bool] = None, shardings: Optional[Sequence[Sharding]] = None,
                    optimizer: str = "adamw", backend: str = "nccl", ep: Optional[int] = None,
-                   cp: Optional[int] = None, cp_mode: str = "allgather") -> Ranking:
+                   cp: Optional[int] = None, cp_mode: Optional[str] = "allgather") -> Ranking:
     """Rank every layout of ``world`` devices for per-process batches of ``batch`` sequences. A layout whose
     largest rank needs more than ``device_memory / (1 + margin)`` is dropped (``margin``: what the planner does not
     count, allocator and communication buffers). ``cp_mode``: the strategy's, which the cost of every layout with
-    ``cp > 1`` charges its attention calls by (``layout.cost``)."""
+    ``cp > 1`` charges its attention calls by (``layout.cost``); ``None``: both modes ranked."""
     if batch < 1:
         raise ValueError(f"batch={batch} must be at least one sequence per process")
     if ep is not None and ep > 1 and not profile.routed:

@@ -99,7 +99,8 @@ def test_ep_auto_searches_ep_alone_and_trains_at_parity(tmp_path: Path) -> None:
 def test_layout_auto_chooses_cp_where_only_cp_fits_and_trains_at_parity(tmp_path: Path) -> None:
     """2 processes, sequences of 2048 positions, one per process, a budget below every layout without cp (tp2, pp2,
     dp2: the search's arithmetic) but above cp2's: layout="auto" chooses cp=2 at setup, builds its groups, and
-    trains at parity with one process; the tensor bytes each rank measured at its peak stay inside the budget."""
+    trains at parity with one process; the tensor bytes each rank measured at its peak stay inside the budget. With
+    cp_mode="auto" the search ranks both modes of each cp layout and the strategy runs the one it chose."""
     torch.manual_seed(0)
     model, seq, batch = MODELS["llama4"](), 2048, 1
     profile = profile_model(model, seq_len=seq)
@@ -110,13 +111,16 @@ def test_layout_auto_chooses_cp_where_only_cp_fits_and_trains_at_parity(tmp_path
     assert with_cp < 0.9 * without, need
     budget = (with_cp + without) / 2 * 1.1  # the search's 10% margin on top
     args = ["--model", "llama4", "--out", str(tmp_path), "--device-memory", str(budget), "--batch-size", str(batch),
-            "--seq", str(seq)]
+            "--seq", str(seq), "--cp-mode", "auto"]
     run_ranks(ROOT / "tests" / "distributed" / "worker_layout.py", 2, args, timeout=300).check()
     infos = [json.loads((tmp_path / f"layout.rank{r}.json").read_text()) for r in range(2)]
     assert all(i["layout"] == infos[0]["layout"] for i in infos), f"ranks chose differently: {infos}"
     chosen = Layout(**infos[0]["layout"])
     assert chosen.cp == 2 and infos[0]["dims"] == [1, 1, 1, 2], infos[0]
     assert all(" cp=" in r for r in infos[0]["ranked"]), infos[0]["ranked"]  # nothing without cp fit
+    assert any(" cp=2 a2a " in r for r in infos[0]["ranked"]) and any(" cp=2 dp" in r for r in infos[0]["ranked"])
+    assert infos[0]["cp_mode"] == chosen.cp_mode in ("allgather", "a2a"), (infos[0]["cp_mode"], chosen)
+    assert (infos[0]["a2a_calls"] > 0) == (chosen.cp_mode == "a2a"), infos[0]  # the mode chosen is the one run
     peaks = [i["measured_peak"] for i in infos]
     assert all(0 < p <= budget for p in peaks), f"{chosen.describe()}: peaks {peaks}, budget {budget:.0f}"
     ref = train("llama4", steps=3, batch_size=batch, seq=seq)

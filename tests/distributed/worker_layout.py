@@ -87,12 +87,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=SEQ, help="positions per sample")
     parser.add_argument("--ep", default=None, help="tp='auto' with this ep, or 'auto': ep searched alone at tp=1 "
                                                    "(else layout='auto')")
+    parser.add_argument("--cp-mode", default="allgather", help="cp_mode= ('auto': the search chooses it)")
     args = parser.parse_args()
     from lightning_tpp import TensorPipeStrategy
 
     rank = int(os.environ["LOCAL_RANK"])
     if args.ep is None:
-        strategy = TensorPipeStrategy(layout="auto", device_memory=args.device_memory, print_plan=False)
+        strategy = TensorPipeStrategy(layout="auto", device_memory=args.device_memory, cp_mode=args.cp_mode,
+                                      print_plan=False)
     else:
         auto = args.ep == "auto"
         strategy = TensorPipeStrategy(tp=1 if auto else "auto", ep="auto" if auto else int(args.ep),
@@ -108,7 +110,9 @@ def main() -> None:
     torch.save(asdict(record), out / f"{args.model}.rank{rank}.pt")
     chosen = strategy.parallel_state.layout
     info = {"layout": asdict(chosen), "dims": [strategy.dims.dp, strategy.dims.pp, strategy.dims.tp, strategy.dims.cp],
-            "measured_peak": peak.peak,
+            "measured_peak": peak.peak, "cp_mode": strategy.config.cp_mode,
+            "a2a_calls": strategy.parallel_state.context.traffic.a2a_calls
+            if strategy.parallel_state.context is not None else 0,
             "ep_group": strategy._groups.ep.size if strategy._groups.ep is not None else 1}
     if strategy.layout_ranking is not None:
         best = strategy.layout_ranking.best

@@ -40,8 +40,9 @@ def test_the_strategy_keeps_its_arguments_as_one_frozen_config() -> None:
     ({"on_nonfinite": "ignore"}, ValueError, r"on_nonfinite='ignore' must be"),
     ({"async_save": True, "save_distributed_checkpoint": False}, ValueError, r"async_save=True writes sharded"),
     ({"dp_sharding": "zero3"}, ValueError, r"dp_sharding='zero3' must be one of"),
-    ({"cp": 2, "cp_mode": "ring"}, ValueError, r"cp_mode='ring' must be 'allgather' \(keys and values all-gathered\) "
-                                               r"or 'a2a'"),
+    ({"cp": 2, "cp_mode": "ring"}, ValueError, r"cp_mode='ring' must be 'allgather' \(keys and values all-gathered\), "
+                                               r"'a2a' \(Ulysses: positions exchanged for heads\) or 'auto'"),
+    ({"cp": 2, "cp_mode": "auto"}, ValueError, r"cp_mode='auto' is chosen by the layout search: pass layout='auto'"),
     ({"layout": "auto", "dp": 2}, AutoLayoutError, r"dp=2 with a searched layout"),
     ({"compile": "yes"}, TypeError, r"compile='yes' must be True, False or a dict of torch.compile options"),
     ({"compile": {"backend": "aot_eager", "fulgraph": True}}, ValueError,

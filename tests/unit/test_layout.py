@@ -223,7 +223,7 @@ def test_262k_positions_of_an_8b_fit_eight_devices_only_with_cp() -> None:
 
 
 def test_cp_costs_charge_the_attention_by_the_strategys_cp_mode() -> None:
-    """Under cp_mode="a2a" a cp layout's attention moves its queries, keys and values to 1/cp of the heads and its
+    """Under cp_mode="a2a" (where each tp rank's query heads divide over cp) a cp layout's attention moves its queries, keys and values to 1/cp of the heads and its
     output back (one all-to-all each way) and recomputes nothing; under "allgather" it gathers the keys and values in
     forward, again in backward with their reduce-scatter, and recomputes the attention. The profile's figures are the
     SDPA calls' bytes: queries (4096 positions x 8 heads x 32 features, bf16) and keys + values (2 key/value heads)."""
@@ -246,6 +246,21 @@ def test_cp_costs_charge_the_attention_by_the_strategys_cp_mode() -> None:
     ranking = search_layouts(profile, world=4, device=device_spec("h100"), times=BlockTimes(), batch=1, cp=4,
                              cp_mode="a2a")
     assert ranking.ranked and all(c.layout.describe().startswith("tp=1 pp=1 cp=4 a2a dp=1") for c in ranking.ranked)
+    # 8 query heads: at tp=4 x cp=4 each tp rank's 2 heads do not divide over cp, so the call runs as allgather
+    assert _context(block, 1e-3, 2, Layout(4, 1, 1, cp=4, cp_mode="a2a"), link) == _context(
+        block, 1e-3, 2, Layout(4, 1, 1, cp=4), link)
+    # cp_mode="auto": both modes of each cp layout ranked, the strategy's config takes the chosen one
+    both = search_layouts(profile, world=4, device=device_spec("h100"), times=BlockTimes(), batch=1, cp=4,
+                          cp_mode=None)
+    assert {c.layout.cp_mode for c in both.ranked} == {"allgather", "a2a"}
+    from lightning_tpp.config import TensorPipeConfig
+
+    config = TensorPipeConfig(layout="auto", cp_mode="auto")
+    assert config.auto_request().cp_mode is None
+    assert config.with_layout(both.best.layout).cp_mode == both.best.layout.cp_mode
+    assert TensorPipeConfig(layout="auto", cp_mode="a2a").with_layout(Layout(1, 1, 1, cp=4)).cp_mode == "a2a"
+    with pytest.raises(ValueError, match="cp_mode='auto' is chosen by the layout search: pass layout='auto'"):
+        TensorPipeConfig(cp=2, cp_mode="auto")
 
 
 def _plan_auto(tmp_path, capsys, cfg: transformers.PretrainedConfig, top: int) -> str:
