@@ -177,7 +177,7 @@ def _context(block: BlockProfile, bf: float, mb: float, layout: Layout, link: Li
     cp = layout.cp
     if cp == 1:
         return 0.0, 0.0
-    if layout.cp_mode == "a2a" and block.queries and block.heads % (layout.tp * cp) == 0:
+    if layout.cp_mode == "a2a" and block.queries and block.heads and block.heads % (layout.tp * cp) == 0:
         # queries, keys and values of this rank's positions to 1/cp of the heads (the output back), and their
         # gradients the other way; nothing recomputed
         moved = link.all_to_all((2 * block.queries + block.keys) * mb / (layout.tp * cp), cp)

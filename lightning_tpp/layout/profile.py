@@ -103,7 +103,8 @@ class BlockProfile:
     attention_flops: float = 0.0  # of ``flops``, the attention's (query x key products): what cp recomputes
     queries: float = 0.0  # bytes per sequence (tp = 1) of its SDPA calls' queries (cp_mode="a2a" exchanges them and
     # the outputs, of the queries' size, besides the keys and values; 0: no SDPA call, a2a runs it as "allgather")
-    heads: int = 0  # query heads of its SDPA calls (tp = 1): a2a needs heads per tp rank divisible by cp
+    heads: int = 0  # query heads of its SDPA calls (tp = 1): a2a needs heads per tp rank divisible by cp (0: calls
+    # without a heads dimension, which a2a runs as "allgather")
 
     @property
     def active(self) -> float:
@@ -423,7 +424,7 @@ def _flops(copy: nn.Module, names: Sequence[str], seq_len: int, forward: Optiona
     block, the bytes of the keys and values its attention calls read and their FLOPs (:class:`_Attention`)."""
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     modules = dict(copy.named_modules())
-    done: dict[Any, tuple[float, Any, tuple[float, float]]] = {}
+    done: dict[Any, tuple[float, Any, tuple[float, float, float, int]]] = {}
     per_block = [0.0] * len(names)
     attention = [(0.0, 0.0, 0.0, 0)] * len(names)
     counter = FlopCounterMode(display=False)
