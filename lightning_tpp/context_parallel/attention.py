@@ -131,7 +131,7 @@ class ContextAttention(TorchFunctionMode):
         self.taken += 1
         if self.a2a:
             _fell_back("Hugging Face eager attention (its own function reads the module's head counts)")
-        start = _clock()
+        start = time.perf_counter()
         self.traffic.bytes += (key.numel() + value.numel()) * key.element_size() * (layout.cp - 1)
 
         def run(q: Tensor, k: Tensor, v: Tensor, m: Optional[Tensor]) -> Any:
@@ -144,7 +144,7 @@ class ContextAttention(TorchFunctionMode):
                              preserve_rng_state=bool(options.get("dropout")), **_replayed_modes())
         else:
             out = run(query, key, value, mask)
-        self.traffic.attention_seconds += _clock() - start
+        self.traffic.attention_seconds += time.perf_counter() - start
         self.traffic.calls += 1
         return out
 
@@ -167,7 +167,7 @@ class ContextAttention(TorchFunctionMode):
         self.taken += 1
         if self.a2a:
             _fell_back("nn.MultiheadAttention (it projects its keys and values inside)")
-        start = _clock()
+        start = time.perf_counter()
         self.traffic.bytes += (key.numel() + (value.numel() if value is not key else 0)) * key.element_size() * (
             layout.cp - 1)
         if kwargs.get("is_causal") and kwargs.get("attn_mask") is not None:
@@ -175,7 +175,7 @@ class ContextAttention(TorchFunctionMode):
         whole_key = gather_positions(key, 0, layout, self.group)
         whole_value = whole_key if value is key else gather_positions(value, 0, layout, self.group)
         out = _MHA(query, whole_key, whole_value, *args, **kwargs)
-        self.traffic.attention_seconds += _clock() - start
+        self.traffic.attention_seconds += time.perf_counter() - start
         self.traffic.calls += 1
         return out
 
@@ -186,7 +186,7 @@ class ContextAttention(TorchFunctionMode):
         if query.dim() < 2 or query.shape[-2] != n:  # not over this rank's positions
             return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **options)
         self.taken += 1
-        start = _clock()
+        start = time.perf_counter()
         device = query.device.type
         if device != "meta" and torch.is_autocast_enabled(device):  # what autocast does to an SDPA call, before the per-chunk calls
             dtype = torch.get_autocast_dtype(device)  # (torch's causal bias checks the dtypes before autocast would)
@@ -196,7 +196,7 @@ class ContextAttention(TorchFunctionMode):
             reason = _no_heads_exchange(query, key, layout.cp)
             if reason is None:
                 out = self._ulysses(query, key, value, attn_mask, dropout_p, is_causal, options)
-                self.traffic.attention_seconds += _clock() - start
+                self.traffic.attention_seconds += time.perf_counter() - start
                 self.traffic.calls += 1
                 self.traffic.a2a_calls += 1
                 return out
@@ -212,7 +212,7 @@ class ContextAttention(TorchFunctionMode):
                              use_reentrant=False, preserve_rng_state=dropout_p > 0, **_replayed_modes())
         else:
             out = self._attend(query, key, value, attn_mask, dropout_p, is_causal, gathered, options)
-        self.traffic.attention_seconds += _clock() - start
+        self.traffic.attention_seconds += time.perf_counter() - start
         self.traffic.calls += 1
         return out
 
@@ -311,19 +311,13 @@ class ContextAttention(TorchFunctionMode):
         return mask
 
 
-def _clock() -> float:
-    """Seconds for ``cp/attention_seconds``; 0 while dynamo traces (a compiled block's attention is not timed: the
-    clock would break its graph, and the graph runs the call later anyway)."""
-    return 0.0 if torch.compiler.is_compiling() else time.perf_counter()
-
-
 def _replayed_modes() -> dict[str, Any]:
     """``checkpoint``'s ``context_fn``, where one is needed: the recompute in backward runs under the function modes
     of the forward that say ``replay_in_recompute`` (tensor parallelism's, which cuts a whole per-head bias to this
-    rank's heads where the attention reads it); torch's checkpoint replays none. Not while dynamo traces (it cannot
-    trace a checkpoint's context function)."""
+    rank's heads where the attention reads it); torch's checkpoint replays none. (Never traced: the attention calls
+    run eagerly under ``compile=``, and dynamo could not trace a checkpoint's context function.)"""
     modes = [m for m in function_modes() if getattr(m, "replay_in_recompute", False)]
-    if not modes or torch.compiler.is_compiling():
+    if not modes:
         return {}
 
     @contextlib.contextmanager

@@ -80,8 +80,8 @@ CONFIGS = {
     "cp2pp2_interleaved": Config(("cp_llama4",), dict(cp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2,
                                                       microbatches=2), RUN),
     "cp2pp2_zb": Config(("cp_llama4", "cp_hf_mistral"), dict(cp=2, pp=2, schedule="zero-bubble"), RUN),
-    # T5 (relative position bias computed in its first blocks, two stacks, cross-attention) under tp and a pipeline
     "cp2tp2_hf_more": Config(("cp_hf_gemma2", "cp_hf_falcon", "cp_hf_bigcode"), dict(cp=2, tp=2), RUN),
+    # T5 (relative position bias computed in its first blocks, two stacks, cross-attention) under tp and a pipeline
     "cp2tp2_t5": Config(("hf_t5",), dict(cp=2, tp=2), dict(steps=2, seq=16)),
     "cp2pp2_t5": Config(("hf_t5",), dict(cp=2, pp=2, schedule="1f1b"), dict(steps=2, seq=16)),
     # ep over cp x tp (the experts' tokens from both cp ranks, each tp rank sending its slice)
