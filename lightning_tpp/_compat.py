@@ -35,10 +35,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = [
     "BatchNormBase", "InstanceNormBase", "MultiProcessingLauncher", "StorageInfo", "StrategyRegistryType",
     "SubprocessScriptLauncher", "SummaryCallbackAdapter", "TorchDispatchMode", "all_gather_ddp_if_available",
-    "allow_graphs_per_function", "caching_save_planner", "collect_rng_states", "compile_call", "dcp_metadata_path",
-    "default_store", "distributed_is_initialized", "drop_persistent_iterator", "drop_save_plan_cache",
-    "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now", "fsdp_sharded_params", "fsdp_state", "function_modes",
-    "get_layout",
+    "allow_graphs_per_function", "attention_with_lse", "attention_with_lse_backward", "caching_save_planner",
+    "collect_rng_states", "compile_call", "dcp_metadata_path", "default_store", "distributed_is_initialized",
+    "drop_persistent_iterator", "drop_save_plan_cache", "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now",
+    "fsdp_sharded_params", "fsdp_state", "function_modes", "get_layout",
     "hf_install_output_hook", "hf_output_collector", "in_backward", "init_dist_connection", "layer_sync_requested",
     "maybe_mark_dynamic", "optimizer_to_device", "optimizers_to_device", "requested_weights_only", "run_data_source",
     "set_rank_zero", "set_rng_states", "storage_key", "sync_ddp_if_available", "tree_flatten", "tree_map",
@@ -122,6 +122,23 @@ def outside_function_modes() -> Iterator[None]:
             if getattr(mode, "keep_in_checks", False):
                 stack.enter_context(mode)
         yield
+
+
+def attention_with_lse(query: Any, key: Any, value: Any, is_causal: bool, scale: Optional[float]) -> tuple:
+    """Attention's output and its rows' log-sum-exp (fp32, ``(batch, heads, rows)``) on CPU, from the kernel SDPA
+    runs there (causal: top-left). Public SDPA returns no log-sum-exp, which context parallelism needs to join the
+    parts of one row's keys and to run backward without recomputing:
+    ``aten._scaled_dot_product_flash_attention_for_cpu`` (CUDA's kernels have other private signatures; not wired
+    without a GPU to check them on)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, scale=scale)
+
+
+def attention_with_lse_backward(grad: Any, query: Any, key: Any, value: Any, out: Any, lse: Any, is_causal: bool,
+                                scale: Optional[float]) -> tuple:
+    """The gradients of :func:`attention_with_lse`'s query, key and value, given the output and log-sum-exp the rows
+    end with (those of a larger attention the call is one part of: its keys' share of the gradient)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, query, key, value, out, lse, 0.0, is_causal, scale=scale)
 
 
 def function_modes() -> list[Any]:

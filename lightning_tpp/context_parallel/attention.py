@@ -6,11 +6,16 @@ rows is taken over by :class:`ContextAttention`, a ``TorchFunctionMode``:
 
 - keys and values of this rank's positions are all-gathered over cp and put in natural order (their gradients
   reduce-scattered in backward); keys of another length (cross-attention to a stack that was not cut) are left.
-  In training the gather and the attention are recomputed in backward (``torch.utils.checkpoint``): kept, the whole
-  sequence's keys and values would cost every rank ``cp`` times its own part in every layer;
+  In training the gather is done again in backward: kept, the whole sequence's keys and values would cost every rank
+  ``cp`` times its own part in every layer. The attention is recomputed there too (``torch.utils.checkpoint``),
+  except on CPU under ``is_causal`` (below);
 - ``is_causal=True`` runs per chunk: the head chunk at positions ``[a, a + c)`` attends the first ``a + c`` keys
   under a lower-right causal bias (``torch.nn.attention.bias.causal_lower_right``: no mask is materialised where the
-  kernel supports it), the tail chunk likewise, so each rank computes only the causal half of its rows;
+  kernel supports it), the tail chunk likewise, so each rank computes only the causal half of its rows. On CPU
+  (:class:`_CausalJoined`) a chunk is two calls of the kernel SDPA runs, which also return each row's log-sum-exp:
+  the keys before the chunk without a mask, the chunk's own with ``is_causal``, joined by their log-sum-exps; the
+  output and log-sum-exp are saved and backward runs the kernel's backward on the gathered keys, recomputing
+  nothing (CPU's lower-right bias is a materialised mask, and the recompute a third forward);
 - any other mask is the model's own, cut to this rank's rows where it has one per query (its columns are every
   key's), and the padded keys are dropped, so sliding windows, padding, packed documents, bidirectional and
   relative-position biases stay exactly what the model built.
@@ -44,7 +49,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from lightning_tpp._compat import function_modes
+from lightning_tpp._compat import attention_with_lse, attention_with_lse_backward, function_modes
 from lightning_tpp.context_parallel.split import SeqLayout, gather_positions, local_positions, pad_to
 from lightning_tpp.core.comm import TPGroup, all_to_all_swap
 from lightning_tpp.core.walk import Scoped
@@ -86,6 +91,54 @@ class _KeptLocal(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple:
         query, key, value, _ = ctx.saved_tensors
         return None, torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), None, None, None, None
+
+
+class _CausalJoined(torch.autograd.Function):
+    """``is_causal`` over the whole sequence's keys for this rank's two chunks, on CPU (see the module docstring):
+    saved are this rank's queries, keys and values, the output and its log-sum-exp; backward gathers the keys and
+    values again and runs the kernel's backward on each part, with the joined output and log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx: Any, mode: "ContextAttention", query: Tensor, key: Tensor, value: Tensor,
+                scale: Optional[float]) -> Tensor:
+        whole_key, whole_value = mode._whole_keys(key, value, query.shape[1])
+        batch, heads, rows, _ = query.shape
+        # stored as (batch, rows, heads, features), as SDPA's kernels store theirs: the model's usual
+        # transpose(1, 2).contiguous() is then no copy, and what the next projection saves is this storage
+        out = query.new_empty(batch, rows, heads, value.shape[-1]).transpose(1, 2)
+        lse = query.new_empty(batch, heads, rows, dtype=torch.float32)
+        for part, keys, causal in mode._causal_parts():
+            o, l = attention_with_lse(query[:, :, part], whole_key[:, :, keys], whole_value[:, :, keys], causal,
+                                      scale)
+            if causal:
+                out[:, :, part], lse[:, :, part] = o, l
+            else:  # the earlier keys' part, joined to the chunk's own (written first) by their log-sum-exps
+                joined = torch.logaddexp(lse[:, :, part], l)
+                out[:, :, part] = (out[:, :, part].float() * (lse[:, :, part] - joined).exp().unsqueeze(-1)
+                                   + o.float() * (l - joined).exp().unsqueeze(-1)).to(out.dtype)
+                lse[:, :, part] = joined
+        ctx.mode, ctx.scale = mode, scale
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:
+        query, key, value, out, lse = ctx.saved_tensors
+        mode = ctx.mode
+        with torch.enable_grad():  # the gather (and the heads' repeat) again, its backward the reduce-scatter
+            key_in, value_in = key.detach().requires_grad_(), value.detach().requires_grad_()
+            whole_key, whole_value = mode._whole_keys(key_in, value_in, query.shape[1])
+        d_query = torch.zeros_like(query)
+        d_key, d_value = torch.zeros_like(whole_key), torch.zeros_like(whole_value)
+        for part, keys, causal in mode._causal_parts():
+            dq, dk, dv = attention_with_lse_backward(
+                grad[:, :, part].contiguous(), query[:, :, part], whole_key[:, :, keys], whole_value[:, :, keys],
+                out[:, :, part].contiguous(), lse[:, :, part].contiguous(), causal, ctx.scale)
+            d_query[:, :, part] += dq
+            d_key[:, :, keys] += dk
+            d_value[:, :, keys] += dv
+        d_key, d_value = torch.autograd.grad((whole_key, whole_value), (key_in, value_in), (d_key, d_value))
+        return None, d_query, d_key, d_value, None
 
 
 def _lower_right(rows: int, keys: int, device: torch.device) -> Any:
@@ -205,6 +258,8 @@ class ContextAttention(TorchFunctionMode):
             self.traffic.bytes += (key.numel() + value.numel()) * key.element_size() * (layout.cp - 1)
         if gathered and query.is_meta and torch.is_grad_enabled():  # the memory planner: what the recompute keeps
             out = _KeptLocal.apply(self, query, key, value, attn_mask, dropout_p, is_causal, options)
+        elif gathered and _joins_on_cpu(query, key, value, attn_mask, dropout_p, is_causal, options):
+            out = _CausalJoined.apply(self, query, key, value, options.get("scale"))
         elif gathered and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
             # backward gathers the keys and values again and recomputes this attention: what it keeps is this
             # rank's part (the whole sequence's keys and values, kept, would be cp times a block's own)
@@ -282,6 +337,26 @@ class ContextAttention(TorchFunctionMode):
             out = _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, **options)
         return out
 
+    def _whole_keys(self, key: Tensor, value: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+        """The whole (padded) sequence's keys and values, their heads repeated to the queries' (``enable_gqa``)."""
+        key = gather_positions(key, -2, self.layout, self.group, trim=False)
+        value = gather_positions(value, -2, self.layout, self.group, trim=False)
+        if key.shape[1] != heads:
+            key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
+        return key, value
+
+    def _causal_parts(self) -> list[tuple[slice, slice, bool]]:
+        """(this rank's rows, the keys, causal) of each call of a causal attention: a chunk's own positions
+        (``is_causal``, top-left), then the positions before it (every key)."""
+        c = self.layout.chunk
+        parts = []
+        for j, a in enumerate(self.layout.starts()):
+            rows = slice(j * c, (j + 1) * c)
+            parts.append((rows, slice(a, a + c), True))
+            if a:
+                parts.append((rows, slice(0, a), False))
+        return parts
+
     def _causal(self, query: Tensor, key: Tensor, value: Tensor, dropout_p: float, options: dict) -> Tensor:
         """Each chunk's rows against the keys up to its last position (padded keys sit after every real one, so a
         real row never reads them)."""
@@ -328,6 +403,18 @@ def _replayed_modes() -> dict[str, Any]:
             yield
 
     return {"context_fn": lambda: (contextlib.nullcontext(), replay())}
+
+
+def _joins_on_cpu(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
+                  is_causal: bool, options: dict) -> bool:
+    """Whether a causal call runs as :class:`_CausalJoined` (CPU's kernel takes it as it is: no dropout, no mask,
+    queries and values of one width, heads as SDPA itself would accept them)."""
+    if not is_causal or attn_mask is not None or dropout_p or query.device.type != "cpu":
+        return False
+    if set(options) - {"scale", "enable_gqa"} or query.dim() != 4 or key.dim() != 4:
+        return False
+    same_heads = key.shape[1] == query.shape[1] or (options.get("enable_gqa") and query.shape[1] % key.shape[1] == 0)
+    return bool(same_heads) and query.shape[-1] == value.shape[-1] and query.dtype == key.dtype == value.dtype
 
 
 def _no_heads_exchange(query: Tensor, key: Tensor, cp: int) -> Optional[str]:

@@ -87,6 +87,25 @@ def test_in_backward() -> None:
     assert seen == [True]
 
 
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_attention_with_lse_is_sdpa_and_its_backward(is_causal: bool) -> None:
+    """context_parallel's CPU causal route: the kernel's output is SDPA's, its log-sum-exp the rows' (scaled scores),
+    and its backward SDPA's gradients."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 10, 8, requires_grad=True) for _ in range(3))
+    grad = torch.randn(2, 3, 10, 8)
+    out, lse = _compat.attention_with_lse(q, k, v, is_causal, 0.5)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=0.5)
+    torch.testing.assert_close(out, ref)
+    scores = (q @ k.transpose(-1, -2)) * 0.5
+    if is_causal:
+        scores = scores.masked_fill(~torch.ones(10, 10, dtype=torch.bool).tril(), float("-inf"))
+    torch.testing.assert_close(lse, scores.logsumexp(-1))
+    got = _compat.attention_with_lse_backward(grad, q, k, v, out, lse, is_causal, 0.5)
+    for a, b in zip(got, torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(a, b)
+
+
 def test_strategy_registry_type() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -536,6 +555,7 @@ def test_no_deprecated_torch_call_of_our_own() -> None:
                 obj = getattr(importlib.import_module(module), name)
             except (ImportError, AttributeError):
                 continue
-            if getattr(obj, "__deprecated__", None):
+            if isinstance(getattr(obj, "__deprecated__", None), str):  # @deprecated's message (torch.ops makes any
+                # attribute an operator namespace)
                 found.append(f"{path.relative_to(root)}: {module}.{name}: {obj.__deprecated__}")
     assert not found, "\n".join(found)
