@@ -41,9 +41,10 @@ next to tp in the mesh (its link: within a node while tp x cp fit in one). FSDP2
 dp x cp; a step reads ``dp`` samples per micro-batch row (the cp ranks read the same ones). Under ``cp_mode="a2a"``
 each SDPA call instead moves its queries, keys and values to ``1/cp`` of the heads and its output back, one
 all-to-all of ``(2 queries + keys) / cp`` per rank in forward and one in backward, and recomputes nothing (a block
-whose attention is no SDPA call, which a2a runs as allgather, is charged as allgather; the repetition of key/value
-heads that cp does not divide is not counted; query heads per tp rank that cp does not divide: charged as allgather,
-as the call runs). ``cp_mode="auto"`` ranks both modes.
+whose attention is no SDPA call, which a2a runs as allgather, is charged as allgather; key/value heads per tp rank
+that cp does not divide are repeated first, as the call does; query heads per tp rank that cp does not divide:
+charged as allgather, as the call runs). ``cp_mode="auto"`` ranks both modes. On CPU, allgather's causal calls
+without a mask or dropout are not recomputed (their parts joined by log-sum-exp, ``context_parallel.attention``).
 
 Processes that share cores (CPU) wait for the slowest at each synchronisation point: the compute is scaled by
 ``1 + BlockTimes.straggle``, the wait measured at the barriers of the block timing (``timing.Meeting``); 0 on GPUs
@@ -60,6 +61,7 @@ plan cuts at the measured rate (no loss of efficiency from smaller matmuls: an o
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
@@ -171,20 +173,27 @@ def _links(layout: Layout, device: DeviceSpec) -> tuple[Link, Link, Link, Link, 
     return device.intra, pp, dp, ep, cp
 
 
-def _context(block: BlockProfile, bf: float, mb: float, layout: Layout, link: Link) -> tuple[float, float]:
+def _context(block: BlockProfile, bf: float, mb: float, layout: Layout, link: Link, *, cpu: bool = False
+             ) -> tuple[float, float]:
     """(forward, backward) seconds that context parallelism adds to a block (0 at cp = 1): see the module
-    docstring. ``bf``: the block's forward seconds at this rank's positions."""
-    cp = layout.cp
+    docstring. ``bf``: the block's forward seconds at this rank's positions; ``cpu``: its causal calls are joined
+    by log-sum-exp, not recomputed."""
+    cp, tp = layout.cp, layout.tp
     if cp == 1:
         return 0.0, 0.0
-    if layout.cp_mode == "a2a" and block.queries and block.heads and block.heads % (layout.tp * cp) == 0:
+    if layout.cp_mode == "a2a" and block.queries and block.heads and block.heads % (tp * cp) == 0:
         # queries, keys and values of this rank's positions to 1/cp of the heads (the output back), and their
-        # gradients the other way; nothing recomputed
-        moved = link.all_to_all((2 * block.queries + block.keys) * mb / (layout.tp * cp), cp)
+        # gradients the other way; nothing recomputed. Key/value heads that cp does not divide are repeated first.
+        keys = block.keys / tp
+        if block.kv_heads:
+            local = max(block.kv_heads // tp, 1)
+            keys = block.keys * local / block.kv_heads * (cp // math.gcd(local, cp))
+        moved = link.all_to_all((2 * block.queries / tp + keys) * mb / cp, cp)
         return moved, moved
-    keys = block.keys * mb / layout.tp  # the whole sequence's keys and values of this rank's heads
+    keys = block.keys * mb / tp  # the whole sequence's keys and values of this rank's heads
     gather = link.gather(keys, cp)
-    recompute = bf * block.attention_flops / block.flops.whole if block.flops.whole else 0.0
+    recomputed = block.attention_flops - (block.joined_flops if cpu else 0.0)
+    recompute = bf * recomputed / block.flops.whole if block.flops.whole else 0.0
     return gather, gather + link.reduce_scatter(keys, cp) + recompute
 
 
@@ -219,7 +228,7 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
             bf, bb = times.block(block, mb, tp, device)
             bf, bb = bf / cp, bb / cp
             xf, xb = _exchanges(block, mb, layout, ep_link, profile.seq_len, profile.dtype_bytes)
-            cf, cb = _context(block, bf, mb, layout, cp_link)
+            cf, cb = _context(block, bf, mb, layout, cp_link, cpu=device.name == "cpu")
             comm = block.reductions * reduce
             f += (bf + comm + xf + cf) * n
             bwd += (bb + comm + xb + cb + (bf + comm + xf + cf if layout.activation_checkpointing else 0.0)) * n

@@ -105,6 +105,9 @@ class BlockProfile:
     # the outputs, of the queries' size, besides the keys and values; 0: no SDPA call, a2a runs it as "allgather")
     heads: int = 0  # query heads of its SDPA calls (tp = 1): a2a needs heads per tp rank divisible by cp (0: calls
     # without a heads dimension, which a2a runs as "allgather")
+    kv_heads: int = 0  # key/value heads of its SDPA calls (tp = 1): a2a repeats them where cp does not divide them
+    joined_flops: float = 0.0  # of ``attention_flops``, its causal SDPA calls' without a mask or dropout: on CPU,
+    # cp_mode="allgather" joins their parts by log-sum-exp and does not recompute them
 
     @property
     def active(self) -> float:
@@ -255,7 +258,7 @@ def _profile(module: nn.Module, copy: nn.Module, lengths: Mapping[str, int], seq
                                        Scaled(flops[i], flops[i] if red else 0.0), red,
                                        Scaled.fit(banks1[i], banks2[i]), routed[i], exchange[i],
                                        int(pp1["tensors"][i]), attention[i][0] or 2.0 * pp1["sent"],
-                                       attention[i][1], attention[i][2], attention[i][3]))
+                                       *attention[i][1:]))
     block_list = _expand(block_list, partition.blocks, lengths)
     ends = set(partition.pre) | set(partition.post)
     vocab = sum(1 for m, s in styles.items() if s in ("vocab", "colwise_gather") and m in ends)
@@ -398,8 +401,8 @@ class _Attention(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.keys = self.flops = self.queries = 0.0
-        self.heads = 0
+        self.keys = self.flops = self.queries = self.joined = 0.0
+        self.heads = self.kv_heads = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -408,7 +411,12 @@ class _Attention(TorchFunctionMode):
             self.keys += float(k.nbytes + v.nbytes)
             self.queries += float(q.nbytes)
             self.heads = int(q.shape[1]) if q.dim() == 4 else 0
-            self.flops += 2.0 * q.numel() / q.shape[-1] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+            self.kv_heads = int(k.shape[1]) if k.dim() == 4 else 0
+            flops = 2.0 * q.numel() / q.shape[-1] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+            self.flops += flops
+            options = {**dict(zip(("attn_mask", "dropout_p", "is_causal"), args[3:])), **kwargs}
+            if options.get("is_causal") and options.get("attn_mask") is None and not options.get("dropout_p"):
+                self.joined += flops
         elif func is F.multi_head_attention_forward and len(args) >= 3:  # its inputs are gathered under cp
             q, k, v = args[:3]
             self.keys += float(k.nbytes + (v.nbytes if v is not k else 0))
@@ -424,9 +432,9 @@ def _flops(copy: nn.Module, names: Sequence[str], seq_len: int, forward: Optiona
     block, the bytes of the keys and values its attention calls read and their FLOPs (:class:`_Attention`)."""
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     modules = dict(copy.named_modules())
-    done: dict[Any, tuple[float, Any, tuple[float, float, float, int]]] = {}
+    done: dict[Any, tuple[float, Any, tuple[float, float, float, int, int, float]]] = {}
     per_block = [0.0] * len(names)
-    attention = [(0.0, 0.0, 0.0, 0)] * len(names)
+    attention = [(0.0, 0.0, 0.0, 0, 0, 0.0)] * len(names)
     counter = FlopCounterMode(display=False)
 
     def run(i: int, block: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
@@ -439,7 +447,7 @@ def _flops(copy: nn.Module, names: Sequence[str], seq_len: int, forward: Optiona
         with _Attention() as calls:
             result = original(*args, **kwargs)
         per_block[i] = float(_total(counter) - before)
-        attention[i] = (calls.keys, calls.flops, calls.queries, calls.heads)
+        attention[i] = (calls.keys, calls.flops, calls.queries, calls.heads, calls.kv_heads, calls.joined)
         done[kind] = (per_block[i], result, attention[i])
         return result
 

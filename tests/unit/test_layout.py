@@ -223,10 +223,13 @@ def test_262k_positions_of_an_8b_fit_eight_devices_only_with_cp() -> None:
 
 
 def test_cp_costs_charge_the_attention_by_the_strategys_cp_mode() -> None:
-    """Under cp_mode="a2a" (where each tp rank's query heads divide over cp) a cp layout's attention moves its queries, keys and values to 1/cp of the heads and its
-    output back (one all-to-all each way) and recomputes nothing; under "allgather" it gathers the keys and values in
-    forward, again in backward with their reduce-scatter, and recomputes the attention. The profile's figures are the
-    SDPA calls' bytes: queries (4096 positions x 8 heads x 32 features, bf16) and keys + values (2 key/value heads)."""
+    """Under cp_mode="a2a" (where each tp rank's query heads divide over cp) a cp layout's attention moves its
+    queries, keys and values to 1/cp of the heads and its output back (one all-to-all each way) and recomputes
+    nothing; key/value heads that cp does not divide are repeated first (at tp2 x cp4 each tp rank's one key/value head,
+    4 times). Under "allgather" it gathers the keys and values in forward, again in backward with their
+    reduce-scatter, and recomputes the attention, except on CPU for causal calls (joined by log-sum-exp). The profile's
+    figures are the SDPA calls' bytes: queries (4096 positions x 8 heads x 32 features, bf16) and keys + values (2
+    key/value heads)."""
     from lightning_tpp.layout.cost import _context
 
     cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
@@ -235,14 +238,19 @@ def test_cp_costs_charge_the_attention_by_the_strategys_cp_mode() -> None:
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     profile = profile_model(model, seq_len=4096, dtype=torch.bfloat16)
     block = profile.blocks[0]
-    assert (block.queries, block.keys) == (4096 * 256 * 2, 2 * 4096 * 64 * 2)
+    assert (block.queries, block.keys, block.heads, block.kv_heads) == (4096 * 256 * 2, 2 * 4096 * 64 * 2, 8, 2)
+    assert block.joined_flops == block.attention_flops > 0  # HF Llama's SDPA calls: is_causal, no mask
     link = device_spec("h100").intra
     gather, a2a = (Layout(2, 1, 1, cp=4, cp_mode=mode) for mode in ("allgather", "a2a"))
-    moved = link.all_to_all((2 * block.queries + block.keys) * 2 / (2 * 4), 4)
+    # per tp rank: 4 query heads, 1 key/value head repeated 4 times (the keys of 4 heads)
+    moved = link.all_to_all((2 * block.queries / 2 + block.keys / 2 * 4) * 2 / 4, 4)
     assert _context(block, 1e-3, 2, a2a, link) == (moved, moved)
+    cp2 = Layout(1, 1, 1, cp=2, cp_mode="a2a")  # 2 key/value heads over cp2: none repeated
+    assert _context(block, 1e-3, 2, cp2, link)[0] == link.all_to_all((2 * block.queries + block.keys) * 2 / 2, 2)
     forward, backward = _context(block, 1e-3, 2, gather, link)
-    assert forward == link.gather(block.keys * 2 / 2, 4) and backward > forward + link.reduce_scatter(
-        block.keys * 2 / 2, 4)  # and the attention's recompute
+    exchanged = forward + link.reduce_scatter(block.keys * 2 / 2, 4)
+    assert forward == link.gather(block.keys * 2 / 2, 4) and backward > exchanged  # and the attention's recompute
+    assert _context(block, 1e-3, 2, gather, link, cpu=True) == (forward, exchanged)  # on CPU: nothing recomputed
     ranking = search_layouts(profile, world=4, device=device_spec("h100"), times=BlockTimes(), batch=1, cp=4,
                              cp_mode="a2a")
     assert ranking.ranked and all(c.layout.describe().startswith("tp=1 pp=1 cp=4 a2a dp=1") for c in ranking.ranked)
