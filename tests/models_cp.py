@@ -3,7 +3,8 @@ write them: a hand-written Llama calling ``F.scaled_dot_product_attention(is_cau
 passed to every block, Hugging Face Llama (GQA, rotary; with SDPA, and with its eager attention), Mistral with a
 sliding window shorter than the sequence, BERT (bidirectional) with a padding mask, Qwen3, Phi-3, GPT-NeoX and
 Gemma 3 (sliding and full layers) with SDPA, Gemma 2 (eager, soft-capped), Falcon and GPT-BigCode (multi-query),
-Llama on packed documents (position ids restarting per document: a
+BLOOM (ALiBi, attention as ``baddbmm -> softmax -> bmm``), a hand-written decoder whose attention is ``matmul ->
+softmax -> matmul`` under a mask passed into its blocks, Llama on packed documents (position ids restarting per document: a
 block-diagonal mask), and three that cp must refuse: nanoGPT's attention written as matmul -> softmax -> matmul, a
 Mamba-style block (a depthwise convolution over time and a scan), and a mixture-of-experts block that returns its
 load-balancing loss beside the stream (a function of all of its positions)."""
@@ -81,6 +82,45 @@ class HFBertPadded(nn.Module):
         keep = n - 3 * (idx[:, 0] % 4)
         mask = (torch.arange(n, device=idx.device)[None, :] < keep[:, None]).long()
         return self.model(input_ids=idx, attention_mask=mask).logits
+
+
+class MatmulAttentionBlock(nn.Module):
+    """Attention written by hand, as many research codebases write it: ``q @ k^T`` scaled, the additive mask its caller
+    passes, softmax, ``@ v`` (``torch.matmul`` and the operator)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        att = torch.matmul(q, k.transpose(-2, -1)) / (c // self.heads) ** 0.5 + mask
+        y = (att.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(y)
+        return x + self.mlp(self.norm2(x))
+
+
+class MatmulAttentionLM(nn.Module):
+    """A decoder of :class:`MatmulAttentionBlock` whose causal mask (positions x positions, additive) is built once
+    from the sequence's length outside the blocks and passed to each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(VOCAB, DIM), nn.Embedding(CP_SEQ, DIM)
+        self.blocks = nn.ModuleList([MatmulAttentionBlock(DIM, HEADS) for _ in range(LAYERS)])
+        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        n = idx.shape[1]
+        x = self.embed(idx) + self.pos(torch.arange(n, device=idx.device))
+        mask = torch.full((n, n), float("-inf"), device=idx.device).triu(1)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x))
 
 
 class MambaStyleBlock(nn.Module):
@@ -173,6 +213,10 @@ MODELS.update({
     "cp_hf_falcon": lambda: HFDecoder("FalconConfig", new_decoder_architecture=True, num_kv_heads=2),
     "cp_hf_bigcode": lambda: HFDecoder("GPTBigCodeConfig", multi_query=True, attn_pdrop=0.0, resid_pdrop=0.0,
                                        embd_pdrop=0.0),
+    # ALiBi (a per-head slope times the key's position, added by baddbmm), attention as matmul -> softmax -> matmul
+    "cp_hf_bloom": lambda: HFDecoder("BloomConfig", eager=True, n_head=HEADS, n_layer=LAYERS, attention_dropout=0.0,
+                                     hidden_dropout=0.0),
+    "cp_matmul": MatmulAttentionLM,  # attention by hand (matmul -> softmax -> matmul), its mask passed in
     "cp_hf_bert": HFBertPadded,
     "cp_hf_bert_dropout": lambda: HFBertPadded(dropout=0.5),  # BERT's default is 0.1; 0.5 for a clear mask
     "cp_nanogpt": lambda: NanoGPT(block_size=CP_SEQ),  # matmul -> softmax -> matmul: refused

@@ -25,8 +25,9 @@ rows. ``nn.MultiheadAttention`` (``F.multi_head_attention_forward``, which proje
 whole sequence's inputs for its keys and values instead. A Hugging Face model whose attention is ``eager`` (matmul
 -> softmax -> matmul) is routed through transformers' own attention-interface registry to
 :meth:`ContextAttention.eager` (``hf.py``): its own eager function on the whole sequence's keys. Other attention
-written as ``matmul -> softmax -> matmul`` is not an SDPA call: the block's first-call check finds it (its keys are
-this rank's only) and names it.
+written as ``matmul -> softmax -> matmul`` (BLOOM's, research code) has its products' keys and values gathered
+(:meth:`ContextAttention.product`, told by their shapes); a mask it builds from its input's length is found by the
+block's first-call check, which names it.
 
 Under ``compile=`` these calls run eagerly between the block's graphs (``torch.compiler.disable``): torch's causal
 bias and the attention's checkpoint cannot be traced, and a graph break inside the checkpoint made dynamo run the
@@ -44,7 +45,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.attention.bias import causal_lower_right
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
@@ -56,6 +57,12 @@ from lightning_tpp.core.walk import Scoped
 
 _SDPA = F.scaled_dot_product_attention
 _MHA = F.multi_head_attention_forward
+# the products attention written by hand is made of, and their parameters' names (the last two: the factors)
+_PRODUCTS: dict[Callable, tuple[str, ...]] = {
+    torch.matmul: ("input", "other"), Tensor.matmul: ("input", "other"), Tensor.__matmul__: ("input", "other"),
+    torch.bmm: ("input", "mat2"), Tensor.bmm: ("input", "mat2"),
+    torch.baddbmm: ("input", "batch1", "batch2"), Tensor.baddbmm: ("input", "batch1", "batch2"),
+}
 ACTIVE: Scoped[Optional["ContextAttention"]] = Scoped("tpp_cp_attention", None)
 
 
@@ -161,6 +168,7 @@ class ContextAttention(TorchFunctionMode):
         super().__init__()
         self.group, self.layout, self.traffic, self.taken = group, layout, traffic, 0
         self.a2a = a2a  # cp_mode="a2a": SDPA calls exchange positions for heads (Ulysses) instead of gathering keys
+        self.products = 0  # of ``taken``, products of attention written as matmul -> softmax -> matmul
         self._wholes = wholes  # the whole-sequence tensor a block input was cut from (a mask's rows), if it was
         self._tokens: list[Any] = []  # entered again inside a first-call check (outside_function_modes)
 
@@ -207,7 +215,54 @@ class ContextAttention(TorchFunctionMode):
             return self.attention(*args, **kwargs)
         if func is _MHA:
             return self.multi_head(*args, **kwargs)
+        if func in _PRODUCTS:
+            return self.product(func, args, kwargs)
         return func(*args, **kwargs)
+
+    @torch.compiler.disable  # compile=: between the block's graphs (see the module docstring)
+    def product(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """Attention written as ``matmul -> softmax -> matmul`` (``@``, ``matmul``, ``bmm``, ``baddbmm``, as BLOOM's
+        ALiBi attention): a product of this rank's rows with the transposed keys of its own positions (two
+        per-position tensors of 3 dimensions or more, neither a parameter, contracted over their features) gets the
+        whole sequence's keys; a product of rows over every key (scores or probabilities) with values of this rank's
+        positions gets the whole sequence's values. A ``baddbmm``'s added bias with a column per local key gets
+        every key's. The gather runs again in backward (a checkpoint around it and the product), so no rank keeps the
+        whole sequence's keys or values. Other products pass through."""
+        names = _PRODUCTS[func]
+        bound = dict(zip(names, args), **kwargs)
+        a, b = bound.get(names[-2]), bound.get(names[-1])
+        layout, n = self.layout, self.layout.local
+        if not (_per_position(a) and _per_position(b)) or a.shape[-2] != n:
+            return func(*args, **kwargs)
+        whole = (layout.length, layout.padded)
+        if b.shape[-1] == n and a.shape[-1] == b.shape[-2] and a.shape[-1] not in whole:
+            dim = -1  # scores: rows x this rank's keys (transposed), contracted over features, not positions
+        elif b.shape[-2] == n and a.shape[-1] in whole:
+            dim = -2  # rows over every key x this rank's values
+        else:
+            return func(*args, **kwargs)
+        self.taken += 1
+        self.products += 1
+        if self.a2a:
+            _fell_back("attention written as matmul -> softmax -> matmul")
+        start = time.perf_counter()
+        self.traffic.bytes += b.numel() * b.element_size() * (layout.cp - 1)
+        trim = dim == -1 or a.shape[-1] == layout.length
+        rest = {k: v for k, v in bound.items() if k not in names}  # beta, alpha, out
+        first = [bound[k] for k in names[:-2]]  # baddbmm's added bias
+        if first and isinstance(first[0], Tensor) and first[0].dim() >= 1 and first[0].shape[-1] == n:
+            first[0] = gather_positions(first[0], -1, layout, self.group)  # a column per local key: every key's
+
+        def run(a: Tensor, b: Tensor) -> Tensor:
+            return func(*first, a, gather_positions(b, dim, layout, self.group, trim=trim), **rest)
+
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            out = checkpoint(run, a, b, use_reentrant=False, **_replayed_modes())
+        else:
+            out = run(a, b)
+        self.traffic.attention_seconds += time.perf_counter() - start
+        self.traffic.calls += 1
+        return out
 
     @torch.compiler.disable  # compile=: between the block's graphs (see the module docstring)
     def multi_head(self, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -403,6 +458,11 @@ def _replayed_modes() -> dict[str, Any]:
             yield
 
     return {"context_fn": lambda: (contextlib.nullcontext(), replay())}
+
+
+def _per_position(t: Any) -> bool:
+    """A tensor a block computed per position (3 dimensions or more: batch first), not a weight."""
+    return isinstance(t, Tensor) and t.dim() >= 3 and not isinstance(t, nn.Parameter)
 
 
 def _joins_on_cpu(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], dropout_p: float,

@@ -245,20 +245,22 @@ class _ContextBlock:
         if slot.check_pending and not stream.is_meta:  # not in a shapes-only forward
             slot.check_pending = False
             self._cp_check(whole, args, kwargs, where, layout)  # type: ignore[attr-defined]
-        out, _ = self._cp_forward(args, kwargs, layout)
+        out = self._cp_forward(args, kwargs, layout)
         if slot.last:
             out = map_first_tensor(out, lambda t: gather_positions(t, 1, layout, shared.group))
         return out
 
-    def _cp_forward(self, args: tuple, kwargs: dict, layout: SeqLayout) -> tuple[Any, int]:
+    def _cp_forward(self, args: tuple, kwargs: dict, layout: SeqLayout, mode: Optional[ContextAttention] = None
+                    ) -> Any:
         shared = self._tpp_cp.shared
         stream = _get_stream(args, kwargs)
-        with ContextAttention(shared.group, layout, shared.traffic, shared.a2a, shared.whole_of) as mode, \
+        mode = mode or ContextAttention(shared.group, layout, shared.traffic, shared.a2a, shared.whole_of)
+        with mode, \
                 _own_draws(self, stream), records_gathered(  # type: ignore[arg-type]
                     None if stream is None else stream.shape[0], layout.local, layout.length,
                     lambda t: gather_positions(t, 1, layout, shared.group)):
             out = (self._tpp_cp.compiled or super().forward)(*args, **kwargs)  # type: ignore[misc]
-        return out, mode.taken
+        return out
 
     @torch.compiler.disable  # compile=: runs eagerly, outside the block's graph
     def _cp_check(self, whole: tuple[tuple, dict], args: tuple, kwargs: dict, where: tuple[str, Any],
@@ -269,7 +271,8 @@ class _ContextBlock:
         slot = self._tpp_cp
         group = slot.shared.group
         stream = get_arg(args, kwargs, where)
-        problem, taken, raised, beside = None, 0, False, False
+        problem, raised, beside = None, False, False
+        mode = ContextAttention(group, layout, slot.shared.traffic, slot.shared.a2a, slot.shared.whole_of)
         try:  # what the layers record for the model (router logits) is dropped after: the real call records its own
             with torch.no_grad(), evaluating(self), _records_kept():  # type: ignore[arg-type]
                 w_args, w_kwargs = _private_state(*whole)
@@ -279,7 +282,7 @@ class _ContextBlock:
                                                                 slot.shared.whole(stream, layout)), layout, group)
                 with _verifying():
                     want = super().forward(*w_args, **w_kwargs)  # type: ignore[misc]
-                got, taken = self._cp_forward(args, kwargs, layout)
+                got = self._cp_forward(args, kwargs, layout, mode)
                 problem, beside = _compare(slot.shared, got, want, layout)
         except ContextParallelError:
             raise
@@ -287,7 +290,12 @@ class _ContextBlock:
             problem, raised = f"{type(err).__name__}: {err}", True
         if all_reduce_flag(problem is None, group.group):
             return
-        if raised:
+        if mode.products:
+            hint = ("its attention (matmul -> softmax -> matmul) was given every position's keys and values, but "
+                    "a mask or bias it builds from its input's length (a causal buffer cut to [:T, :T]) covers this "
+                    "rank's positions only: pass the mask in from outside the block, or call "
+                    "F.scaled_dot_product_attention(is_causal=True)")
+        elif raised:
             hint = "it raised on this rank's positions, where it ran on the whole sequence"
         elif beside:
             hint = ("besides its output stream it returns a value computed over all of its positions (a router's "
@@ -295,10 +303,11 @@ class _ContextBlock:
                     "positions only; compute it outside the blocks from per-position values (Hugging Face's recorded "
                     "router logits are gathered over cp for its loss), or record it as transformers records router "
                     "logits")
-        elif taken == 0:
-            hint = ("no call of torch's scaled_dot_product_attention ran in it, so its attention (written as "
-                    "matmul -> softmax -> matmul, or Hugging Face's attn_implementation='eager') saw this rank's "
-                    "keys only: load the model with attn_implementation='sdpa', or call F.scaled_dot_product_attention")
+        elif mode.taken == 0:
+            hint = ("no attention call that cp takes over ran in it (scaled_dot_product_attention, "
+                    "nn.MultiheadAttention, Hugging Face's sdpa or eager, or a matmul of this rank's rows with its "
+                    "keys), so its attention saw this rank's keys only: load the model with attn_implementation='sdpa', "
+                    "or call F.scaled_dot_product_attention")
         else:
             hint = ("its own code probably mixes positions outside its attention (a scan, a convolution or a pooling "
                     "over the sequence) or builds a mask or a position bias from its input's length")

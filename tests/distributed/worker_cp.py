@@ -41,18 +41,20 @@ CONFIGS = {
     # attention other than a call of SDPA: Hugging Face eager (its own eager_attention_forward), nn.MultiheadAttention
     # (nn.TransformerEncoder with a causal mask; nn.Transformer's decoder with cross-attention; a conditioned block
     # with an explicit mask), BART's encoder and decoder stacks
-    "cp2_families": Config(("cp_hf_llama_eager", "seq2seq"), dict(cp=2), dict(steps=2, seq=16)),
+    "cp2_families": Config(("cp_hf_llama_eager", "seq2seq", "cp_hf_bloom"), dict(cp=2), dict(steps=2, seq=16)),
     "cp2_families_slow": Config(("encoder", "conditioned", "hf_bart", "hf_gemma", "hf_neox", "hf_phi3", "hf_qwen3",
                                  "hf_gpt2", "litgpt"), dict(cp=2), dict(steps=2, seq=16)),
     # output_hidden_states=True, every layer's hidden state read by the loss: each recorded whole, as one process does
     "cp2_hidden": Config(("cp_hf_llama_hidden",), dict(cp=2), dict(steps=2, seq=32)),
-    "cp2_padded": Config(("cp_llama", "cp_hf_bert", "hf_t5"), dict(cp=2), dict(steps=3, seq=30)),  # 30 = 4 * 7 + 2
+    "cp2_padded": Config(("cp_llama", "cp_hf_bert", "hf_t5", "cp_matmul"), dict(cp=2),
+                         dict(steps=3, seq=30)),  # 30 = 4 * 7 + 2
     "cp2_recompute": Config(("cp_llama", "cp_hf_mistral"), dict(cp=2, activation_checkpointing=True), RUN),
     "cp2_bf16": Config(("cp_hf_llama",), dict(cp=2), dict(RUN, precision="bf16-mixed")),
     # cp_mode="a2a" (Ulysses): positions exchanged for heads around each SDPA call
     "cp2_a2a": Config(FAMILIES, dict(cp=2, cp_mode="a2a"), RUN),
     "cp2_a2a_padded": Config(("cp_llama", "cp_hf_bert"), dict(cp=2, cp_mode="a2a"), dict(steps=3, seq=30)),
-    "cp2_a2a_fallback": Config(("cp_hf_llama_eager", "seq2seq"), dict(cp=2, cp_mode="a2a"), dict(steps=2, seq=16)),
+    "cp2_a2a_fallback": Config(("cp_hf_llama_eager", "seq2seq", "cp_matmul"), dict(cp=2, cp_mode="a2a"),
+                               dict(steps=2, seq=16)),
     "cp2_sdpa_families": Config(("cp_hf_qwen3", "cp_hf_phi3", "cp_hf_neox", "cp_hf_gemma3"), dict(cp=2), RUN),
     "cp2_hf_more": Config(("cp_hf_gemma2", "cp_hf_falcon", "cp_hf_bigcode"), dict(cp=2), RUN),
     "cp2_a2a_families": Config(("cp_hf_qwen3", "cp_hf_phi3", "cp_hf_neox", "cp_hf_gemma3"), dict(cp=2, cp_mode="a2a"),
@@ -71,7 +73,7 @@ CONFIGS = {
     "cp2pp2": Config(("cp_llama4",), dict(cp=2, pp=2, schedule="1f1b"), RUN),
     "cp2dp2": Config(("cp_hf_packed",), dict(cp=2, dp=2), RUN),
     # slow: more layouts of the same families
-    "cp2pp2_hf": Config(("cp_hf_mistral",), dict(cp=2, pp=2, schedule="1f1b"), RUN),
+    "cp2pp2_hf": Config(("cp_hf_mistral", "cp_hf_bloom"), dict(cp=2, pp=2, schedule="1f1b"), RUN),
     # a2a: 1 key/value head per tp rank repeated for 2 cp ranks; 2 key/value heads repeated for 4 cp ranks
     "cp2tp2_a2a": Config(("cp_hf_llama",), dict(cp=2, tp=2, cp_mode="a2a"), RUN),
     "cp4_a2a": Config(("cp_hf_mistral", "cp_hf_packed"), dict(cp=4, cp_mode="a2a"), RUN),
@@ -80,7 +82,7 @@ CONFIGS = {
     "cp2pp2_interleaved": Config(("cp_llama4",), dict(cp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2,
                                                       microbatches=2), RUN),
     "cp2pp2_zb": Config(("cp_llama4", "cp_hf_mistral"), dict(cp=2, pp=2, schedule="zero-bubble"), RUN),
-    "cp2tp2_hf_more": Config(("cp_hf_gemma2", "cp_hf_falcon", "cp_hf_bigcode"), dict(cp=2, tp=2), RUN),
+    "cp2tp2_hf_more": Config(("cp_hf_gemma2", "cp_hf_falcon", "cp_hf_bigcode", "cp_hf_bloom"), dict(cp=2, tp=2), RUN),
     # T5 (relative position bias computed in its first blocks, two stacks, cross-attention) under tp and a pipeline
     "cp2tp2_t5": Config(("hf_t5",), dict(cp=2, tp=2), dict(steps=2, seq=16)),
     "cp2pp2_t5": Config(("hf_t5",), dict(cp=2, pp=2, schedule="1f1b"), dict(steps=2, seq=16)),

@@ -1,7 +1,8 @@
-"""Context parallelism's causal attention on CPU (``_CausalJoined``, issue #46): each chunk's rows as two kernel calls
-joined by their log-sum-exps, and a backward that recomputes nothing, against one SDPA call on the whole sequence.
-One process: at cp=1 the layout still cuts the sequence into a head and a tail chunk (the tail chunk's rows read the
-head chunk's keys: the joined part), and the gather over one rank is the tensor itself."""
+"""Context parallelism's attention in one process (issue #46): the causal route on CPU (``_CausalJoined``: each chunk's
+rows as two kernel calls joined by their log-sum-exps, a backward that recomputes nothing) against one SDPA call on the
+whole sequence, and which products of attention written as matmul -> softmax -> matmul are given every key. At cp=1
+the layout still cuts the sequence into a head and a tail chunk (the tail chunk's rows read the head chunk's keys:
+the joined part), and the gather over one rank is the tensor itself."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from lightning_tpp.context_parallel import attention as cp_attention
 from lightning_tpp.context_parallel.attention import ContextAttention, Traffic
@@ -78,3 +80,33 @@ def test_what_the_joined_route_does_not_take(one_rank: dict[str, int]) -> None:
     with ContextAttention(TPGroup(None, 0, 1), layout, Traffic()):
         F.scaled_dot_product_attention(q, q, torch.randn(1, 2, 16, 4), is_causal=True)
     assert one_rank["kernel"] == 0
+
+
+def test_which_products_are_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attention written as matmul -> softmax -> matmul at cp=2 (this rank: 8 of 16 positions): the product of the
+    rows with this rank's transposed keys gets every key (contracted over features), the product of rows over every
+    key with this rank's values gets every value; a weight, a 2-d factor, or a product over the whole sequence's
+    positions already (Hugging Face's eager function on gathered keys) passes through."""
+    gathered: list[tuple[tuple[int, ...], int]] = []
+
+    def gather(x: torch.Tensor, dim: int, layout: SeqLayout, group: Any, trim: bool = True) -> torch.Tensor:
+        gathered.append((tuple(x.shape), dim))
+        return torch.cat([x, x], dim=dim)  # the other rank's part: here a copy (shapes are what is checked)
+
+    monkeypatch.setattr(cp_attention, "gather_positions", gather)
+    layout = SeqLayout.of(16, 2, 0)
+    q, k, v = (torch.randn(2, 4, 8, 8) for _ in range(3))  # head dim 8 = this rank's positions: told apart anyway
+    with ContextAttention(TPGroup(None, 0, 1), layout, Traffic()) as mode:
+        scores = q @ k.transpose(-2, -1)
+        out = torch.matmul(scores.softmax(-1), v)
+        bias = torch.zeros(8, 1, 8)  # baddbmm's added bias with a column per local key: every key's
+        assert torch.baddbmm(bias, q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2)).shape == (8, 8, 16)
+        weight = nn.Parameter(torch.randn(2, 8, 8))
+        assert (q.flatten(0, 1)[:2] @ weight).shape == (2, 8, 8)  # a weight
+        assert (q[0, 0] @ k[0, 0].T).shape == (8, 8)  # 2-d factors
+        whole_k = torch.randn(2, 4, 16, 8)
+        probs = (q @ whole_k.transpose(-2, -1)).softmax(-1)  # keys already whole: rows x 16
+        assert (probs @ whole_k).shape == (2, 4, 8, 8)  # contracted over the whole sequence's positions
+    assert scores.shape == (2, 4, 8, 16) and out.shape == (2, 4, 8, 8)
+    assert gathered == [((2, 4, 8, 8), -1), ((2, 4, 8, 8), -2), ((8, 1, 8), -1), ((8, 8, 8), -1)]
+    assert mode.products == 3
