@@ -37,6 +37,7 @@ from lightning_tpp.core.reference import _records_kept, evaluating, first_differ
 from lightning_tpp.core.recompute import compile_inside, is_recomputed
 from lightning_tpp.core.walk import get_arg, stream_index
 from lightning_tpp.pipeline.metrics import is_logging_step
+from lightning_tpp.pipeline.stage import compile_dispatched
 
 PREFIX = "compile/"
 
@@ -142,7 +143,7 @@ class Compiled:
                     pass
                 elif is_recomputed(block):
                     compile_inside(block, make)
-                else:
+                elif not compile_dispatched(block, make):
                     compile_call(block, make)
             return
         if self.steps == 2 and self.check:

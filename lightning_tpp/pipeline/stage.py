@@ -270,8 +270,22 @@ class _PipelineDispatch:
     """Mixin for this rank's units: ask the runtime whether to run."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        real = lambda: super(_PipelineDispatch, self).forward(*args, **kwargs)  # noqa: E731
+        own = self.__dict__.get(_COMPILED) or super(_PipelineDispatch, self).forward
+        real = lambda: own(*args, **kwargs)  # noqa: E731
         return self.__dict__[BINDING].runtime.dispatch(self, args, kwargs, real)
+
+
+_COMPILED = "_tpp_pp_compiled"
+
+
+def compile_dispatched(module: nn.Module, compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """``compile=`` on a unit of this rank: its own forward compiled, run by the runtime's dispatch, which stays
+    eager (compiled around it, each call went through two graphs with a break between). Returns whether ``module``
+    is such a unit."""
+    if not isinstance(module, _PipelineDispatch):
+        return False
+    module.__dict__[_COMPILED] = compile_fn(super(_PipelineDispatch, module).forward)
+    return True
 
 
 class _RemoteModule(nn.Module):

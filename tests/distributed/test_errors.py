@@ -59,9 +59,12 @@ SCRIPT = ROOT / "tests" / "distributed" / "worker_errors.py"
                                r"'auto', or compile=False"),
     ("compile_wrong", 2, r"CompiledMismatchError: compile=: a compiled block does not compute what its eager forward "
                          r"computes on the same inputs \('model\.model\.model\.layers\.0' \(\w+\): output"),
+    ("compile_wrong_pp", 2, r"CompiledMismatchError: compile=: a compiled block does not compute what its eager "
+                            r"forward computes on the same inputs \('model\.model\.model\.layers\.[01]' "
+                            r"\(PipelineDispatch\[LlamaDecoderLayer\]\): output"),
 ], ids=["heads", "mismatch", "backward", "embedding", "sp_positions", "sp_bypassed", "sp_odd_length", "world",
         "pp_stages", "pp_encdec", "pp_manual", "pp_fp16", "pp_trace", "pp_tied_cut", "cp_eager", "cp_block_aux",
-        "compile_zero_bubble", "compile_wrong"])
+        "compile_zero_bubble", "compile_wrong", "compile_wrong_pp"])
 def test_error_on_every_rank(scenario: str, devices: int, message: str) -> None:
     import re
 

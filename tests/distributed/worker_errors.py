@@ -178,6 +178,8 @@ SCENARIOS = {  # name -> (module, strategy kwargs, batch size)
                                                           compile={"backend": "aot_eager"}), 4),
     # ... and a compiled block that computes something else than its eager forward (checked on its first call)
     "compile_wrong": (lambda: LitLM("hf_llama"), dict(tp=2, compile={"backend": _off_by_a_little}), 4),
+    "compile_wrong_pp": (lambda: LitLM("hf_llama"), dict(pp=2, schedule="1f1b", compile={"backend": _off_by_a_little}),
+                         4),
     "pp_fp16": (lambda: LitLM("nanogpt"), dict(pp=2, precision_plugin=MixedPrecision(
         "16-mixed", "cpu", torch.amp.GradScaler("cpu"))), 4),
 }
