@@ -4,10 +4,11 @@ passed to every block, Hugging Face Llama (GQA, rotary; with SDPA, and with its 
 sliding window shorter than the sequence, BERT (bidirectional) with a padding mask, Qwen3, Phi-3, GPT-NeoX and
 Gemma 3 (sliding and full layers) with SDPA, Gemma 2 (eager, soft-capped), Falcon and GPT-BigCode (multi-query),
 BLOOM (ALiBi, attention as ``baddbmm -> softmax -> bmm``), a hand-written decoder whose attention is ``matmul ->
-softmax -> matmul`` under a mask passed into its blocks, Llama on packed documents (position ids restarting per document: a
-block-diagonal mask), and three that cp must refuse: nanoGPT's attention written as matmul -> softmax -> matmul, a
-Mamba-style block (a depthwise convolution over time and a scan), and a mixture-of-experts block that returns its
-load-balancing loss beside the stream (a function of all of its positions)."""
+softmax -> matmul`` under a mask passed into its blocks, Llama on packed documents (position ids restarting per
+document: a block-diagonal mask), and three that cp must refuse: nanoGPT's attention written as matmul -> softmax ->
+matmul under a mask cut from a buffer by its input's length, a Mamba-style block (a depthwise convolution over time
+and a scan), and a mixture-of-experts block that returns its load-balancing loss beside the stream (a function of
+all of its positions)."""
 
 from __future__ import annotations
 
@@ -219,7 +220,7 @@ MODELS.update({
     "cp_matmul": MatmulAttentionLM,  # attention by hand (matmul -> softmax -> matmul), its mask passed in
     "cp_hf_bert": HFBertPadded,
     "cp_hf_bert_dropout": lambda: HFBertPadded(dropout=0.5),  # BERT's default is 0.1; 0.5 for a clear mask
-    "cp_nanogpt": lambda: NanoGPT(block_size=CP_SEQ),  # matmul -> softmax -> matmul: refused
+    "cp_nanogpt": lambda: NanoGPT(block_size=CP_SEQ),  # matmul -> softmax -> matmul, mask cut by [:T, :T]: refused
     "cp_mamba": MambaStyleLM,  # a convolution over time and a scan: refused
     "cp_aux_moe": AuxMoELM,  # a load-balancing loss computed over a block's positions, returned beside it: refused
 })

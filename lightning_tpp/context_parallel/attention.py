@@ -223,7 +223,7 @@ class ContextAttention(TorchFunctionMode):
     def product(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """Attention written as ``matmul -> softmax -> matmul`` (``@``, ``matmul``, ``bmm``, ``baddbmm``, as BLOOM's
         ALiBi attention): a product of this rank's rows with the transposed keys of its own positions (two
-        per-position tensors of 3 dimensions or more, neither a parameter, contracted over their features) gets the
+        per-position tensors of 3 dimensions or more, neither a parameter, contracted over 2 or more features) gets the
         whole sequence's keys; a product of rows over every key (scores or probabilities) with values of this rank's
         positions gets the whole sequence's values. A ``baddbmm``'s added bias with a column per local key gets
         every key's. The gather runs again in backward (a checkpoint around it and the product), so no rank keeps the
@@ -235,8 +235,9 @@ class ContextAttention(TorchFunctionMode):
         if not (_per_position(a) and _per_position(b)) or a.shape[-2] != n:
             return func(*args, **kwargs)
         whole = (layout.length, layout.padded)
-        if b.shape[-1] == n and a.shape[-1] == b.shape[-2] and a.shape[-1] not in whole:
-            dim = -1  # scores: rows x this rank's keys (transposed), contracted over features, not positions
+        if b.shape[-1] == n and a.shape[-1] == b.shape[-2] and a.shape[-1] not in whole and a.shape[-1] > 1:
+            dim = -1  # scores: rows x this rank's keys (transposed), contracted over features (not positions; not
+            # an outer product, as rotary frequencies times positions are)
         elif b.shape[-2] == n and a.shape[-1] in whole:
             dim = -2  # rows over every key x this rank's values
         else:

@@ -306,8 +306,8 @@ class _ContextBlock:
         elif mode.taken == 0:
             hint = ("no attention call that cp takes over ran in it (scaled_dot_product_attention, "
                     "nn.MultiheadAttention, Hugging Face's sdpa or eager, or a matmul of this rank's rows with its "
-                    "keys), so its attention saw this rank's keys only: load the model with attn_implementation='sdpa', "
-                    "or call F.scaled_dot_product_attention")
+                    "keys), so its attention saw this rank's keys only: load the model with "
+                    "attn_implementation='sdpa', or call F.scaled_dot_product_attention")
         else:
             hint = ("its own code probably mixes positions outside its attention (a scan, a convolution or a pooling "
                     "over the sequence) or builds a mask or a position bias from its input's length")

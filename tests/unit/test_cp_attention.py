@@ -107,6 +107,8 @@ def test_which_products_are_attention(monkeypatch: pytest.MonkeyPatch) -> None:
         whole_k = torch.randn(2, 4, 16, 8)
         probs = (q @ whole_k.transpose(-2, -1)).softmax(-1)  # keys already whole: rows x 16
         assert (probs @ whole_k).shape == (2, 4, 8, 8)  # contracted over the whole sequence's positions
+        frequencies, positions = torch.randn(2, 8, 1), torch.arange(8.0).expand(2, 1, 8)  # rotary: 8 = head dim / 2
+        assert (frequencies @ positions).shape == (2, 8, 8)  # an outer product (over 1), this rank's positions
     assert scores.shape == (2, 4, 8, 16) and out.shape == (2, 4, 8, 8)
     assert gathered == [((2, 4, 8, 8), -1), ((2, 4, 8, 8), -2), ((8, 1, 8), -1), ((8, 8, 8), -1)]
     assert mode.products == 3
