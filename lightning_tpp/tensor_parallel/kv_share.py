@@ -83,7 +83,8 @@ def sum_shared_grad(grad: Tensor, spec: ShardSpec, size: int, group: TPGroup) ->
             buf.narrow(spec.dim, pos, n).copy_(grad.narrow(spec.dim, local, n))
             slots.append((local, pos, n))
         local += n
-    dist.all_reduce(buf, group=group.group)
+    if not buf.is_meta:  # shapes only (the memory planner's meta backward): nothing to sum
+        dist.all_reduce(buf, group=group.group)
     out = grad.clone()
     for local, pos, n in slots:
         out.narrow(spec.dim, local, n).copy_(buf.narrow(spec.dim, pos, n))

@@ -54,6 +54,15 @@ def test_tensor_parallelism_halves_the_sharded_parameters() -> None:
     assert all(r.param_count == (_count(llama) - norms) // 2 + norms for r in report.ranks)
 
 
+@pytest.mark.parametrize("kv_heads, tp", [(1, 2), (2, 4)])
+def test_tensor_parallelism_beyond_the_key_value_heads(kv_heads: int, tp: int) -> None:
+    """More tp ranks than key/value heads (multi-query attention at tp=2, Llama-3-8B's 8 at tp=16): the tp ranks
+    that share a head sum its gradient in backward. On the planner's meta copy there is nothing to sum, and the
+    plan used to stop there, asking for a process group."""
+    report = estimate_memory(HFCausalLM("llama", kv_heads=kv_heads), tp=tp, pp=1, batch_size=MB, seq_len=SEQ)
+    assert len(report.ranks) == tp and all(r.activations > 0 for r in report.ranks)
+
+
 def test_auto_schedule_counts_the_most_it_may_run() -> None:
     """schedule="auto" (the default) measures with zb-drain and may choose any candidate: each rank gets the most of
     them; where the layout decides (FSDP2 over dp: 1F1B; fewer micro-batches than stages: GPipe), that one."""
