@@ -519,7 +519,14 @@ def _dp(s: Setup) -> None:
     that hold the same experts (``data_parallel.fsdp.ExpertShards``), where there are several. Everything that held the replaced parameter objects follows them."""
     state, config = s.state, s.config
     assert state is not None
-    if s.dims.dp * s.dims.cp == 1 or config.dp_sharding == "no_shard":
+    if config.dp_sharding == "no_shard":
+        return
+    ep = s.groups.ep
+    banks = split_banks(s.module) if ep is not None and ep.replicas is not None else []
+    experts = ExpertShards(tuple(banks), ep.mesh["edp"], float(ep.dp)) \
+        if banks and dist.get_world_size(ep.replicas) > 1 else None  # type: ignore[union-attr,index]
+    dense = s.dims.dp * s.dims.cp > 1  # else only experts whose replicas are tp ranks are sharded (over them)
+    if not dense and experts is None:
         return
     assert s.groups.mesh is not None
     replicas = replica_mesh(s.groups.mesh, s.dims)  # dp, or dp x cp (the cp ranks hold the same weights)
@@ -527,19 +534,15 @@ def _dp(s: Setup) -> None:
         assert s.map is not None
         s.map.blocks()  # the user's containers: the partitioner says what is wrong with them
     s.convert(s.module)
-    ep = s.groups.ep
-    banks = split_banks(s.module) if ep is not None and ep.replicas is not None else []
-    experts = ExpertShards(tuple(banks), ep.mesh["edp"], float(ep.dp)) \
-        if banks and dist.get_world_size(ep.replicas) > 1 else None  # type: ignore[union-attr,index]
     state.dp = dp = shard_over_dp(s.module, replicas, blocks=list(state.blocks),
-                                  sharding=config.dp_sharding, keep=s.split, experts=experts,
+                                  sharding=config.dp_sharding, keep=s.split, experts=experts, dense=dense,
                                   # the cp ranks of a replica hold the same tokens at the head: exchanged over dp x cp
                                   # they would be computed cp times; FSDP2 gathers the head instead
-                                  vocab_exchange=config.vocab_exchange and s.dims.cp == 1,
+                                  vocab_exchange=config.vocab_exchange and s.dims.cp == 1 and dense,
                                   tp_blocks=[b.name for b in state.tp_blocks], quiet=checks_off)
-    # FSDP2 gathers a unit for backward when its output's gradient arrives: a loss computed from the head's shards
-    # would bypass that output (a head computed over dp has no such hook)
-    no_loss_parallel(s.module, keep=tuple(r.name for r in dp.rows))
+    if dense:  # FSDP2 gathers a unit for backward when its output's gradient arrives: a loss computed from the
+        # head's shards would bypass that output (a head computed over dp has no such hook)
+        no_loss_parallel(s.module, keep=tuple(r.name for r in dp.rows))
     state.shards.rekey(dp.replaced)
     state.shards.resolve = dp.sharded_of
     engine = state.engine

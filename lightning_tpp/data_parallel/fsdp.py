@@ -221,14 +221,15 @@ def _enclosing(units: set[str], needs: dict[int, str], holders: dict[int, list[s
 def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str], sharding: str,
                   vocab_exchange: bool = True, keep: Sequence[nn.Parameter] = (), tp_blocks: Collection[str] = (),
                   quiet: Optional[Callable[[nn.Module], None]] = None,
-                  experts: Optional[ExpertShards] = None) -> DPShards:
+                  experts: Optional[ExpertShards] = None, dense: bool = True) -> DPShards:
     """``fully_shard`` each unit of ``module`` (this rank's stage, tensor-parallel shards as plain parameters) over the
     1-d ``mesh``; with ``vocab_exchange``, the vocabulary matrices cut by rows instead (``data_parallel.rows``);
     ``keep`` stays as it is (not sharded, gradients not reduced). Units and vocabulary matrices follow where the
     forward reads each parameter (``data_parallel.reads``), and reads it could not see are guarded at the first call.
     ``tp_blocks``: the tensor-parallel blocks; ``quiet``: turns their first-call checks off on the meta copy that
-    finds the reads. ``experts``: banks of ``keep`` each made a unit over its replicas' mesh instead. Returns what was
-    done, with old parameter -> new parameter (FSDP2 replaces the objects)."""
+    finds the reads. ``experts``: banks of ``keep`` each made a unit over its replicas' mesh instead; ``dense=False``:
+    only they (``mesh`` has one rank: the replicas are tp ranks). Returns what was done, with old parameter -> new
+    parameter (FSDP2 replaces the objects)."""
     from torch.distributed.fsdp import fully_shard
 
     before = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
@@ -237,6 +238,8 @@ def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str],
     rows, moved = shard_rows_over_dp(module, names, mesh)
     units, replicated = fsdp_units(module, blocks, skip={id(p) for p in (*moved.values(), *keep)},
                                    reads=reads.readers, tp_blocks=tp_blocks)
+    if not dense:  # nothing of the model's own but its expert banks
+        units, replicated = [], [n for n, p in module.named_parameters() if all(p is not q for q in keep)]
     _check_same_units(units, mesh)
     modules = dict(module.named_modules())
     banks = list(experts.banks) if experts is not None else []

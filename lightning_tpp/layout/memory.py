@@ -132,8 +132,10 @@ def layout_memory(profile: ModelProfile, layout: Layout, *, batch: int, optimize
             gathered = 2 * largest if backend == "gloo" else 4 * largest
             if layout.dp_sharding == "shard_grad_op":
                 gathered += dense * elem
-        # experts: sharded over their replicas (dp x cp x tp / ep ranks) where FSDP2 runs, as the strategy does
-        held_params = dense / shard + experts / (layout.expert_replicas if layout.sharded else 1)
+        # experts: sharded over their replicas (dp x cp x tp / ep ranks; tp ranks alone where dp x cp = 1) unless
+        # dp_sharding="no_shard", as the strategy does
+        experts_sharded = layout.dp_sharding != "no_shard" and layout.expert_replicas > 1
+        held_params = dense / shard + experts / (layout.expert_replicas if experts_sharded else 1)
         step = held_params * elem if optimizer in ("adam", "adamw") else 0.0
         memory = LayoutMemory(r, held_params * per_param, held, gathered, step)
         if best is None or memory.total > best.total:

@@ -193,8 +193,9 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
     splitting = [pp > 1 and any(kind in ("I", "W") for kind, _, _ in spec.orders(0, pp, m, virtual_stages))
                  for spec in specs]
     for r, (rank_copy, rank_state) in enumerate(cuts):
-        # experts split over ep, sharded over their replicas too where FSDP2 runs (data_parallel.fsdp.ExpertShards)
-        replicas = dp * cp * tp // ep if dp_shard and dp * cp > 1 and ep > 1 else 1
+        # experts split over ep, sharded over their replicas (dp x cp x tp / ep ranks: tp ranks alone where dp x cp
+        # is 1) where FSDP2 runs (data_parallel.fsdp.ExpertShards)
+        replicas = dp * cp * tp // ep if dp_shard and ep > 1 else 1
         params, grads, optim, count = _state_bytes(rank_copy, optimizer, dp * cp if dp_shard else 1, replicas)
         stages = tuple(c * pp + r for c in range(virtual_stages)) if pp > 1 else (0,)
         extra = max((recompute.get(g, 0) for g in stages), default=0)
@@ -206,8 +207,9 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
             held_saved = _held(spec, r, pp, m, virtual_stages, [saved.get(g, 0) for g in stages],
                                [waiting_saved.get(g, 0) for g in stages])[1]
             gathered = _gathered(rank_copy, rank_state, splits, backend,
-                                 mb * seq_len if vocab_exchange and cp == 1 else 0, dp * cp, replicas > 1) \
-                if dp_shard and dp * cp > 1 else 0
+                                 mb * seq_len if vocab_exchange and cp == 1 else 0, dp * cp, replicas > 1,
+                                 dense=dp_shard and dp * cp > 1) \
+                if (dp_shard and dp * cp > 1) or replicas > 1 else 0
             step = params if optimizer in ("adam", "adamw") else 0
             options.append(RankMemory(r, 0, stages, count, params, grads, optim, held + extra + loss, in_flight,
                                       held - held_saved, extra, loss, gathered, step,
@@ -231,7 +233,7 @@ def _runs(schedule: ScheduleLike, pp: int, microbatches: int, virtual: int, dp_s
 
 
 def _gathered(cut: nn.Module, state: ParallelState, splits_backward: bool, backend: str,
-              exchanged_tokens: int, dp: int, expert_units: bool = False) -> int:
+              exchanged_tokens: int, dp: int, expert_units: bool = False, dense: bool = True) -> int:
     """What dp sharding holds whole beside the shards, at its most. FSDP2: during the backward of the largest unit
     its gathered parameters, its unsharded gradient and the reduce-scatter's input copy of it (FSDP2 keeps the
     gradient alive through the reduce-scatter), with the next block prefetched; over gloo (``data_parallel.fsdp``'s CPU
@@ -240,7 +242,8 @@ def _gathered(cut: nn.Module, state: ParallelState, splits_backward: bool, backe
     schedule ends. The vocabulary matrices computed over dp (``data_parallel.rows``; ``exchanged_tokens`` per
     micro-batch and rank, 0 when they are FSDP2 units) are never gathered: what they hold is their all-to-all's
     buffers, the send and the receive side of a head's logits (``_exchange_bytes``). ``expert_units``: the banks split
-    over ep are units of their own, over their replicas (else they are never gathered)."""
+    over ep are units of their own, over their replicas (else they are never gathered); ``dense=False``: they alone
+    (dp x cp = 1, their replicas tp ranks)."""
     blocks, tp_blocks = list(state.blocks), [b.name for b in state.tp_blocks]  # what setup's FSDP2 step reads
     exchanged = candidates(cut, blocks, tp_blocks) if exchanged_tokens else []
     rows = {id(p) for n in exchanged for p in cut.get_submodule(n).parameters()}
@@ -249,6 +252,8 @@ def _gathered(cut: nn.Module, state: ParallelState, splits_backward: bool, backe
     bank = sum(p.numel() * p.element_size() for p in experts) // max(len(split_banks(cut)), 1) \
         if expert_units else 0  # one bank gathered over its replicas
     exchange = max((_exchange_bytes(cut.get_submodule(n), exchanged_tokens, dp) for n in exchanged), default=0)
+    if not dense:
+        return 2 * bank if backend == "gloo" else 3 * bank
     if splits_backward:
         return max(exchange, 2 * sum(p.numel() * p.element_size() for p in {id(p): p for p in cut.parameters()
                                                                             if id(p) not in rows}.values()))

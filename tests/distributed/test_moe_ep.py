@@ -74,6 +74,50 @@ def test_experts_sharded_over_their_replicas(tmp_path: Path) -> None:
             assert record.expert_state_fraction == pytest.approx(1 / 4, rel=0.05), (name, rank)
 
 
+def test_experts_sharded_over_replicas_that_are_tp_ranks(tmp_path: Path) -> None:
+    """ep2 over tp4 with dp = 1: each expert's 2 replicas are tp ranks, and FSDP2 shards its parameters, gradients and
+    momentum over them (each rank 1/4 of every bank's elements, not 1/2), the dense parameters left as tensor
+    parallelism cut them. Mixtral keeps two experts of four per rank (Shard(0)); gpt-oss routes every token to one
+    expert."""
+    models = ["hf_mixtral_labels", "hf_gpt_oss_one_expert"]
+    _launch(tmp_path, models, ep=2, tp=4, extra=("--clip", "0.05", "--optimizer", "sgdm", "--steps", "4"))
+    for name in models:
+        ref = _reference(name, dp=1, clip=0.05, optimizer="sgdm", steps=4)
+        for rank in range(4):
+            record = load_record(tmp_path / f"{name}.rank{rank}.pt")
+            assert_parity(record, ref, where=f"{name} ep=2 tp=4 rank {rank}")
+            assert record.expert_fraction == pytest.approx(1 / 4, rel=0.05), (name, rank, record.expert_fraction)
+            assert record.expert_state_fraction == pytest.approx(1 / 4, rel=0.05), (name, rank)
+
+
+@pytest.mark.slow
+def test_experts_sharded_over_tp_replicas_resume(tmp_path: Path) -> None:
+    """Saved at ep2 over tp4 (experts sharded over their tp replicas) as DCP shards, resumed in one process
+    (consolidated) and in the same layout: the steps after the resume equal an uninterrupted run's."""
+    from worker_resume import run
+
+    script = ROOT / "tests" / "distributed" / "worker_resume.py"
+    name, ckpt = "hf_mixtral_labels", tmp_path / "run.ckpt"
+    reference = []
+    for phase in ("first", "second"):
+        run(tmp_path, phase, 0, 0, tmp_path / "plain.ckpt", model=name)
+        reference.append(load_record(tmp_path / f"{phase}.rank0.pt"))
+    run_ranks(script, 4, [str(tmp_path), "first", "4", "1", str(ckpt), "sharded", "sgdm", "1", name, "2"],
+              timeout=300).check()
+    assert_parity(load_record(tmp_path / "first.rank0.pt"), reference[0], where="ep=2 tp=4 first phase")
+    from lightning_tpp import consolidate
+
+    consolidate(ckpt, tmp_path / "single.ckpt")
+    run(tmp_path, "second", 0, 0, tmp_path / "single.ckpt", model=name)
+    assert_parity(load_record(tmp_path / "second.rank0.pt"), reference[1], rtol=1e-5, atol=1e-5,
+                  where="ep=2 tp=4 -> one process")
+    run_ranks(script, 4, [str(tmp_path), "second", "4", "1", str(ckpt), "sharded", "sgdm", "1", name, "2"],
+              timeout=300).check()
+    for rank in range(4):
+        assert_parity(load_record(tmp_path / f"second.rank{rank}.pt"), reference[1], rtol=1e-5, atol=1e-5,
+                      where=f"ep=2 tp=4 -> the same, rank {rank}")
+
+
 def test_ep2_over_tp2(tmp_path: Path) -> None:
     """ep drawn from tp: each tp rank sends its slice of the (replicated) tokens; at most 0.65 of the parameters on a
     rank. A list of expert modules (called one by one by the model's loop) is cut over tp instead, with a warning."""

@@ -78,7 +78,7 @@ def test_planner_counts_experts_split_over_ep_and_their_exchange() -> None:
     """``estimate_memory(ep=2)`` at dp=4: the experts split over ep and sharded over their 2 replicas (expert data
     parallelism), the dense parameters sharded over dp; with ``dp_shard=False`` the experts whole on their replicas;
     the exchange's buffers among the activations (the rows sent and received for each (token, slot) pair, routing
-    spread evenly on meta)."""
+    spread evenly on meta). At dp = 1 with ep2 over tp4, sharded over their 2 tp replicas."""
     from lightning_tpp import estimate_memory
 
     model = MODELS["hf_mixtral_labels"]()
@@ -91,6 +91,12 @@ def test_planner_counts_experts_split_over_ep_and_their_exchange() -> None:
     assert split.activations > plain.activations  # the exchanged rows
     whole = estimate_memory(MODELS["hf_mixtral_labels"](), ep=2, dp_shard=False, **kwargs).ranks[0]
     assert abs(whole.param_count - (experts / 2 + total - experts)) < 0.01 * total
+    # dp = 1, ep2 over tp4: each expert's 2 replicas are tp ranks, over which its parameters are sharded too
+    over_tp = dict(tp=4, pp=1, dp=1, batch_size=2, seq_len=16, ep=2)
+    tp_sharded, tp_whole = (estimate_memory(MODELS["hf_mixtral_labels"](), dp_shard=shard, **over_tp).ranks[0]
+                            for shard in (True, False))
+    assert tp_whole.param_count - tp_sharded.param_count == pytest.approx(experts / 4, rel=0.01)
+    assert tp_sharded.gathered > 0 == tp_whole.gathered  # a bank gathered over its replicas in backward
     with pytest.raises(ValueError, match=r"ep=3 must divide dp\*tp = 4\*1 = 4"):
         estimate_memory(model, ep=3, **kwargs)
 

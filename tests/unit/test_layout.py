@@ -411,6 +411,10 @@ def test_memory_per_rank_shrinks_with_ep(mixtral) -> None:
     assert sharded[0] == pytest.approx(sharded[1]) and sharded[0] < states[1]
     dense = layout_memory(profile, Layout(1, 1, 4, ep=1), batch=4).states  # experts in FSDP2's units with the rest
     assert sharded[0] == pytest.approx(dense, rel=0.01)
+    # dp = 1, ep2 over tp4: the experts' 2 replicas are tp ranks, over which they are sharded (unless no_shard)
+    over_tp, whole = (layout_memory(profile, Layout(4, 1, 1, ep=2, dp_sharding=d), batch=4).states
+                      for d in ("full_shard", "no_shard"))
+    assert whole - over_tp == pytest.approx(experts / 4)
 
 
 def test_ep_step_time_adds_the_all_to_alls_and_the_replicas_reduction(mixtral) -> None:
