@@ -516,7 +516,8 @@ def _dp(s: Setup) -> None:
     """FSDP2 over the dp mesh axis, last (after tensor parallelism, the stages, materialising and loading weights;
     after the precision plugin, which fixes the dtype FSDP2 gathers in): each of this rank's blocks one unit, the
     other parameters grouped by the module holding them; each bank split over ep a unit of its own over the ranks
-    that hold the same experts (``data_parallel.fsdp.ExpertShards``), where there are several. Everything that held the replaced parameter objects follows them."""
+    that hold the same experts (``data_parallel.fsdp.ExpertShards``), where there are several (with dp x cp = 1,
+    tp ranks: then the banks alone). Everything that held the replaced parameter objects follows them."""
     state, config = s.state, s.config
     assert state is not None
     if config.dp_sharding == "no_shard":
