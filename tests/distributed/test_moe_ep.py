@@ -55,67 +55,25 @@ def test_ep2_over_dp2_with_fsdp2(tmp_path: Path) -> None:
     assert len(chosen) == 2 and all(bool((c == 3).all()) for c in chosen), chosen
 
 
-def test_experts_sharded_over_their_replicas(tmp_path: Path) -> None:
-    """Expert data parallelism: ep2 over dp4, so each expert has 2 replicas, over which FSDP2 shards its parameters,
+@pytest.mark.parametrize("dp, tp", [(4, 1), (1, 4)], ids=["over-dp4", "over-tp4"])
+def test_experts_sharded_over_their_replicas(tmp_path: Path, dp: int, tp: int) -> None:
+    """Expert data parallelism: ep2 over dp4 (or over tp4 with dp = 1: the replicas are tp ranks, the dense parameters
+    left as tensor parallelism cut them), so each expert has 2 replicas, over which FSDP2 shards its parameters,
     gradients and momentum (each rank holds 1/4 of every bank's elements, not 1/2). Gradients are summed over the
     replicas and divided by dp; clipping uses the global norm, counting each part once. Mixtral keeps two experts of
     four per rank (Shard(0): one expert per replica); with two experts it keeps one, cut along its next dimension
     (Shard(1)). gpt-oss routes every token to one expert: a rank receives none and still joins every exchange."""
     models = ["hf_mixtral_labels", "hf_mixtral_two_experts", "hf_gpt_oss_one_expert"]
     # 4 steps: one epoch of the 64 samples over 4 replicas of 4 (the next one reshuffles per replica)
-    _launch(tmp_path, models, ep=2, dp=4, extra=("--clip", "0.05", "--optimizer", "sgdm", "--steps", "4"))
+    _launch(tmp_path, models, ep=2, dp=dp, tp=tp, extra=("--clip", "0.05", "--optimizer", "sgdm", "--steps", "4"))
     for name in models:
-        ref = _reference(name, dp=4, clip=0.05, optimizer="sgdm", steps=4)
+        ref = _reference(name, dp=dp, clip=0.05, optimizer="sgdm", steps=4)
         for rank in range(4):
             record = load_record(tmp_path / f"{name}.rank{rank}.pt")
-            assert_parity(record, ref, where=f"{name} ep=2 dp=4 rank {rank}")
+            assert_parity(record, ref, where=f"{name} ep=2 dp={dp} tp={tp} rank {rank}")
             # experts / (ep x replicas), within 5% (FSDP2 pads an uneven split)
             assert record.expert_fraction == pytest.approx(1 / 4, rel=0.05), (name, rank, record.expert_fraction)
             assert record.expert_state_fraction == pytest.approx(1 / 4, rel=0.05), (name, rank)
-
-
-def test_experts_sharded_over_replicas_that_are_tp_ranks(tmp_path: Path) -> None:
-    """ep2 over tp4 with dp = 1: each expert's 2 replicas are tp ranks, and FSDP2 shards its parameters, gradients and
-    momentum over them (each rank 1/4 of every bank's elements, not 1/2), the dense parameters left as tensor
-    parallelism cut them. Mixtral keeps two experts of four per rank (Shard(0)); gpt-oss routes every token to one
-    expert."""
-    models = ["hf_mixtral_labels", "hf_gpt_oss_one_expert"]
-    _launch(tmp_path, models, ep=2, tp=4, extra=("--clip", "0.05", "--optimizer", "sgdm", "--steps", "4"))
-    for name in models:
-        ref = _reference(name, dp=1, clip=0.05, optimizer="sgdm", steps=4)
-        for rank in range(4):
-            record = load_record(tmp_path / f"{name}.rank{rank}.pt")
-            assert_parity(record, ref, where=f"{name} ep=2 tp=4 rank {rank}")
-            assert record.expert_fraction == pytest.approx(1 / 4, rel=0.05), (name, rank, record.expert_fraction)
-            assert record.expert_state_fraction == pytest.approx(1 / 4, rel=0.05), (name, rank)
-
-
-@pytest.mark.slow
-def test_experts_sharded_over_tp_replicas_resume(tmp_path: Path) -> None:
-    """Saved at ep2 over tp4 (experts sharded over their tp replicas) as DCP shards, resumed in one process
-    (consolidated) and in the same layout: the steps after the resume equal an uninterrupted run's."""
-    from worker_resume import run
-
-    script = ROOT / "tests" / "distributed" / "worker_resume.py"
-    name, ckpt = "hf_mixtral_labels", tmp_path / "run.ckpt"
-    reference = []
-    for phase in ("first", "second"):
-        run(tmp_path, phase, 0, 0, tmp_path / "plain.ckpt", model=name)
-        reference.append(load_record(tmp_path / f"{phase}.rank0.pt"))
-    run_ranks(script, 4, [str(tmp_path), "first", "4", "1", str(ckpt), "sharded", "sgdm", "1", name, "2"],
-              timeout=300).check()
-    assert_parity(load_record(tmp_path / "first.rank0.pt"), reference[0], where="ep=2 tp=4 first phase")
-    from lightning_tpp import consolidate
-
-    consolidate(ckpt, tmp_path / "single.ckpt")
-    run(tmp_path, "second", 0, 0, tmp_path / "single.ckpt", model=name)
-    assert_parity(load_record(tmp_path / "second.rank0.pt"), reference[1], rtol=1e-5, atol=1e-5,
-                  where="ep=2 tp=4 -> one process")
-    run_ranks(script, 4, [str(tmp_path), "second", "4", "1", str(ckpt), "sharded", "sgdm", "1", name, "2"],
-              timeout=300).check()
-    for rank in range(4):
-        assert_parity(load_record(tmp_path / f"second.rank{rank}.pt"), reference[1], rtol=1e-5, atol=1e-5,
-                      where=f"ep=2 tp=4 -> the same, rank {rank}")
 
 
 def test_ep2_over_tp2(tmp_path: Path) -> None:
@@ -208,12 +166,15 @@ def test_ep_checkpoints_resume_in_other_layouts(tmp_path: Path, sharded: bool) -
                   where="ep=2 -> tp=2")
 
 
-@pytest.mark.parametrize("sharded", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["dcp", "whole"])
-def test_experts_sharded_over_replicas_resume_in_other_layouts(tmp_path: Path, sharded: bool) -> None:
+@pytest.mark.parametrize("sharded, tp", [(True, 1), pytest.param(False, 1, marks=pytest.mark.slow),
+                                         pytest.param(True, 4, marks=pytest.mark.slow)],
+                         ids=["dcp", "whole", "dcp-over-tp4"])
+def test_experts_sharded_over_replicas_resume_in_other_layouts(tmp_path: Path, sharded: bool, tp: int) -> None:
     """Saved at ep=2 over dp=4 (each expert's parameters and momentum sharded over its 2 replicas) as DCP shards,
-    resumed in one process (consolidated) and in the same layout (each rank reading its part of its experts); saved
-    as one file (slow), resumed in one process, at tp=2 and at ep=4 over dp=4 (one replica). The steps after the
-    resume equal an uninterrupted run's, momentum included; the file holds the model's own 3-D banks."""
+    resumed in one process (consolidated) and in the same layout (each rank reading its part of its experts); the
+    same over tp=4 with dp=1 (the replicas tp ranks; slow); saved as one file (slow), resumed in one process, at tp=2
+    and at ep=4 over dp=4 (one replica). The steps after the resume equal an uninterrupted run's, momentum included;
+    the file holds the model's own 3-D banks."""
     from worker_resume import run
 
     script = ROOT / "tests" / "distributed" / "worker_resume.py"
@@ -222,10 +183,10 @@ def test_experts_sharded_over_replicas_resume_in_other_layouts(tmp_path: Path, s
     for phase in ("first", "second"):
         run(tmp_path, phase, 0, 0, tmp_path / "plain.ckpt", model=name)
         reference.append(load_record(tmp_path / f"{phase}.rank0.pt"))
-    mode = "sharded" if sharded else "whole"
-    run_ranks(script, 4, [str(tmp_path), "first", "1", "1", str(ckpt), mode, "sgdm", "4", name, "2"],
+    mode, layout = "sharded" if sharded else "whole", [str(tp), "1"]  # (tp, pp); dp the rest of 4
+    run_ranks(script, 4, [str(tmp_path), "first", *layout, str(ckpt), mode, "sgdm", str(4 // tp), name, "2"],
               timeout=300).check()
-    assert_parity(load_record(tmp_path / "first.rank0.pt"), reference[0], where="ep=2 dp=4 first phase")
+    assert_parity(load_record(tmp_path / "first.rank0.pt"), reference[0], where=f"ep=2 tp={tp} first phase")
     single = ckpt
     if sharded:
         from lightning_tpp import consolidate
@@ -238,7 +199,7 @@ def test_experts_sharded_over_replicas_resume_in_other_layouts(tmp_path: Path, s
     assert_parity(load_record(tmp_path / "second.rank0.pt"), reference[1], rtol=1e-5, atol=1e-5,
                   where="ep=2 x 2 replicas -> one process")
     if sharded:
-        run_ranks(script, 4, [str(tmp_path), "second", "1", "1", str(ckpt), mode, "sgdm", "4", name, "2"],
+        run_ranks(script, 4, [str(tmp_path), "second", *layout, str(ckpt), mode, "sgdm", str(4 // tp), name, "2"],
                   timeout=300).check()
         for rank in range(4):
             assert_parity(load_record(tmp_path / f"second.rank{rank}.pt"), reference[1], rtol=1e-5, atol=1e-5,
