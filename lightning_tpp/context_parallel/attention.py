@@ -379,8 +379,7 @@ class ContextAttention(TorchFunctionMode):
                 is_causal: bool, gathered: bool, options: dict) -> Tensor:
         layout = self.layout
         if gathered:
-            key = gather_positions(key, -2, layout, self.group, trim=False)
-            value = gather_positions(value, -2, layout, self.group, trim=False)
+            key, value = self._whole_keys(key, value)
         if is_causal:
             if attn_mask is not None:
                 raise ValueError("scaled_dot_product_attention: attn_mask and is_causal=True together")
@@ -393,11 +392,12 @@ class ContextAttention(TorchFunctionMode):
             out = _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, **options)
         return out
 
-    def _whole_keys(self, key: Tensor, value: Tensor, heads: int) -> tuple[Tensor, Tensor]:
-        """The whole (padded) sequence's keys and values, their heads repeated to the queries' (``enable_gqa``)."""
+    def _whole_keys(self, key: Tensor, value: Tensor, heads: Optional[int] = None) -> tuple[Tensor, Tensor]:
+        """The whole (padded) sequence's keys and values; with ``heads``, their heads repeated to the queries'
+        (``enable_gqa``)."""
         key = gather_positions(key, -2, self.layout, self.group, trim=False)
         value = gather_positions(value, -2, self.layout, self.group, trim=False)
-        if key.shape[1] != heads:
+        if heads is not None and key.shape[1] != heads:
             key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
         return key, value
 

@@ -83,6 +83,10 @@ class ContextState:
         return (f"Context parallelism: cp={cp}: {what} run on 1/{cp} of each sequence's positions (chunks r and "
                 f"{2 * cp}-1-r of {2 * cp}: causal work equal on every rank), {attention}{extra}{eager}{heads}")
 
+    def attention(self, layout: SeqLayout) -> ContextAttention:
+        """The function mode a block's attention runs under while the block runs on this rank's ``layout``."""
+        return ContextAttention(self.group, layout, self.traffic, self.a2a, self.whole_of)
+
     def begin(self, length: int) -> SeqLayout:
         """The first block of a run sees the whole sequence: its layout."""
         layout = SeqLayout.of(length, self.group.size, self.group.rank)
@@ -254,8 +258,7 @@ class _ContextBlock:
                     ) -> Any:
         shared = self._tpp_cp.shared
         stream = _get_stream(args, kwargs)
-        mode = mode or ContextAttention(shared.group, layout, shared.traffic, shared.a2a, shared.whole_of)
-        with mode, \
+        with mode or shared.attention(layout), \
                 _own_draws(self, stream), records_gathered(  # type: ignore[arg-type]
                     None if stream is None else stream.shape[0], layout.local, layout.length,
                     lambda t: gather_positions(t, 1, layout, shared.group)):
@@ -272,7 +275,7 @@ class _ContextBlock:
         group = slot.shared.group
         stream = get_arg(args, kwargs, where)
         problem, raised, beside = None, False, False
-        mode = ContextAttention(group, layout, slot.shared.traffic, slot.shared.a2a, slot.shared.whole_of)
+        mode = slot.shared.attention(layout)  # kept after a raise: what it took over says why
         try:  # what the layers record for the model (router logits) is dropped after: the real call records its own
             with torch.no_grad(), evaluating(self), _records_kept():  # type: ignore[arg-type]
                 w_args, w_kwargs = _private_state(*whole)
