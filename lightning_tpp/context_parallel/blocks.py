@@ -79,7 +79,7 @@ class ContextState:
                  if self.heads else "")
         attention = ("every attention on 1/{cp} of the heads over the whole sequence (cp_mode='a2a': all-to-all "
                      "before and after)" if self.a2a else "every attention on the whole sequence's keys (all-gathered, "
-                     "recomputed in backward)").format(cp=cp)
+                     "gathered again in backward)").format(cp=cp)
         return (f"Context parallelism: cp={cp}: {what} run on 1/{cp} of each sequence's positions (chunks r and "
                 f"{2 * cp}-1-r of {2 * cp}: causal work equal on every rank), {attention}{extra}{eager}{heads}")
 
