@@ -150,11 +150,11 @@ def _seq_reduce_scatter(x: Tensor, group: TPGroup, dim: int = SEQ_DIM) -> Tensor
                          f"has {x.shape[dim]} (shape {tuple(x.shape)}); use a sequence length divisible by tp")
     if x.is_meta:
         return _seq_part(x, group, dim)
-    comm = _comm_dtype(x)
-    parts = [p.contiguous() for p in comm.chunk(group.size, dim=dim)]
-    out = torch.empty_like(parts[group.rank])
-    torch.distributed.reduce_scatter(out, parts, group=group.group)
-    return out.to(x.dtype)
+    # the tensor form, parts along dim 0 (dynamo traces it; the list form broke a compiled block's graph)
+    comm = _comm_dtype(x).movedim(dim, 0).contiguous()
+    out = comm.new_empty((comm.shape[0] // group.size, *comm.shape[1:]))
+    torch.distributed.reduce_scatter_single(out, comm, group=group.group)
+    return out.movedim(0, dim).contiguous().to(x.dtype)
 
 
 class _ScatterSeq(torch.autograd.Function):

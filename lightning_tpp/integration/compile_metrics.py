@@ -38,6 +38,7 @@ from lightning_tpp.core.recompute import compile_inside, is_recomputed
 from lightning_tpp.core.walk import get_arg, stream_index
 from lightning_tpp.pipeline.metrics import is_logging_step
 from lightning_tpp.pipeline.stage import compile_dispatched
+from lightning_tpp.tensor_parallel.sequence import compile_sequence
 
 PREFIX = "compile/"
 
@@ -143,7 +144,7 @@ class Compiled:
                     pass
                 elif is_recomputed(block):
                     compile_inside(block, make)
-                elif not compile_dispatched(block, make):
+                elif not (compile_sequence(block, make) or compile_dispatched(block, make)):
                     compile_call(block, make)
             return
         if self.steps == 2 and self.check:

@@ -53,7 +53,9 @@ from lightning_tpp.tensor_parallel.rng import following
 from lightning_tpp.tensor_parallel.sequence_region import (
     block_inputs,
     block_output,
+    gathered_mark,
     in_sequence_region,
+    release_gathered,
     saved_as_shards,
 )
 from lightning_tpp.tensor_parallel.plan_types import (
@@ -170,6 +172,7 @@ class _TPBlock:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         st = self._tpp_block
+        mark = gathered_mark()
         args, kwargs = block_inputs(args, kwargs)  # sequence parallelism: the stream's shards gathered
         if st.verify_pending:
             st.verify_pending = False
@@ -191,6 +194,7 @@ class _TPBlock:
             return block_output(out)
         finally:
             st.scope.exit()
+            release_gathered(mark)
 
 
 class _TPMultiheadAttentionBlock(_TPBlock, _ParallelMultiheadAttention):

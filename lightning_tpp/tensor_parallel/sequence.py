@@ -34,7 +34,7 @@ rest; one that matches neither way is an error.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -82,6 +82,7 @@ class ElementState:
     partial: list[tuple[nn.Module, str]] = field(default_factory=list)  # parameters with per-rank partial grads
     ran: bool = False  # has run on shards (a block never called, whose submodules are, would not)
     warned: bool = False
+    compiled: Optional[Callable[..., Any]] = None  # compile=: the block's own forward, compiled (compile_sequence)
 
 
 def _side_inputs(args: tuple, kwargs: dict, where: Optional[tuple[str, Any]], fn: Any) -> tuple[tuple, dict]:
@@ -129,21 +130,33 @@ class _SequenceElement:
 
     def _sp_forward(self, args: tuple, kwargs: dict, where: tuple[str, Any]) -> Any:
         st = self._tpp_sp
+        forward = st.compiled or super().forward  # type: ignore[misc]
         stream = get_arg(args, kwargs, where)
         if st.flat:  # its projections are its own: the whole block runs on the whole sequence
             args, kwargs = replace_arg(args, kwargs, where, gather_seq(stream, st.group))
-            out = super().forward(*args, **kwargs)  # type: ignore[misc]
+            out = forward(*args, **kwargs)
             return out if st.last else map_first_tensor(out, lambda t: scatter_seq(t, st.group))
         with sequence_region(st.group, stream.shape, regather=not st.recomputed), records_gathered(
                 stream.shape[0], stream.shape[1], stream.shape[1] * st.group.size, lambda t: gather_seq(t, st.group)):
             if not (self.training and st.draws is not False):  # type: ignore[attr-defined]
-                out = super().forward(*args, **kwargs)  # type: ignore[misc]
+                out = forward(*args, **kwargs)
             else:  # dropout over the shards draws per tp rank, as over a column layer's output
                 with following(st.group.rank, st.group.stream, f"sequence:{st.name}") as draws:
                     draws.mark(stream)
-                    out = super().forward(*args, **kwargs)  # type: ignore[misc]
+                    out = forward(*args, **kwargs)
                 st.draws = st.draws or draws.dropped
         return map_first_tensor(out, lambda t: gather_seq(t, st.group)) if st.last else out
+
+
+def compile_sequence(element: nn.Module, compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """``compile=`` on a block of the sequence: its own forward compiled (the tensor-parallel blocks inside it, their
+    gathers, alias and reduce-scatters traced), run inside what the block does around it (the stream cut or gathered,
+    the region entered, dropout drawn per rank, Hugging Face's records gathered), which stays eager: traced, the
+    output collector's ``ContextVar`` broke the graph. Returns whether ``element`` is such a block."""
+    if not isinstance(element, _SequenceElement):
+        return False
+    element._tpp_sp.compiled = compile_fn(super(_SequenceElement, element).forward)
+    return True
 
 
 def _mismatch(element: nn.Module, st: ElementState, claim: str, cause: str) -> Mismatch:

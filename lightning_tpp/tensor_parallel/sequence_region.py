@@ -21,13 +21,15 @@ from lightning_tpp.core.walk import Scoped
 
 @dataclass
 class _Region:
-    """While a block of the sequence runs: the shape of its input shard, and the stream gathered at a
-    tensor-parallel block's entry (id -> shard, gathered, the column layers' alias)."""
+    """While a block of the sequence runs: the shape of its input shard, and the streams gathered at its
+    tensor-parallel blocks' entries ([shard, gathered, the column layers' alias, _Regathered] each). Found again by
+    identity (``is``), which ``torch.compile`` traces inside a compiled block (a registry by ``id()`` broke the graph
+    and made dynamo guard on each call's tensor: a recompile every step)."""
 
     group: TPGroup
     shard: torch.Size
     regather: bool = True  # gathered inputs saved for backward as shards (off inside activation checkpointing)
-    gathered: dict[int, list[Any]] = field(default_factory=dict)  # [shard, whole, alias, _Regathered]
+    gathered: list[list[Any]] = field(default_factory=list)
 
     @property
     def whole(self) -> torch.Size:
@@ -82,10 +84,24 @@ def block_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if t.shape != region.shard:  # a side input: replicated inside the block, so its gradient is whole here
             return _ShareGrad.apply(t, region.group.size) if t.requires_grad and torch.is_grad_enabled() else t
         whole = gather_seq(t, region.group)
-        region.gathered[id(whole)] = [t, whole, None, None]
+        region.gathered.append([t, whole, None, None])
         return whole
 
     return tuple(fn(a) for a in args), {k: fn(v) for k, v in kwargs.items()}
+
+
+def gathered_mark() -> int:
+    """Before a tensor-parallel block's call: how many streams the region holds (its own are let go after it)."""
+    region = _REGION.get()
+    return len(region.gathered) if region is not None else 0
+
+
+def release_gathered(mark: int) -> None:
+    """After it: the streams it gathered let go (only its own layers read them; backward holds what it needs), so
+    that the next block's compiled frame starts from the same region (dynamo guards on its length)."""
+    region = _REGION.get()
+    if region is not None:
+        del region.gathered[mark:]
 
 
 class _Regathered:
@@ -113,10 +129,11 @@ def saved_as_shards() -> contextlib.AbstractContextManager:
     view of it) is kept as the shard (:class:`_Regathered`); everything else goes to the enclosing hooks, if any
     (a user's ``save_on_cpu``, a memory tracker), as without this one."""
     region = _REGION.get()
-    if region is None or not region.regather or not region.gathered or not torch.is_grad_enabled():
+    if region is None or not region.regather or not region.gathered or not torch.is_grad_enabled() or \
+            torch.compiler.is_compiling():  # compiled: what the graph saves is AOTAutograd's choice (docs/compile.md)
         return contextlib.nullcontext()
     outer_pack, outer_unpack = enclosing_saved_tensors_hooks() or (_identity, _identity)
-    wholes = {e[1].untyped_storage().data_ptr(): e for e in region.gathered.values()}
+    wholes = {e[1].untyped_storage().data_ptr(): e for e in region.gathered}
 
     def pack(t: Tensor) -> Any:
         entry = wholes.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
@@ -141,12 +158,14 @@ def column_input(x: Tensor) -> Optional[Tensor]:
     backward reduce-scatters the layer's partial input gradient (Megatron-SP's all-gather backward), shared by the
     sibling layers that read it (q, k, v). ``None`` for any other input (the layer's own ``copy_to_tp`` applies)."""
     region = _REGION.get()
-    entry = region.gathered.get(id(x)) if region is not None else None
-    if entry is None or entry[1] is not x or not torch.is_grad_enabled():
+    if region is None or not torch.is_grad_enabled():
         return None
-    if entry[2] is None:
-        entry[2] = seq_alias(entry[0], x, region.group)
-    return entry[2]
+    for entry in region.gathered:
+        if entry[1] is x:
+            if entry[2] is None:
+                entry[2] = seq_alias(entry[0], x, region.group)
+            return entry[2]
+    return None
 
 
 def block_output(out: Any) -> Any:

@@ -29,7 +29,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     counts: dict[str, dict[str, int]] = {}
     calls = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
-    real = {name: getattr(dist, name) for name in calls}
+    functions = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter_single"}
+    real = {name: getattr(dist, functions[name]) for name in calls}
 
     def counting(name):
         def wrapper(*args, **kwargs):
@@ -53,7 +54,7 @@ def main() -> None:
         x = torch.randn(2, seq, 32, requires_grad=True)
         block(x, *extra).sum().backward()  # first call runs the numerical check; not counted
         for k in calls:
-            setattr(dist, k, counting(k))
+            setattr(dist, functions[k], counting(k))
         reset()
         y = block(x, *extra)
         fwd = dict(calls)
@@ -61,7 +62,7 @@ def main() -> None:
         y.sum().backward()
         counts[name] = {**{f"forward_{k}": v for k, v in fwd.items()}, **{f"backward_{k}": v for k, v in calls.items()}}
         for k in calls:
-            setattr(dist, k, real[k])
+            setattr(dist, functions[k], real[k])
     counts["uneven_head"] = uneven_head()
     with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(counts, f)
