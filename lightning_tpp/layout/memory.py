@@ -9,9 +9,10 @@ The same terms as the memory planner (``memory.estimate``), which this follows a
                                     x (bytes each holds: its blocks' saved tensors, or only their inputs with
                                        activation checkpointing plus one block recomputing; the ends'; the output
                                        sent to the next stage)
-                        gathered    FSDP2's whole units beside the shards (largest block: gathered parameters,
-                                    unsharded gradient, reduce-scatter input; the next block prefetched on NCCL;
-                                    kept gathered from forward to backward under shard_grad_op)
+                        gathered    FSDP2's whole units beside the shards (the largest block gathered with its
+                                    gradient, the block before's reduce-scatter input and the next block prefetched
+                                    on NCCL; a block's expert bank gathered over its replicas with its gradient,
+                                    inside its block; kept gathered from forward to backward under shard_grad_op)
                         step        AdamW's foreach temporary, the size of the parameters
     total = states + max(activations + gathered, step)
 
@@ -127,14 +128,19 @@ def layout_memory(profile: ModelProfile, layout: Layout, *, batch: int, optimize
             extra += profile.last_transient.at(tp) * mb / cp  # the loss's backward, beside what the stage holds
         held = in_flight(layout.schedule, pp, layout.microbatches, r) * saved + extra
         largest *= elem
+        # experts: sharded over their replicas (dp x cp x tp / ep ranks; tp ranks alone where dp x cp = 1) unless
+        # dp_sharding="no_shard", as the strategy does; a block's bank is then gathered over them in its backward
+        experts_sharded = layout.dp_sharding != "no_shard" and layout.expert_replicas > 1
+        bank = max((x.experts.whole for x, _ in blocks), default=0.0) / layout.ep * elem \
+            if experts_sharded and layout.ep > 1 else 0.0
         gathered = 0.0
-        if layout.sharded:
-            gathered = 2 * largest if backend == "gloo" else 4 * largest
+        if layout.sharded:  # the largest block and its neighbours (memory.estimate._gathered)
+            gathered = max(2 * largest, 2 * bank) if backend == "gloo" else \
+                max(4 * largest, 2 * bank + 2 * largest + max(largest, bank / layout.expert_replicas))
             if layout.dp_sharding == "shard_grad_op":
                 gathered += dense * elem
-        # experts: sharded over their replicas (dp x cp x tp / ep ranks; tp ranks alone where dp x cp = 1) unless
-        # dp_sharding="no_shard", as the strategy does
-        experts_sharded = layout.dp_sharding != "no_shard" and layout.expert_replicas > 1
+        elif bank:  # the banks alone are units (their replicas tp ranks)
+            gathered = 2 * bank if backend == "gloo" else 4 * bank
         held_params = dense / shard + experts / (layout.expert_replicas if experts_sharded else 1)
         step = held_params * elem if optimizer in ("adam", "adamw") else 0.0
         memory = LayoutMemory(r, held_params * per_param, held, gathered, step)

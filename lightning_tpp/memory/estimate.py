@@ -207,7 +207,7 @@ def estimate_memory(module: nn.Module, *, tp: int, pp: int, dp: int = 1, microba
             held_saved = _held(spec, r, pp, m, virtual_stages, [saved.get(g, 0) for g in stages],
                                [waiting_saved.get(g, 0) for g in stages])[1]
             gathered = _gathered(rank_copy, rank_state, splits, backend,
-                                 mb * seq_len if vocab_exchange and cp == 1 else 0, dp * cp, replicas > 1,
+                                 mb * seq_len if vocab_exchange and cp == 1 else 0, dp * cp, replicas,
                                  dense=dp_shard and dp * cp > 1) \
                 if (dp_shard and dp * cp > 1) or replicas > 1 else 0
             step = params if optimizer in ("adam", "adamw") else 0
@@ -233,27 +233,32 @@ def _runs(schedule: ScheduleLike, pp: int, microbatches: int, virtual: int, dp_s
 
 
 def _gathered(cut: nn.Module, state: ParallelState, splits_backward: bool, backend: str,
-              exchanged_tokens: int, dp: int, expert_units: bool = False, dense: bool = True) -> int:
-    """What dp sharding holds whole beside the shards, at its most. FSDP2: during the backward of the largest unit
-    its gathered parameters, its unsharded gradient and the reduce-scatter's input copy of it (FSDP2 keeps the
-    gradient alive through the reduce-scatter), with the next block prefetched; over gloo (``data_parallel.fsdp``'s CPU
-    collectives) two of the three at a time (the gradient is freed after its copy-in) and nothing prefetched. Under
-    a schedule that splits backward (zero-bubble): the stage's parameters and gradients, which stay whole until the
-    schedule ends. The vocabulary matrices computed over dp (``data_parallel.rows``; ``exchanged_tokens`` per
-    micro-batch and rank, 0 when they are FSDP2 units) are never gathered: what they hold is their all-to-all's
-    buffers, the send and the receive side of a head's logits (``_exchange_bytes``). ``expert_units``: the banks split
-    over ep are units of their own, over their replicas (else they are never gathered); ``dense=False``: they alone
-    (dp x cp = 1, their replicas tp ranks)."""
+              exchanged_tokens: int, dp: int, expert_replicas: int = 1, dense: bool = True) -> int:
+    """What dp sharding holds whole beside the shards, at its most. FSDP2 (torch 2.13's, read from its source): when
+    a unit's backward ends it holds the unit gathered and its unsharded gradient, beside the unit enclosing it (a
+    block around its expert bank) still gathered, the previous unit's reduce-scatter input (kept until this unit's
+    reduce-scatter starts) and the next unit prefetched. Its reduce-scatter then frees the gathered parameters and
+    the previous input, copies the gradient into its own input and frees the gradient, but for its last parameter's
+    (a loop variable keeps it to the end: ``_compat._leaks_last_gradient``), beside the output (1 / its ranks). So a
+    unit ``U`` of ``n`` ranks holds at most ``2U + max(previous, U / n)`` with the units around it; taken as blocks:
+    twice the largest unit and two blocks; with banks (units of their own over their ``expert_replicas`` ranks,
+    inside the blocks) twice a bank, its block, the block after prefetched and the larger of a block and the bank's
+    output; the banks alone (``dense=False``: dp x cp = 1, their replicas tp ranks) twice a bank and two more. Over
+    gloo (``data_parallel.fsdp``'s CPU collectives) a unit's weight and gradient, nothing prefetched and no input
+    kept. Under a schedule that splits backward (zero-bubble): the stage's parameters and gradients, which stay whole
+    until the schedule ends. The vocabulary matrices computed over dp (``data_parallel.rows``; ``exchanged_tokens``
+    per micro-batch and rank, 0 when they are FSDP2 units) are never gathered: what they hold is their all-to-all's
+    buffers, the send and the receive side of a head's logits (``_exchange_bytes``)."""
     blocks, tp_blocks = list(state.blocks), [b.name for b in state.tp_blocks]  # what setup's FSDP2 step reads
     exchanged = candidates(cut, blocks, tp_blocks) if exchanged_tokens else []
     rows = {id(p) for n in exchanged for p in cut.get_submodule(n).parameters()}
     experts = expert_parameters(cut)
     rows |= {id(p) for p in experts}  # split over ep: outside the dp units
     bank = sum(p.numel() * p.element_size() for p in experts) // max(len(split_banks(cut)), 1) \
-        if expert_units else 0  # one bank gathered over its replicas
+        if expert_replicas > 1 else 0  # one bank gathered over its replicas
     exchange = max((_exchange_bytes(cut.get_submodule(n), exchanged_tokens, dp) for n in exchanged), default=0)
     if not dense:
-        return 2 * bank if backend == "gloo" else 3 * bank
+        return 2 * bank if backend == "gloo" else 4 * bank
     if splits_backward:
         return max(exchange, 2 * sum(p.numel() * p.element_size() for p in {id(p): p for p in cut.parameters()
                                                                             if id(p) not in rows}.values()))
@@ -265,10 +270,11 @@ def _gathered(cut: nn.Module, state: ParallelState, splits_backward: bool, backe
         own = {id(p): p for p in modules[name].parameters() if id(p) not in claimed}
         claimed |= own.keys()
         sizes[name] = sum(p.numel() * p.element_size() for p in own.values())
-    largest = max(max(sizes.values(), default=0), bank)
+    largest, block = max(sizes.values(), default=0), max((sizes.get(n, 0) for n in blocks), default=0)
     if backend == "gloo":
-        return max(exchange, 2 * largest)
-    return max(exchange, 3 * largest + max((sizes.get(n, 0) for n in blocks), default=0))
+        return max(exchange, 2 * largest, 2 * bank)
+    return max(exchange, 2 * largest + block + max(block, largest // dp),
+               2 * bank + 2 * block + max(block, bank // expert_replicas) if bank else 0)
 
 
 def _exchange_bytes(layer: nn.Module, tokens: int, dp: int) -> int:

@@ -89,6 +89,15 @@ def test_planner_counts_experts_split_over_ep_and_their_exchange() -> None:
     assert abs(plain.param_count - total / 4) < 0.01 * total
     assert abs(split.param_count - (experts / 4 + (total - experts) / 4)) < 0.01 * total
     assert split.activations > plain.activations  # the exchanged rows
+    # FSDP2's most, a bank's backward: the bank (a layer's experts / ep, fp32) gathered with its gradient, inside its
+    # block (gathered), beside the block before prefetched and the block after's reduce-scatter input, or its own
+    # output (1 / its 2 replicas) at its reduce-scatter, the larger
+    layer = model.model.model.layers[0]
+    bank = sum(p.numel() for n, p in layer.named_parameters() if ".experts." in n) / 2 * 4
+    block = sum(p.numel() for p in layer.parameters()) * 4 - 2 * bank
+    assert bank > block
+    gathered = estimate_memory(MODELS["hf_mixtral_labels"](), ep=2, vocab_exchange=False, **kwargs).ranks[0].gathered
+    assert gathered == pytest.approx(2 * bank + 2 * block + max(block, bank / 2))
     whole = estimate_memory(MODELS["hf_mixtral_labels"](), ep=2, dp_shard=False, **kwargs).ranks[0]
     assert abs(whole.param_count - (experts / 2 + total - experts)) < 0.01 * total
     # dp = 1, ep2 over tp4: each expert's 2 replicas are tp ranks, over which its parameters are sharded too
@@ -97,6 +106,13 @@ def test_planner_counts_experts_split_over_ep_and_their_exchange() -> None:
                             for shard in (True, False))
     assert tp_whole.param_count - tp_sharded.param_count == pytest.approx(experts / 4, rel=0.01)
     assert tp_sharded.gathered > 0 == tp_whole.gathered  # a bank gathered over its replicas in backward
+    # the banks alone are FSDP2 units there: at a bank's post-backward it is gathered with its gradient, beside the
+    # bank after's reduce-scatter input and the bank before prefetched (one bank per layer: a layer's experts / ep,
+    # fp32); over gloo the bank and its gradient alone
+    bank = experts / model.model.config.num_hidden_layers / 2 * 4
+    assert tp_sharded.gathered == pytest.approx(4 * bank)
+    gloo = estimate_memory(MODELS["hf_mixtral_labels"](), backend="gloo", **over_tp).ranks[0]
+    assert gloo.gathered == pytest.approx(2 * bank)
     with pytest.raises(ValueError, match=r"ep=3 must divide dp\*tp = 4\*1 = 4"):
         estimate_memory(model, ep=3, **kwargs)
 
