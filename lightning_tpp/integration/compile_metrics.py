@@ -97,6 +97,7 @@ class Compiled:
         self.steps = 0  # training steps finished
         self.recompiles = 0
         self._before: Optional[int] = None
+        self._set_up = False  # the blocks compiled (at the start of the second training step)
 
     def _compiled(self, name: str, block: nn.Module, before: Callable[[tuple, dict], None],
                   eager: Callable[..., Any]) -> Callable[..., Any]:
@@ -127,25 +128,33 @@ class Compiled:
             "report it with TORCH_LOGS=graph_code")
 
     def before_step(self) -> None:
+        """Called at the start of the strategy's ``training_step``: the blocks compiled at the second one (not at the
+        end of the first, before its backward: a recomputed block would recompute with the compiled forward what its
+        forward ran eagerly, and save another number of tensors, ``CheckpointError``)."""
+        if self.steps == 1 and not self._set_up:
+            self._set_up = True
+            self._compile_blocks()
         self._before = dynamo_counts()[0]
+
+    def _compile_blocks(self) -> None:
+        allow_graphs_per_function(2 * len(self.blocks) + 8)  # a training and an evaluation graph per block
+        # dynamic=False: every size a constant (a new one recompiles); True: dynamo marks every size itself
+        before = _mark_varying if self.options.get("dynamic") is None else (lambda args, kwargs: None)
+        for name in self.blocks:
+            block = self.module.get_submodule(name)
+            make = functools.partial(self._compiled, name, block, before)
+            if compile_positions(block, make) or compile_sequence(block, make):
+                pass
+            elif is_recomputed(block):
+                compile_inside(block, make)
+            elif not compile_dispatched(block, make):
+                compile_call(block, make)
 
     def after_step(self, module: Any, batch_idx: Optional[int]) -> None:
         """Called at the end of the strategy's ``training_step`` on every rank."""
         self.steps += 1
         graphs, breaks, reasons = dynamo_counts()
         if self.steps == 1:
-            allow_graphs_per_function(2 * len(self.blocks) + 8)  # a training and an evaluation graph per block
-            # dynamic=False: every size a constant (a new one recompiles); True: dynamo marks every size itself
-            before = _mark_varying if self.options.get("dynamic") is None else (lambda args, kwargs: None)
-            for name in self.blocks:
-                block = self.module.get_submodule(name)
-                make = functools.partial(self._compiled, name, block, before)
-                if compile_positions(block, make):
-                    pass
-                elif is_recomputed(block):
-                    compile_inside(block, make)
-                elif not (compile_sequence(block, make) or compile_dispatched(block, make)):
-                    compile_call(block, make)
             return
         if self.steps == 2 and self.check:
             self._agree()

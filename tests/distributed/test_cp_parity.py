@@ -21,7 +21,7 @@ from worker_cp import CONFIGS
 
 SCRIPT = Path(__file__).parent / "worker_cp.py"
 LAUNCHES = {2: ["cp2", "cp2_families", "cp2_padded", "cp2_dropout", "cp2_a2a", "cp2_a2a_padded", "cp2_ep2",
-                "cp2_hidden", "cp2_compiled"],
+                "cp2_hidden", "cp2_compiled", "cp2_compiled_recomputed"],
             4: ["cp2tp2", "cp2pp2", "cp2dp2", "cp2tp2_a2a", "cp2tp2_t5"],
             # slow (python -m pytest -m slow): cp4, activation checkpointing, bf16, sequence parallelism inside, more
             # families, a2a at cp4 and under a pipeline, a2a's fallback
@@ -277,16 +277,19 @@ def test_cp2_hidden_states_read_by_the_loss(two: Path) -> None:
     check_parity(two, "cp2_hidden")
 
 
-def test_cp2_compiled(two: Path) -> None:
+@pytest.mark.parametrize("name", ["cp2_compiled", "cp2_compiled_recomputed"])
+def test_cp2_compiled(two: Path, name: str) -> None:
     """``compile=`` (aot_eager) on Hugging Face Llama and a hand-written Llama at cp2, compiled after the first step,
     at parity: each block's own forward is compiled, what the block does around it on this rank's positions stays
     eager, and its attention calls (keys and values gathered over cp) run eagerly between its graphs. The only graph
     breaks are those calls, no recompile after the first compiled step (before: 55 breaks of 6 kinds for two blocks,
-    and 2 recompiles)."""
-    check_parity(two, "cp2_compiled")
-    for model in CONFIGS["cp2_compiled"].models:
+    and 2 recompiles). With activation checkpointing too (Hugging Face Llama): compiled at the start of the second
+    step, not before the first one's backward, whose recomputation then ran the compiled forward where the forward
+    had run eagerly (``CheckpointError``: another number of tensors saved)."""
+    check_parity(two, name)
+    for model in CONFIGS[name].models:
         for rank in range(2):
-            info = json.loads((two / f"cp2_compiled.{model}.rank{rank}.compile.json").read_text())
+            info = json.loads((two / f"{name}.{model}.rank{rank}.compile.json").read_text())
             assert info["blocks"] and info["graphs"] > 0 and info["recompiles"] == 0, info
             assert set(info["reasons"]) == {"Skip inlining `torch.compiler.disable()`d function"}, info
 

@@ -66,6 +66,8 @@ CONFIGS = {
                       dict(cp=2), MOE_RUN),
     # compile=: the cp blocks compiled (aot_eager) after the first step
     "cp2_compiled": Config(("cp_hf_llama", "cp_llama"), dict(cp=2, compile={"backend": "aot_eager"}), RUN),
+    "cp2_compiled_recomputed": Config(("cp_hf_llama",), dict(cp=2, compile={"backend": "aot_eager"},
+                                                             activation_checkpointing=True), RUN),
     # launch of 4 ranks
     "cp4": Config(("cp_hf_mistral", "cp_hf_packed"), dict(cp=4), RUN),
     "cp2tp2": Config(("cp_hf_llama", "cp_hf_bert"), dict(cp=2, tp=2), RUN),
