@@ -468,9 +468,16 @@ def _per_position(t: Any) -> bool:
 
 def _joins_on_cpu(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
                   is_causal: bool, options: dict) -> bool:
-    """Whether a causal call runs as :class:`_CausalJoined` (CPU's kernel takes it as it is: no dropout, no mask,
-    queries and values of one width, heads as SDPA itself would accept them)."""
-    if not is_causal or attn_mask is not None or dropout_p or query.device.type != "cpu":
+    """Whether a causal call runs as :class:`_CausalJoined`: on CPU, a call :func:`joinable`."""
+    return query.device.type == "cpu" and joinable(query, key, value, attn_mask, dropout_p, is_causal, options)
+
+
+def joinable(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
+             is_causal: bool, options: dict) -> bool:
+    """Whether CPU's kernel takes a causal call as it is (no dropout, no mask, queries and values of one width, heads
+    as SDPA itself would accept them; ``options``: its other keyword arguments), on any device (the layout search's
+    meta run asks it of the calls it records)."""
+    if not is_causal or attn_mask is not None or dropout_p:
         return False
     if set(options) - {"scale", "enable_gqa"} or query.dim() != 4 or key.dim() != 4:
         return False

@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_tpp.context_parallel import mixing_layers
+from lightning_tpp.context_parallel.attention import joinable
 from lightning_tpp.core.mesh import MeshDims
 from lightning_tpp.core.meta_ops import DataDependentOnMeta
 from lightning_tpp.experts.detect import MoELayer, find_experts, top_k
@@ -415,7 +416,9 @@ class _Attention(TorchFunctionMode):
             flops = 2.0 * q.numel() / q.shape[-1] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
             self.flops += flops
             options = {**dict(zip(("attn_mask", "dropout_p", "is_causal"), args[3:])), **kwargs}
-            if options.get("is_causal") and options.get("attn_mask") is None and not options.get("dropout_p"):
+            rest = {n: o for n, o in options.items() if n not in ("attn_mask", "dropout_p", "is_causal")}
+            if joinable(q, k, v, options.get("attn_mask"), options.get("dropout_p", 0.0),
+                        bool(options.get("is_causal")), rest):  # what the CPU route joins (context_parallel.attention)
                 self.joined += flops
         elif func is F.multi_head_attention_forward and len(args) >= 3:  # its inputs are gathered under cp
             q, k, v = args[:3]

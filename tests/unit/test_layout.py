@@ -361,6 +361,25 @@ def test_the_profile_records_the_routed_layers(mixtral) -> None:
     assert all(b.flops.whole >= SEQ * 2 * (b.experts.whole / 4) * 2 for b in profile.blocks)
 
 
+def test_the_profile_joins_what_the_cpu_route_joins() -> None:
+    """The profile counts as joined (not recomputed on CPU) exactly the causal SDPA calls that cp's CPU route joins
+    by log-sum-exp (``context_parallel.attention.joinable``): not a call whose values are narrower than its queries
+    (MLA), nor one with a mask."""
+    from lightning_tpp.layout.profile import _Attention
+
+    def joined(q: tuple, k: tuple, v: tuple, **options) -> float:
+        with torch.device("meta"), _Attention() as mode:
+            torch.nn.functional.scaled_dot_product_attention(torch.empty(q), torch.empty(k), torch.empty(v), **options)
+        assert mode.flops > 0
+        return mode.joined / mode.flops
+
+    q = (1, 4, 8, 16)
+    assert joined(q, q, q, is_causal=True) == 1.0
+    assert joined(q, q, (1, 4, 8, 8), is_causal=True) == 0.0  # values narrower (DeepSeek's MLA)
+    assert joined(q, (1, 2, 8, 16), (1, 2, 8, 16), is_causal=True, enable_gqa=True) == 1.0
+    assert joined(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool, device="meta")) == 0.0
+
+
 def test_ep_is_enumerated_only_where_the_model_has_experts(llama4, mixtral) -> None:
     assert {lay.ep for lay in enumerate_layouts(llama4[1], world=4, devices_per_node=4, batch=4)} == {1}
     layouts = enumerate_layouts(mixtral[1], world=4, devices_per_node=4, batch=4)
