@@ -813,6 +813,44 @@ MODELS.update({
 })
 
 
+# ---- norms over every head's features inside the attention (OLMo-2's q_norm / k_norm, written by hand) ----------
+class WideNormAttention(nn.Module):
+    """Its own pre-norm of the block's input (whole hidden: its gradient whole on every tp rank) and LayerNorms over
+    the whole query and key projections (all heads at once: each rank's columns need the others')."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS) -> None:
+        super().__init__()
+        self.pre = nn.LayerNorm(dim)
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.q_norm, self.k_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.pre(x)
+        q, k, v = self.q_norm(self.q(h)), self.k_norm(self.k(h)), self.v(h)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class WideNormLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(PreNormResidual(DIM, WideNormAttention()) for _ in range(LAYERS))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+MODELS["wide_qk_norm"] = WideNormLM
+
+
 # ---- a DiT-style diffusion transformer (issue 30): adaLN-Zero blocks read a conditioning vector -----------------
 def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)

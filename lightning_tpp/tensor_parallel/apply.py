@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_tpp._compat import MHA_FAST_PATH_FLAG
 from lightning_tpp.core.dp_shard import local, shard_dp_like
-from lightning_tpp.core.comm import TPGroup, TPScope, gather_with_spec, tokens_sharded
+from lightning_tpp.core.comm import TPGroup, TPScope, gather_summed, gather_with_spec, tokens_sharded
 from lightning_tpp.core.grads import all_reduce_coalesced
 from lightning_tpp.core.params import ShardIndex, ShardInfo
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
@@ -201,6 +201,61 @@ class _TPMultiheadAttentionBlock(_TPBlock, _ParallelMultiheadAttention):
     pass
 
 
+class _WholeWidth:
+    """Mixin for a module of a tensor-parallel attention whose parameters span a projection's whole output, applied
+    to this rank's columns of it: OLMo-2's ``q_norm`` / ``k_norm``, an RMSNorm over every head's features at once.
+    Its input is gathered over tp along the features (backward: each rank's partial gradient summed, this rank's
+    columns kept), it runs whole, as in one process, and its output is cut back to this rank's columns. Its weight's
+    gradient on a rank is the part its columns give: summed over tp (the block's ``partial``, from its first such
+    call: a module of that size that only ever meets whole inputs, a norm of the block's own input, runs as it is
+    and its gradient stays whole)."""
+
+    _tpp_width: "_Width"
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        width = self._tpp_width
+        local = x.shape[-1] if isinstance(x, Tensor) else None
+        if local not in width.widths:
+            return super().forward(x, *args, **kwargs)  # type: ignore[misc]
+        if not width.declared:
+            width.declared = True
+            width.block.partial.extend((self, a) for a, q in self.named_parameters(recurse=False)  # type: ignore
+                                       if q.requires_grad and (self, a) not in width.block.partial)
+        group = width.group
+        out = super().forward(gather_summed(x.contiguous(), group, x.dim() - 1), *args, **kwargs)  # type: ignore[misc]
+        return out.narrow(-1, group.rank * local, local).contiguous()
+
+
+@dataclasses.dataclass(eq=False)
+class _Width:
+    group: TPGroup
+    widths: dict[int, int]  # this rank's width -> the whole width
+    block: BlockState
+    declared: bool = False  # its parameters in the block's partial
+
+
+def _whole_width_modules(block: nn.Module, bname: str, info: BlockInfo, tp: int) -> dict[str, dict[int, int]]:
+    """The modules of an attention ``block`` to run whole on gathered columns (:class:`_WholeWidth`): those whose
+    parameters are all 1-d with as many entries as the query (or key/value) projection's whole output, outside its
+    linear layers; each with this rank's width -> the whole width it would meet (K/V only where tp divides their
+    heads: with fewer K/V heads than ranks each rank holds whole heads, not a column block)."""
+    widths = {info.heads * info.head_dim}
+    if info.kv_heads >= tp:
+        widths.add(info.kv_heads * info.head_dim)
+    widths = {w for w in widths if w % tp == 0}
+    layers = set(info.layers)
+    out: dict[str, dict[int, int]] = {}
+    for name, sub in block.named_modules():
+        full = f"{bname}.{name}" if bname else name
+        params = list(sub.parameters(recurse=False))
+        if not name or full in layers or not params or any(c.startswith(f"{full}.") for c in info.cut):
+            continue
+        if all(p.dim() == 1 for p in params) and {p.numel() for p in params} <= widths and \
+                len({p.numel() for p in params}) == 1:
+            out[name] = {params[0].numel() // tp: params[0].numel()}
+    return out
+
+
 def _localize_attrs(owner: nn.Module, info: BlockInfo, tp: int) -> None:
     """Make head counts and widths that the block's forward reads local (on the block, its children, its config).
     A module that also holds an MLP (projections that are a block's direct children) keeps its widths, which other
@@ -257,6 +312,10 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
             qw, kvw = info.heads * info.head_dim, info.kv_heads * info.head_dim
             kv = (kvw, info.kv_heads) if info.kv_heads >= group.size else ()  # else K/V stay whole: no repair
             state.shapes = frozenset({qw, *kv, info.heads, info.head_dim * group.size})
+            for mname, widths in _whole_width_modules(block, bname, info, group.size).items():
+                sub = block.get_submodule(mname)
+                sub._tpp_width = _Width(group, widths, state)
+                swap_class(sub, _WholeWidth)
         # channels cut outside the linear layers (a mixer's), an attention's per-head parameters (its sinks)
         for pname, spec in info.cut.items():
             owner, _, attr = pname.rpartition(".")
@@ -337,7 +396,8 @@ def _declared_partials(plan: TPPlan, states: dict[str, BlockState], modules: dic
 def unchecked_replicated(model: nn.Module) -> list[str]:
     """Names of the replicated parameters inside tensor-parallel attention blocks, outside their parallel layers,
     that no plan declared partial: with ``verify=False`` nothing tells whether each is applied to every head (its
-    gradient whole on each rank) or to this rank's heads only (a per-head norm: a part, to be summed over tp)."""
+    gradient whole on each rank) or to this rank's heads only (a per-head norm: a part, to be summed over tp). A
+    module run whole on gathered columns (:class:`_WholeWidth`) decides it itself, at its first call."""
     out = []
     for bname, block in model.named_modules():
         st = getattr(block, "_tpp_block", None)
@@ -346,7 +406,7 @@ def unchecked_replicated(model: nn.Module) -> list[str]:
         layers = {id(m) for m in st.layers.values()}
         partial = {id(getattr(m, a)) for m, a in st.partial if getattr(m, a, None) is not None}
         for mname, m in block.named_modules():
-            if id(m) in layers:
+            if id(m) in layers or isinstance(m, _WholeWidth):
                 continue
             out.extend(".".join(filter(None, (bname, mname, a))) for a, q in m.named_parameters(recurse=False)
                        if q.requires_grad and st.shards.get(q) is None and id(q) not in partial)

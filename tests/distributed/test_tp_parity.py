@@ -20,6 +20,8 @@ ALL = ["nanogpt", "llama", "fused_gqa", "encoder", "seq2seq", "hf_gpt2", "hf_lla
        "mqa_llama", "mqa_fused", "hf_falcon", "hf_falcon_new", "hf_llama_mqa",  # fewer K/V heads than tp (#30)
        "hf_t5",  # a per-head position bias made whole, read by this rank's heads
        "hf_qwen3",  # per-head query/key norms: replicated weights used on this rank's heads, gradients summed over tp
+       "hf_olmo2",  # query/key norms over every head's features: run whole on the gathered columns, summed over tp
+       "wide_qk_norm",  # the same as LayerNorms written by hand, beside a norm of the attention's own whole input
        "dit"]  # adaLN-Zero blocks: forward(x, c), modulation cut by columns and gathered
 
 
@@ -55,12 +57,15 @@ def test_parity_no_verify_declared_partials(tmp_path: Path) -> None:
     """verify=False turns the gradient check off, the one that finds Qwen3's per-head q_norm / k_norm (each rank's
     gradient a part). Hugging Face's plan marks them ``replicated_with_grad_allreduce``, so they are summed over tp
     without the check: training stays at parity with one process (before, each rank stepped its own part). T5's
-    position-bias table, read on this rank's heads and declared by no plan, is named by the verify=False warning."""
-    args = ["--models", "hf_qwen3,hf_t5", "--tp", "2", "--out", str(tmp_path), "--no-verify"]
+    position-bias table, read on this rank's heads and declared by no plan, is named by the verify=False warning.
+    OLMo-2's whole-width q_norm / k_norm are summed over tp from their first call on gathered columns; a norm of the
+    same size that meets the attention's whole input (``wide_qk_norm``'s ``pre``) is not: its gradient is whole."""
+    args = ["--models", "hf_qwen3,hf_t5,hf_olmo2,wide_qk_norm", "--tp", "2", "--out", str(tmp_path), "--no-verify"]
     result = run_ranks(ROOT / "tests" / "parity.py", 2, args, timeout=400).check()
     for rank in range(2):
-        assert_parity(load_record(tmp_path / f"hf_qwen3.rank{rank}.pt"), reference("hf_qwen3", 1),
-                      where=f"hf_qwen3 verify=False rank {rank}")
+        for name in ("hf_qwen3", "hf_olmo2", "wide_qk_norm"):
+            assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), reference(name, 1),
+                          where=f"{name} verify=False rank {rank}")
     warned = re.findall(r"verify=False: the gradient check is off.*?train as if every rank's gradient were whole: "
                         r"(\[.*?\])", " ".join(result.outputs[0].split()))
     assert len(warned) == 1 and "relative_attention_bias.weight" in warned[0], warned
@@ -69,7 +74,8 @@ def test_parity_no_verify_declared_partials(tmp_path: Path) -> None:
 
 SEQUENCE_PARALLEL = ["nanogpt", "llama", "hf_llama", "hf_gpt2", "flat_gpt", "split_gpt", "encoder", "seq2seq",
                      "hf_gemma", "hf_bert", "litgpt", "hf_phi3", "hf_neox", "conditioned", "nested_lists", "hf_qwen3",
-                     "post_norm", "hf_mixtral_labels", "hf_jamba", "cp_hf_llama_hidden"]
+                     "post_norm", "hf_mixtral_labels", "hf_jamba", "cp_hf_llama_hidden", "hf_olmo2",
+                     "wide_qk_norm"]
 
 
 def test_parity_sequence_parallel(tmp_path: Path) -> None:
