@@ -51,3 +51,30 @@ def test_an_earlier_report_wins() -> None:
     watch.start()
     _wait(died)
     assert died[0] == "rank 1 failed during train: ValueError: bad"
+
+
+def test_a_signal_handler_raising_during_the_wait_blames_no_one_else() -> None:
+    """``silent_ranks`` waits for heartbeats to advance; a signal handler that raises meanwhile (under torchrun the
+    survivors of a lost rank get SIGTERM, and Lightning's handler broadcasts over the world, the lost rank included)
+    is not the store gone: the silent rank is still the one named, not rank 0."""
+    import signal
+
+    store = dist.HashStore()
+    for r in range(3):
+        store.set(f"tpp/done/{r}", "0")
+    store.set("tpp/hb/0", "1")  # rank 0 beats; rank 2 is silent
+    watch = FailureWatch(store, 1, 3, timeout=5.0)
+
+    def raising(signum, frame):
+        store.set("tpp/hb/0", "2")
+        raise RuntimeError("Connection closed by peer (the handler's broadcast to the lost rank)")
+
+    previous = signal.signal(signal.SIGALRM, raising)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        started = time.monotonic()
+        assert watch.silent_ranks(wait=0.5) == [2]
+        assert time.monotonic() - started >= 0.5  # the whole wait, not cut short by the handler
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
