@@ -219,8 +219,7 @@ class _WholeWidth:
             return super().forward(x, *args, **kwargs)  # type: ignore[misc]
         if not width.declared:
             width.declared = True
-            width.block.partial.extend((self, a) for a, q in self.named_parameters(recurse=False)  # type: ignore
-                                       if q.requires_grad and (self, a) not in width.block.partial)
+            _declare_partial(width.block.partial, self)  # type: ignore[arg-type]
         group = width.group
         out = super().forward(gather_summed(x.contiguous(), group, x.dim() - 1), *args, **kwargs)  # type: ignore[misc]
         return out.narrow(-1, group.rank * local, local).contiguous()
@@ -250,8 +249,8 @@ def _whole_width_modules(block: nn.Module, bname: str, info: BlockInfo, tp: int)
         params = list(sub.parameters(recurse=False))
         if not name or full in layers or not params or any(c.startswith(f"{full}.") for c in info.cut):
             continue
-        if all(p.dim() == 1 for p in params) and {p.numel() for p in params} <= widths and \
-                len({p.numel() for p in params}) == 1:
+        sizes = {p.numel() for p in params}
+        if all(p.dim() == 1 for p in params) and len(sizes) == 1 and sizes <= widths:
             out[name] = {params[0].numel() // tp: params[0].numel()}
     return out
 
@@ -388,9 +387,14 @@ def _declared_partials(plan: TPPlan, states: dict[str, BlockState], modules: dic
         owner = max((b for b in states if name.startswith(f"{b}.")), key=len, default=None)
         if owner is None or name not in modules:
             continue
-        partial = states[owner].partial
-        partial.extend((modules[name], a) for a, q in modules[name].named_parameters(recurse=False)
-                       if q.requires_grad and (modules[name], a) not in partial)
+        _declare_partial(states[owner].partial, modules[name])
+
+
+def _declare_partial(partial: list[tuple[nn.Module, str]], module: nn.Module) -> None:
+    """``module``'s own trainable parameters in a block's ``partial`` (each rank's gradient a part, summed over tp),
+    each once."""
+    partial.extend((module, a) for a, q in module.named_parameters(recurse=False)
+                   if q.requires_grad and (module, a) not in partial)
 
 
 def unchecked_replicated(model: nn.Module) -> list[str]:
