@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from lightning_tpp.layout.plan import Layout
 from lightning_tpp.layout.profile import ModelProfile
 from lightning_tpp.memory import OPTIMIZER_STATES
+from lightning_tpp.memory.estimate import fsdp_backward_peak
 from lightning_tpp.pipeline.partition import balance
 from lightning_tpp.pipeline.schedule import actions
 
@@ -135,12 +136,13 @@ def layout_memory(profile: ModelProfile, layout: Layout, *, batch: int, optimize
             if experts_sharded and layout.ep > 1 else 0.0
         gathered = 0.0
         if layout.sharded:  # the largest block and its neighbours (memory.estimate._gathered)
-            gathered = max(2 * largest, 2 * bank) if backend == "gloo" else \
-                max(4 * largest, 2 * bank + 2 * largest + max(largest, bank / layout.expert_replicas))
+            gathered = max(2 * largest, 2 * bank) if backend == "gloo" else max(
+                fsdp_backward_peak(largest, largest, layout.replicas),
+                fsdp_backward_peak(bank, largest, layout.expert_replicas, enclosing=largest))
             if layout.dp_sharding == "shard_grad_op":
                 gathered += dense * elem
         elif bank:  # the banks alone are units (their replicas tp ranks)
-            gathered = 2 * bank if backend == "gloo" else 4 * bank
+            gathered = 2 * bank if backend == "gloo" else fsdp_backward_peak(bank, bank, layout.expert_replicas)
         held_params = dense / shard + experts / (layout.expert_replicas if experts_sharded else 1)
         step = held_params * elem if optimizer in ("adam", "adamw") else 0.0
         memory = LayoutMemory(r, held_params * per_param, held, gathered, step)

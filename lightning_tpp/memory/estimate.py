@@ -258,7 +258,7 @@ def _gathered(cut: nn.Module, state: ParallelState, splits_backward: bool, backe
         if expert_replicas > 1 else 0  # one bank gathered over its replicas
     exchange = max((_exchange_bytes(cut.get_submodule(n), exchanged_tokens, dp) for n in exchanged), default=0)
     if not dense:
-        return 2 * bank if backend == "gloo" else 4 * bank
+        return 2 * bank if backend == "gloo" else int(fsdp_backward_peak(bank, bank, expert_replicas))
     if splits_backward:
         return max(exchange, 2 * sum(p.numel() * p.element_size() for p in {id(p): p for p in cut.parameters()
                                                                             if id(p) not in rows}.values()))
@@ -273,8 +273,16 @@ def _gathered(cut: nn.Module, state: ParallelState, splits_backward: bool, backe
     largest, block = max(sizes.values(), default=0), max((sizes.get(n, 0) for n in blocks), default=0)
     if backend == "gloo":
         return max(exchange, 2 * largest, 2 * bank)
-    return max(exchange, 2 * largest + block + max(block, largest // dp),
-               2 * bank + 2 * block + max(block, bank // expert_replicas) if bank else 0)
+    return int(max(exchange, fsdp_backward_peak(largest, block, dp),
+                   fsdp_backward_peak(bank, block, expert_replicas, enclosing=block) if bank else 0))
+
+
+def fsdp_backward_peak(unit: float, neighbour: float, ranks: int, enclosing: float = 0.0) -> float:
+    """FSDP2's most (NCCL, torch 2.13; see ``_gathered``) around the backward of a unit of ``unit`` bytes sharded over
+    ``ranks``: it gathered and its gradient, the unit enclosing it still gathered, the next unit (``neighbour``
+    bytes) prefetched, and the larger of the previous unit's reduce-scatter input (``neighbour``) and this unit's
+    reduce-scatter output. The layout search (``layout.memory``) counts the same."""
+    return 2 * unit + enclosing + neighbour + max(neighbour, unit / ranks)
 
 
 def _exchange_bytes(layer: nn.Module, tokens: int, dp: int) -> int:
