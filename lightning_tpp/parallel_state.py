@@ -114,6 +114,7 @@ class ParallelState:
     compiled: list[str] = field(default_factory=list)  # compile=: this rank's blocks to compile (torch.compile)
     layout: Optional[Any] = None  # layout="auto": the chosen lightning_tpp.layout.Layout
     reduction: Optional["GradientReduction"] = None  # the per-step gradient reduction (built at the end of setup)
+    loaded: list[Any] = field(default_factory=list)  # weights=: what each read did (checkpoint.weights.LoadedWeights)
 
     def attach(self, module: nn.Module) -> None:
         module.__dict__[_SLOT] = self

@@ -19,11 +19,13 @@ from what setup does. A new capability is a new step::
     recompute         activation checkpointing of this rank's blocks
     engine            batch statistics deferred; dispatchers, tied weights, the engine            (live)
     compile           compile=: the blocks to compile after the first step (regional)            (live)
-    materialize       a meta-built model: this rank's shards allocated and initialised            (live)
+    materialize       a meta-built model: this rank's shards allocated and initialised (banks     (live)
+                      that FSDP2 shards over their replicas and weights= fills: left for later)
     report            the plan table, the partition                                               (live)
     weights           weights= loaded into this rank's shards                                     (live)
     split             the experts split over ep (sharded over their replicas, or reduced apart)   (live)
     dp                FSDP2 over dp (after the precision plugin fixed the dtype)                  (live)
+    expert_weights    weights= read into the banks left for later: each rank its part only       (live)
     reduction         the per-step gradient reduction, built once                                 (live)
 
 Live steps touch other ranks, real tensors or the user's files: the planner's meta copies stop before them.
@@ -105,6 +107,7 @@ class Setup:
     split: list[nn.Parameter] = field(default_factory=list)  # experts split over ep: outside the dp units
     context_runs: list[list[str]] = field(default_factory=list)  # cp > 1: the runs of blocks, read on the whole model
     context_heads: list[str] = field(default_factory=list)  # ... and the LM heads whose columns cp cuts
+    unread: list[str] = field(default_factory=list)  # banks left on meta until FSDP2 cut them (weights= fills them)
 
     @property
     def pp_rank(self) -> int:
@@ -465,11 +468,40 @@ def _materialize(s: Setup) -> None:
     state = s.state
     if s.meta is None or state is None:
         return
+    s.unread = _read_after_sharding(s)
     materialize(s.module, device=s.meta.device, names=state.names, shards=state.shards, tp_rank=s.groups.tp.rank,
-                tp_size=s.groups.tp.size, base_seed=s.meta.base_seed, loaded=s.meta.loaded)
+                tp_size=s.groups.tp.size, base_seed=s.meta.base_seed, loaded=s.meta.loaded, leave=s.unread)
     if state.stages is not None:
         assert state.engine is not None
         send_tied(s.module, state.stages, state.engine, s.dims, s.dims.coords(s.rank))
+
+
+def _experts_over_replicas(s: Setup) -> Optional[ExpertShards]:
+    """The banks split over ep that FSDP2 shards over their replicas (the ranks holding the same experts), where
+    there are several replicas and dp sharding is on."""
+    ep = s.groups.ep
+    if s.config.dp_sharding == "no_shard" or ep is None or ep.replicas is None or \
+            dist.get_world_size(ep.replicas) == 1:
+        return None
+    banks = split_banks(s.module)
+    return ExpertShards(tuple(banks), ep.mesh["edp"], float(ep.dp)) if banks else None
+
+
+def _read_after_sharding(s: Setup) -> list[str]:
+    """Banks built on the meta device whose every tensor ``weights=`` fills, and that FSDP2 shards over their
+    replicas: left unallocated until it has, so that each rank reads and holds only its part of its experts (not
+    the ``experts / ep`` it computes with)."""
+    experts = _experts_over_replicas(s)
+    if s.meta is None or s.config.weights is None or experts is None:
+        return []
+    loaded = s.meta.loaded
+
+    def from_file(name: str) -> bool:
+        own = [*s.module.get_submodule(name).named_parameters(recurse=False),
+               *s.module.get_submodule(name).named_buffers(recurse=False)]
+        return all(t.is_meta and f"{name}.{n}" in loaded for n, t in own)
+
+    return [name for name in experts.banks if from_file(name)]
 
 
 def _report(s: Setup) -> None:
@@ -502,9 +534,25 @@ def _weights(s: Setup) -> None:
     assert state is not None
     if config.weights is None:
         return
+    unread = set(s.unread)
+    _load(s, lambda name: name.rpartition(".")[0] not in unread)
+
+
+def _expert_weights(s: Setup) -> None:
+    """The banks left unread (``_read_after_sharding``), now FSDP2's shards: each rank reads its part of its
+    experts from ``weights=``."""
+    if s.unread:
+        unread = set(s.unread)
+        _load(s, lambda name: name.rpartition(".")[0] in unread)
+
+
+def _load(s: Setup, select: Callable[[str], bool]) -> None:
+    state, config = s.state, s.config
+    assert state is not None and config.weights is not None
     loaded = load_weights(s.module, config.weights, names=state.names, shards=state.shards, tp_rank=s.groups.tp.rank,
                           tp_size=s.groups.tp.size, prefix=config.weights_prefix,
-                          strict=getattr(s.module, "strict_loading", True))
+                          strict=getattr(s.module, "strict_loading", True), select=select)
+    state.loaded.append(loaded)
     rank_zero_info(loaded.describe())
 
 
@@ -522,10 +570,7 @@ def _dp(s: Setup) -> None:
     assert state is not None
     if config.dp_sharding == "no_shard":
         return
-    ep = s.groups.ep
-    banks = split_banks(s.module) if ep is not None and ep.replicas is not None else []
-    experts = ExpertShards(tuple(banks), ep.mesh["edp"], float(ep.dp)) \
-        if banks and dist.get_world_size(ep.replicas) > 1 else None  # type: ignore[union-attr,index]
+    experts = _experts_over_replicas(s)
     dense = s.dims.dp * s.dims.cp > 1  # else only experts whose replicas are tp ranks are sharded (over them)
     if not dense and experts is None:
         return
@@ -540,7 +585,8 @@ def _dp(s: Setup) -> None:
                                   # the cp ranks of a replica hold the same tokens at the head: exchanged over dp x cp
                                   # they would be computed cp times; FSDP2 gathers the head instead
                                   vocab_exchange=config.vocab_exchange and s.dims.cp == 1 and dense,
-                                  tp_blocks=[b.name for b in state.tp_blocks], quiet=checks_off)
+                                  tp_blocks=[b.name for b in state.tp_blocks], quiet=checks_off,
+                                  allocate=s.meta.device if s.unread and s.meta is not None else None)
     if dense:  # FSDP2 gathers a unit for backward when its output's gradient arrives: a loss computed from the
         # head's shards would bypass that output (a head computed over dp has no such hook)
         no_loss_parallel(s.module, keep=tuple(r.name for r in dp.rows))
@@ -591,5 +637,6 @@ STEPS: tuple[Step, ...] = (
     Step("weights", _weights, live=True),
     Step("split", _split, live=True),
     Step("dp", _dp, live=True),
+    Step("expert_weights", _expert_weights, live=True),
     Step("reduction", _reduction, live=True),
 )

@@ -28,7 +28,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Protocol, Sequence, Union
+from typing import Callable, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -57,27 +57,40 @@ class LoadedWeights:
     prefix: str  # the module prefix put before each of the file's keys
     loaded: int  # this rank's state_dict entries filled (each alias of a tied weight counts)
     files: tuple[str, ...]  # the files whose tensor data this rank read
+    bytes: int = 0  # the bytes read into this rank's tensors (at their dtypes)
 
     def describe(self) -> str:
         return (f"weights from {self.path} ({self.source}) under prefix {self.prefix!r}: {self.loaded} entries on "
-                f"this rank, read from {len(self.files)} file(s)")
+                f"this rank ({self.bytes / 2 ** 20:.1f} MiB), read from {len(self.files)} file(s)")
 
 
 # ---- where each rank's slice lies in the whole tensor ------------------------------------------------------------
 
-def boxes(dest: Tensor, spec: Optional[ShardSpec], full_shape: Sequence[int], rank: int, world: int) -> list[Box]:
+def boxes(dest: Tensor, spec: Optional[ShardSpec], full_shape: Sequence[int], rank: int, world: int,
+          window: Optional[tuple[int, int]] = None) -> list[Box]:
     """The boxes of the whole tensor that ``rank`` holds (as :func:`~lightning_tpp.core.sharding.shard_tensor` cuts
-    it: one per segment of ``spec.parts``), each with the view of ``dest`` it goes to."""
+    it: one per segment of ``spec.parts``), each with the view of ``dest`` it goes to. ``window`` (dim, start):
+    ``dest`` is only the part of this rank's shard from ``start`` along ``dim`` (what FSDP2 left this rank of it)."""
     full = tuple(full_shape)
     if spec is not None:
         rank, world = spec.placed(rank, world)
+    if not full:
+        return [((), (), dest)]
     if spec is None or world == 1:
-        return [((0,) * len(full), full, dest)]
+        cut, pieces = (window[0] if window else 0), [(0, full[window[0] if window else 0])]
+    else:
+        cut, pieces = spec.dim, spec.pieces(full[spec.dim], rank, world)
+    wdim, wstart = window if window is not None else (cut, 0)
+    wlen = dest.shape[wdim]
     out, local = [], 0
-    for start, step in spec.pieces(full[spec.dim], rank, world):
-        offsets = tuple(start if d == spec.dim else 0 for d in range(len(full)))
-        sizes = tuple(step if d == spec.dim else n for d, n in enumerate(full))
-        out.append((offsets, sizes, dest.narrow(spec.dim, local, step)))
+    for start, step in pieces:
+        lo, hi = (max(local, wstart), min(local + step, wstart + wlen)) if wdim == cut else (local, local + step)
+        if lo < hi:
+            offsets = [start + lo - local if d == cut else 0 for d in range(len(full))]
+            sizes = [hi - lo if d == cut else n for d, n in enumerate(full)]
+            if wdim != cut:
+                offsets[wdim], sizes[wdim] = wstart, wlen
+            out.append((tuple(offsets), tuple(sizes), dest.narrow(cut, lo - (wstart if wdim == cut else 0), hi - lo)))
         local += step
     return out
 
@@ -297,15 +310,18 @@ def covered_names(source: PathLike, *, names: ParamNames, prefix: str = "auto",
 
 
 def load_weights(module: nn.Module, source: PathLike, *, names: ParamNames, shards: ShardIndex, tp_rank: int,
-                 tp_size: int, prefix: str = "auto", strict: bool = True) -> LoadedWeights:
+                 tp_size: int, prefix: str = "auto", strict: bool = True,
+                 select: Callable[[str], bool] = lambda name: True) -> LoadedWeights:
     """Fill this rank's parameters and persistent buffers (in place, cast to their dtypes) from ``source``: a
     safetensors file, a folder with ``model.safetensors`` or ``model.safetensors.index.json`` (or the index), a
     consolidated Lightning ``.ckpt``, or a sharded lightning_tpp checkpoint folder.
 
-    ``module`` is this rank's part of the model (its pipeline stage, tensor-parallel shards as ``shards`` records);
+    ``module`` is this rank's part of the model (its pipeline stage, tensor-parallel shards as ``shards`` records;
+    a parameter FSDP2 already sharded, a ``DTensor`` over one mesh dimension, gets only its local part);
     ``names`` the whole single-device model's. ``prefix`` is put before each file key to make the model name
     (``"auto"``: the prefix under which most keys match). With ``strict=False`` missing and unexpected keys are
-    skipped; mis-shaped keys always raise :class:`WeightsMismatchError` — on every rank alike.
+    skipped; mis-shaped keys always raise :class:`WeightsMismatchError` — on every rank alike. ``select``: the
+    entries (``module``'s state-dict names) filled now; the file is matched against all of them.
     """
     opened = stack_experts(open_source(source), module)  # Hugging Face's per-expert tensors as the model's banks
     names = names if names.shapes else _names_of_local(module, names, shards)
@@ -317,14 +333,32 @@ def load_weights(module: nn.Module, source: PathLike, *, names: ParamNames, shar
     filled = 0
     for name, tensor in module.state_dict(keep_vars=True).items():
         key = match.key_of.get(name)
-        if key is None or not isinstance(tensor, Tensor):
+        if key is None or not isinstance(tensor, Tensor) or not select(name):
             continue
         filled += 1
         spec, full = shards.spec(tensor), shards.full_shape(tensor)
-        wanted.setdefault(key, []).extend(boxes(tensor.detach(), spec, full, tp_rank, tp_size))
+        dest, window = _local_part(name, tensor)
+        wanted.setdefault(key, []).extend(boxes(dest, spec, full, tp_rank, tp_size, window))
     with torch.no_grad():
         files = opened.read(wanted)
-    return LoadedWeights(opened.kind, str(source), chosen, filled, files)
+    read = sum(dest.numel() * dest.element_size() for parts in wanted.values() for *_, dest in parts)
+    return LoadedWeights(opened.kind, str(source), chosen, filled, files, read)
+
+
+def _local_part(name: str, tensor: Tensor) -> tuple[Tensor, Optional[tuple[int, int]]]:
+    """Where a tensor's values go: itself, or for a ``DTensor`` sharded over one mesh dimension (FSDP2: its shard
+    is a ``torch.chunk`` of the rank's tensor along the placement's dim) its local part and where that starts."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tensor.detach(), None
+    placement = tensor.placements[0] if len(tensor.placements) == 1 else None
+    if type(placement) is not Shard:  # a _StridedShard or a 2-d mesh: its part is not one window
+        raise WeightsMismatchError(f"{name}: a DTensor placed {tensor.placements} cannot be filled from a file "
+                                   f"(only one Shard(dim) over one mesh dimension, as FSDP2 shards, is known)")
+    dim, size = placement.dim, tensor.shape[placement.dim]
+    chunk = -(-size // tensor.device_mesh.size())
+    return tensor.to_local().detach(), (dim, min(tensor.device_mesh.get_local_rank() * chunk, size))
 
 
 def _names_of_local(module: nn.Module, names: ParamNames, shards: ShardIndex) -> ParamNames:

@@ -95,10 +95,11 @@ def _hf_roots(module: nn.Module) -> dict[str, nn.Module]:
 
 
 def materialize(module: nn.Module, *, device: torch.device, names: ParamNames, shards: ShardIndex, tp_rank: int,
-                tp_size: int, base_seed: int, initialize: bool = True, loaded: Collection[str] = ()) -> list[str]:
+                tp_size: int, base_seed: int, initialize: bool = True, loaded: Collection[str] = (),
+                leave: Collection[str] = ()) -> list[str]:
     """Allocate (and unless ``initialize=False``, initialise) every meta tensor of ``module`` in place; returns the
     names of the modules materialised. A module whose own tensors are all ``loaded`` (single-device names a weights
-    file fills afterwards) is only allocated. A weight several modules share is initialised by the module of its
+    file fills afterwards) is only allocated; the modules named in ``leave`` stay on the meta device. A weight several modules share is initialised by the module of its
     single-device (first) name when that module is here, else by the first one met."""
     modules = list(module.named_modules())
     owner_of: dict[int, str] = {}
@@ -113,7 +114,7 @@ def materialize(module: nn.Module, *, device: torch.device, names: ParamNames, s
     for name, m in reversed(modules):  # children before parents, as constructors run
         own = [(n, t) for n, t in chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False))
                if t.is_meta and owner_of.get(id(t), name) == name]
-        if not own:
+        if not own or name in leave:
             continue
         prefix = f"{name}." if name else ""
         init_here = initialize and not all(prefix + n in loaded for n, _ in own)

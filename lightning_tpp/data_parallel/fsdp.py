@@ -45,6 +45,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Container, Iterable, Iterator, Literal, Mapping, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -59,6 +60,7 @@ from lightning_tpp._compat import (
     fsdp_track_gradients,
     in_place_reduce_scatter,
 )
+from lightning_tpp.core.materialize import has_meta
 from lightning_tpp.data_parallel.reads import ReadGuard, Reads, find_reads, guard_reads
 from lightning_tpp.data_parallel.rows import RowsOverDP, candidates, shard_rows_over_dp
 
@@ -221,14 +223,16 @@ def _enclosing(units: set[str], needs: dict[int, str], holders: dict[int, list[s
 def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str], sharding: str,
                   vocab_exchange: bool = True, keep: Sequence[nn.Parameter] = (), tp_blocks: Collection[str] = (),
                   quiet: Optional[Callable[[nn.Module], None]] = None,
-                  experts: Optional[ExpertShards] = None, dense: bool = True) -> DPShards:
+                  experts: Optional[ExpertShards] = None, dense: bool = True,
+                  allocate: Optional[torch.device] = None) -> DPShards:
     """``fully_shard`` each unit of ``module`` (this rank's stage, tensor-parallel shards as plain parameters) over the
     1-d ``mesh``; with ``vocab_exchange``, the vocabulary matrices cut by rows instead (``data_parallel.rows``);
     ``keep`` stays as it is (not sharded, gradients not reduced). Units and vocabulary matrices follow where the
     forward reads each parameter (``data_parallel.reads``), and reads it could not see are guarded at the first call.
     ``tp_blocks``: the tensor-parallel blocks; ``quiet``: turns their first-call checks off on the meta copy that
     finds the reads. ``experts``: banks of ``keep`` each made a unit over its replicas' mesh instead; ``dense=False``:
-    only they (``mesh`` has one rank: the replicas are tp ranks). Returns what was done, with old parameter -> new
+    only they (``mesh`` has one rank: the replicas are tp ranks); a bank still on the meta device (its weights are
+    read next) gets its shards allocated on ``allocate``. Returns what was done, with old parameter -> new
     parameter (FSDP2 replaces the objects)."""
     from torch.distributed.fsdp import fully_shard
 
@@ -259,6 +263,8 @@ def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str],
                     shard_placement_fn=experts.placement if bank else None)  # type: ignore[union-attr]
         if bank:
             modules[name].set_gradient_divide_factor(experts.divide)  # type: ignore[union-attr]
+            if allocate is not None and has_meta(modules[name]):
+                _allocate(modules[name], allocate)
         reduce_scatter = in_place_reduce_scatter() if cpu else None
         if reduce_scatter is not None:
             modules[name].set_custom_reduce_scatter(reduce_scatter)
@@ -276,6 +282,17 @@ def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str],
     guard = guard_reads(module, [modules[n] for n in units], rows)
     return DPShards(sharding, [*banks, *units], replicated, replaced, [modules[n] for n in [*banks, *units]], rows,
                     banks, reads, guard)
+
+
+def _allocate(unit: nn.Module, device: torch.device) -> None:
+    """A unit's own tensors, built on the meta device and sharded by FSDP2 there, allocated (uninitialised) on
+    ``device``: this rank's shards only. The parameter objects stay (swapped in place; FSDP2 re-pads them)."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        unit.to_empty(device=device, recurse=False)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
 def called_where_read(module: nn.Module, names: Sequence[str], reads: Mapping[int, Iterable[str]]) -> list[str]:

@@ -230,23 +230,33 @@ def test_one_process_checkpoint_resumes_at_ep2(tmp_path: Path) -> None:
                       where=f"one process -> ep=2 rank {rank}")
 
 
-def test_hf_safetensors_into_ep2(tmp_path: Path) -> None:
-    """``weights=`` an HF MoE safetensors file, the model built on meta at ep=2 over dp=2: each rank's experts come
+@pytest.mark.parametrize("name, dp", [("hf_mixtral_labels", 2), ("hf_mixtral_labels", 4),
+                                      ("hf_mixtral_two_experts", 4), ("hf_gpt_oss_one_expert", 4)],
+                         ids=["ep2-dp2", "ep2-dp4-shard0", "ep2-dp4-shard1", "ep2-dp4-gpt-oss"])
+def test_hf_safetensors_into_ep2(tmp_path: Path, name: str, dp: int) -> None:
+    """``weights=`` an HF MoE safetensors file, the model built on meta at ep=2 over dp: each rank's experts come
     from the file (weights unlike the module's own initialisation) and train as one process loaded by
-    ``from_pretrained``."""
-    import transformers
-
+    ``from_pretrained``. Over dp=4 each expert has two replicas: FSDP2 cuts the banks while they are still on the
+    meta device (along the experts, or along the next dim where a rank keeps one expert) and each rank reads only
+    its quarter of every bank (the dense weights first, the experts after). gpt-oss: transposed banks with biases,
+    held as banks in its files too."""
     torch.manual_seed(123)  # not the seed the runs build their modules with
-    MODELS["hf_mixtral_labels"]().model.save_pretrained(tmp_path / "hf")
-    run_ranks(ROOT / "tests" / "distributed" / "worker_moe_weights.py", 2,
-              [str(tmp_path), str(tmp_path / "hf" / "model.safetensors")], timeout=300).check()
+    MODELS[name]().model.save_pretrained(tmp_path / "hf")
+    run_ranks(ROOT / "tests" / "distributed" / "worker_moe_weights.py", dp,
+              [str(tmp_path), str(tmp_path / "hf" / "model.safetensors"), str(dp), name], timeout=300).check()
 
     def from_pretrained(module) -> None:
-        module.model.model = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf",
-                                                                             attn_implementation="eager")
+        module.model.model = type(module.model.model).from_pretrained(tmp_path / "hf", attn_implementation="eager")
 
-    ref = train("hf_mixtral_labels", dp=2, replicas_apart=True, accumulate=2, steps=2, prepare=from_pretrained)
-    ref.losses = torch.tensor(ref.losses).view(-1, 2).sum(dim=1).tolist()
-    ref.buffers = ref.buffers[1::2]
-    for rank in range(2):
-        assert_parity(load_record(tmp_path / f"weights.rank{rank}.pt"), ref, where=f"weights= at ep=2 rank {rank}")
+    ref = train(name, dp=dp, replicas_apart=True, accumulate=dp, steps=2, prepare=from_pretrained)
+    ref.losses = torch.tensor(ref.losses).view(-1, dp).sum(dim=1).tolist()
+    ref.buffers = ref.buffers[dp - 1::dp]
+    for rank in range(dp):
+        saved = torch.load(tmp_path / f"weights.rank{rank}.pt", weights_only=True)
+        reads, held, whole = saved.pop("reads"), saved.pop("held"), saved.pop("whole")
+        assert_parity(Record(**saved), ref, where=f"{name} weights= at ep=2 dp={dp} rank {rank}")
+        assert held == whole // dp, (rank, held, whole)  # experts / (ep x replicas)
+        if dp == 2:
+            assert len(reads) == 1, reads
+        else:  # the banks read after FSDP2 cut them: exactly the bytes held, nothing of the other replica's part
+            assert len(reads) == 2 and reads[1][1] == held, (reads, held)

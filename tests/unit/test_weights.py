@@ -171,6 +171,27 @@ def test_boxes_cover_exactly_the_shard() -> None:
             assert torch.equal(dest, shard_tensor(full, spec, rank, world)), (spec, rank)
 
 
+
+@pytest.mark.parametrize("dim", [0, 1], ids=["same-dim", "next-dim"])
+def test_boxes_cover_exactly_a_window_of_the_shard(dim: int) -> None:
+    """A rank's shard cut again, as FSDP2 cuts an expert bank over its replicas (``torch.chunk`` along ``dim``, the
+    last part short or empty): the boxes fill exactly that window, and read nothing outside it."""
+    full = torch.arange(12 * 6 * 2).reshape(12, 6, 2)
+    for spec, world in ((None, 1), (ShardSpec(0), 2), (ShardSpec(0, (8, 4)), 2), (ShardSpec(0), 4)):
+        for rank in range(world):
+            shard = full if spec is None else shard_tensor(full, spec, rank, world)
+            for replicas in (2, 4, 5):
+                chunks = torch.chunk(shard, replicas, dim=dim)
+                start = 0
+                for part in chunks:
+                    dest = torch.full_like(part, -1)
+                    found = boxes(dest, spec, full.shape, rank, world, window=(dim, start))
+                    for offsets, sizes, view in found:
+                        view.copy_(full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
+                    assert torch.equal(dest, part), (spec, rank, replicas, start)
+                    assert sum(v.numel() for *_, v in found) == part.numel()
+                    start += part.shape[dim]
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_lightning_ckpt_and_sharded_checkpoint(tmp_path: Path) -> None:
     """A .ckpt written by the Trainer (weights_only-loadable, memory-mapped), and a sharded checkpoint folder."""
