@@ -330,6 +330,33 @@ def hf_output_collector() -> Optional[dict]:
     return capturing._active_collector.get()
 
 
+@contextlib.contextmanager
+def hf_records_outside_graphs() -> Iterator[None]:
+    """For one compiled call: transformers' output collector held the way transformers holds it when it compiles a
+    whole model (a plain attribute, ``compiling=True``), not in its ``ContextVar``, which dynamo cannot read (a
+    graph break at every recording hook inside a block: a router's logits). The graph sees a fresh collector with
+    the same keys and empty lists, so that nothing it guards on changes between calls (no recompile as the lists
+    grow layer by layer); what the hooks appended to them is appended to the real collector after the call.
+    ``hidden_states`` keeps its real list: its hook reads how many states precede."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    var = getattr(capturing, "_active_collector", None)
+    if var is None or not hasattr(var, "compiling") or var.compiling:
+        yield
+        return
+    current = var.get()
+    scratch = None if current is None else {
+        k: [] if isinstance(v, list) and k != "hidden_states" else v for k, v in current.items()}
+    saved = var.compiling, var.global_var
+    var.compiling, var.global_var = True, scratch
+    try:
+        yield
+    finally:
+        var.compiling, var.global_var = saved
+        for key, values in (scratch or {}).items():
+            if values is not current[key]:  # type: ignore[index]
+                current[key].extend(values)  # type: ignore[index]
+
+
 def hf_install_output_hook(module: Any, key: str, recorder: Any) -> None:
     """The hook transformers installs on a layer whose output it records under ``key``."""
     from transformers.utils.output_capturing import install_output_capuring_hook

@@ -29,8 +29,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_tpp._compat import (allow_graphs_per_function, compile_call, dynamo_counters, maybe_mark_dynamic,
-                                   tree_flatten)
+from lightning_tpp._compat import (allow_graphs_per_function, compile_call, dynamo_counters, hf_records_outside_graphs,
+                                   maybe_mark_dynamic, tree_flatten)
 from lightning_tpp.context_parallel.blocks import compile_positions
 from lightning_tpp.core.comm import TPGroup, all_reduce_flag
 from lightning_tpp.core.reference import _records_kept, evaluating, first_difference, isolated
@@ -103,8 +103,12 @@ class Compiled:
                   eager: Callable[..., Any]) -> Callable[..., Any]:
         """``eager`` (the block's call, or its own forward when recomputed) compiled; before each call ``before``
         marks its inputs; the first call is also checked against ``eager``."""
-        graph = torch.compile(eager, **self.options)
+        compiled = torch.compile(eager, **self.options)
         pending = [self.check]
+
+        def graph(*args: Any, **kwargs: Any) -> Any:
+            with hf_records_outside_graphs():
+                return compiled(*args, **kwargs)
 
         def call(*args: Any, **kwargs: Any) -> Any:
             before(args, kwargs)

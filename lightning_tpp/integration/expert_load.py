@@ -58,23 +58,38 @@ class ExpertLoad:
         return module.training and not recomputing() and not VERIFYING.get() and torch.is_grad_enabled()
 
     def _bank_hook(self, layer: MoELayer) -> Any:
-        @torch.compiler.disable  # compile=: the count (a bincount moved to the host) outside the block's graph
+        # traced inside a compiled block (compile=): the count stays on the device, in a tensor the graph adds to
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            index = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)
-                          and not t.is_floating_point() and not t.is_meta), None)
+            index = None
+            for t in (*args, *kwargs.values()):
+                if isinstance(t, Tensor) and not t.is_floating_point() and not t.is_meta:
+                    index = t
+                    break
             if index is not None and self._counting(module):
-                ids = index.flatten()
-                ids = ids[(ids >= 0) & (ids < layer.count)]  # sentinels (an expert held elsewhere) are not counted
-                self.tokens[layer.name] += torch.bincount(ids.cpu(), minlength=layer.count)
+                ids = index.flatten().long()
+                # sentinels (an expert held elsewhere) go to a last bin that is dropped
+                ids = torch.where((ids >= 0) & (ids < layer.count), ids, layer.count)
+                counts = torch.zeros(layer.count + 1, dtype=torch.long, device=ids.device)
+                counts.scatter_add_(0, ids, torch.ones_like(ids))
+                self._tokens(layer.name, ids.device).add_(counts[:layer.count])
         return hook
 
     def _expert_hook(self, layer: MoELayer, e: int) -> Any:
-        @torch.compiler.disable  # compile=: outside the block's graph
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            x = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)), None)
+            x = None
+            for t in (*args, *kwargs.values()):
+                if isinstance(t, Tensor):
+                    x = t
+                    break
             if x is not None and not x.is_meta and self._counting(module):
-                self.tokens[layer.name][e] += x.numel() // max(x.shape[-1], 1) if x.dim() > 1 else x.numel()
+                self._tokens(layer.name, x.device)[e] += x.numel() // max(x.shape[-1], 1) if x.dim() > 1 else x.numel()
         return hook
+
+    def _tokens(self, name: str, device: torch.device) -> Tensor:
+        """A layer's counts, on the device of the indices counted (no copy to the host per call)."""
+        if self.tokens[name].device != device:
+            self.tokens[name] = self.tokens[name].to(device)
+        return self.tokens[name]
 
     def after_step(self, module: Any, batch_idx: Optional[int], group: Optional[dist.ProcessGroup] = None) -> None:
         """Called at the end of the strategy's ``training_step`` on every rank."""

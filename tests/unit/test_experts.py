@@ -126,15 +126,21 @@ def test_intermediate_width_not_divisible() -> None:
         shard_banks(moe, find_experts(moe), TPGroup(None, 0, 4), ShardIndex(), verify=False)
 
 
-def test_tokens_per_expert_are_logged(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_tokens_per_expert_are_logged(tmp_path: Path, compiled: bool) -> None:
     """``moe/`` values through the Trainer's loggers: every routed token counted once per expert it went to (top-2
     of 4 experts: 2 x 4 x 16 tokens a step), for a bank (counted from its expert indices) and a list of experts
-    (from the rows each expert receives)."""
+    (from the rows each expert receives). Compiled (``compile=``, from the second step on): the last step's count
+    comes from the blocks' graphs, and a bank's count breaks no graph (nor does Hugging Face's router-logit
+    recording)."""
     import torch.distributed as dist
 
+    from lightning_tpp.integration.compile_metrics import dynamo_counts
+
     for name, layer in [("hf_mixtral_labels", "model.model.model.layers.1.mlp"), ("list_moe", "model.blocks.1.moe")]:
+        breaks = dynamo_counts()[1]
         try:
-            trainer = _fit_logging(name, tmp_path)
+            trainer = _fit_logging(name, tmp_path, compiled)
         finally:
             if dist.is_initialized():  # the strategy's one-process group: later tests start their own
                 dist.destroy_process_group()
@@ -144,16 +150,20 @@ def test_tokens_per_expert_are_logged(tmp_path: Path) -> None:
         assert float(metrics[f"moe/{layer}/imbalance"]) == pytest.approx(max(counts) / (sum(counts) / 4))
         assert float(metrics["moe/imbalance"]) >= float(metrics[f"moe/{layer}/imbalance"])
         assert float(metrics[f"moe/{layer}/idle_experts"]) == sum(c == 0 for c in counts)
+        if compiled and name == "hf_mixtral_labels":
+            assert trainer.strategy.parallel_state.compiled and dynamo_counts()[0] > 0
+            assert dynamo_counts()[1] == breaks, dynamo_counts()[2]
 
 
-def _fit_logging(name: str, tmp_path: Path) -> "L.Trainer":
+def _fit_logging(name: str, tmp_path: Path, compiled: bool = False) -> "L.Trainer":
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_tpp import TensorPipeStrategy
     from models import LitLM, token_dataset
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=TensorPipeStrategy(), max_steps=2,
+    strategy = TensorPipeStrategy(compile={"backend": "aot_eager"} if compiled else False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3 if compiled else 2,
                         log_every_n_steps=1, logger=CSVLogger(tmp_path, name=name), enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(LitLM(name), torch.utils.data.DataLoader(token_dataset(8), batch_size=4))
