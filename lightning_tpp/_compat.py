@@ -357,6 +357,18 @@ def hf_records_outside_graphs() -> Iterator[None]:
                 current[key].extend(values)  # type: ignore[index]
 
 
+def hf_renamed_keys(keys: Any, transforms: list) -> dict[str, str]:
+    """Each checkpoint key as transformers renames it when it loads a model (the ``WeightRenaming`` transforms of
+    its conversion mapping, in their order; keys taken in sorted order, as transformers takes a state dict's, which
+    a renaming guarded by its first key relies on). Converters are not applied."""
+    import copy
+
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+    renamings = [copy.deepcopy(t) for t in transforms if isinstance(t, WeightRenaming)]  # some keep state
+    return {key: apply_renamings(key, renamings) for key in sorted(keys)}
+
+
 def hf_install_output_hook(module: Any, key: str, recorder: Any) -> None:
     """The hook transformers installs on a layer whose output it records under ``key``."""
     from transformers.utils.output_capturing import install_output_capuring_hook

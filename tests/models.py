@@ -543,7 +543,8 @@ class HFMoE(nn.Module):
     ``labels=``): 3-D expert banks in every family (transformers 5). Mixtral (top-2 of 4, softmax then top-k),
     Qwen2-MoE (a shared expert with a sigmoid gate beside the routed ones), DeepSeek-V3 (a dense first layer, shared
     experts, sigmoid scores with group-limited routing and a score-correction bias, MLA attention), gpt-oss (transposed
-    banks with biases, interleaved gate/up pairs, a clamped activation, attention sinks)."""
+    banks with biases, interleaved gate/up pairs, a clamped activation, attention sinks), GraniteMoE (banks that its
+    files hold under other names: ``input_linear``, ``output_linear``)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -573,6 +574,10 @@ class HFMoE(nn.Module):
                 for layer in self.model.model.layers:
                     with torch.no_grad():
                         layer.mlp.router.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 100.0]))
+        elif kind == "granitemoe":
+            cfg = transformers.GraniteMoeConfig(**common, intermediate_size=DIM, num_local_experts=4,
+                                                num_experts_per_tok=2)
+            self.model = transformers.GraniteMoeForCausalLM(cfg)
         else:
             cfg = transformers.DeepseekV3Config(**{**common, "num_hidden_layers": 3, "num_key_value_heads": HEADS},
                                                 intermediate_size=2 * DIM,
@@ -774,6 +779,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "hf_deepseek_v3_labels": lambda: HFMoE("deepseek_v3"),
     "hf_gpt_oss_labels": lambda: HFMoE("gpt_oss"),
     "hf_gpt_oss_one_expert": lambda: HFMoE("gpt_oss_one_expert"),
+    "hf_granitemoe_labels": lambda: HFMoE("granitemoe"),
     "list_moe": ListMoELM,
     # batch statistics under micro-batching (issue #30 item 4)
     "resnet": TinyResNet,

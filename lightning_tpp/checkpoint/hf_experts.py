@@ -6,9 +6,10 @@ with its own conversion mapping. This source applies the same mapping to the key
     model:  model.layers.0.mlp.experts.gate_up_proj (E, 2I, H) = stack_e [w1_e | w3_e],  ...down_proj = stack_e w2_e
 
 A box of a bank (a rank's experts under ep, its rows under tp) is read as the boxes of the per-expert tensors it
-covers: each rank reads its own experts only. Only the mapping's plain renames and its stack-then-concatenate
-converters are applied (what MoE families use); anything else is left to the key matching, which names what is
-missing.
+covers: each rank reads its own experts only. The mapping's renames are transformers' own (GraniteMoE's
+``block_sparse_moe.input_linear.weight`` is the model's ``block_sparse_moe.experts.gate_up_proj``); of its
+converters, the stack-then-concatenate ones (what MoE families use). Anything else is left to the key matching,
+which names what is missing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
+
+from lightning_tpp._compat import hf_renamed_keys
 
 _REGEX = set("^$()[]+?\\|{}")
 
@@ -81,12 +84,10 @@ def _conversions(module: nn.Module) -> list[Any]:
 
 
 def _kind(transform: Any) -> Optional[str]:
-    """``"rename"`` for a plain substring rename, ``"stack"`` for a stack (then concatenate) of per-expert tensors."""
+    """``"stack"`` for a stack (then concatenate) of per-expert tensors."""
     sources, targets = list(transform.source_patterns), list(transform.target_patterns)
     if any(_REGEX & set(p) for p in (*sources, *targets)) or len(targets) != 1:
         return None
-    if type(transform).__name__ == "WeightRenaming" and len(sources) == 1 and "*" not in sources[0]:
-        return "rename"
     ops = [(type(op).__name__, getattr(op, "dim", None)) for op in getattr(transform, "operations", [])]
     if ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]) and all(
             p.count("*") == 1 for p in sources) and (len(sources) == 1) == (len(ops) == 1):
@@ -97,21 +98,17 @@ def _kind(transform: Any) -> Optional[str]:
 def stack_experts(source: Any, module: nn.Module) -> Any:
     """``source`` as the model sees it, after transformers' conversion mapping for ``module``'s Hugging Face model
     (``source`` itself when nothing applies)."""
-    transforms = [(t, kind) for t in _conversions(module) if (kind := _kind(t)) is not None]
-    if not any(kind == "stack" for _, kind in transforms):
+    transforms = _conversions(module)
+    if not transforms:
         return source
-    renamed = {}
-    for key in source.shapes:
-        shown = key
-        for t, kind in transforms:
-            if kind == "rename":
-                shown = shown.replace(t.source_patterns[0], t.target_patterns[0])
-        renamed[shown] = key
+    renamed = {shown: key for key, shown in hf_renamed_keys(source.shapes, transforms).items()}
     banks: dict[str, Stacked] = {}
-    for t, kind in transforms:
-        if kind == "stack":
+    for t in transforms:
+        if _kind(t) == "stack":
             banks.update(_stacks(t, renamed, source.shapes))
-    return StackedExperts(source, renamed, banks) if banks else source
+    if not banks and all(shown == key for shown, key in renamed.items()):
+        return source
+    return StackedExperts(source, renamed, banks)
 
 
 def _stacks(transform: Any, renamed: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Stacked]:

@@ -231,15 +231,16 @@ def test_one_process_checkpoint_resumes_at_ep2(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name, dp", [("hf_mixtral_labels", 2), ("hf_mixtral_labels", 4),
-                                      ("hf_mixtral_two_experts", 4), ("hf_gpt_oss_one_expert", 4)],
-                         ids=["ep2-dp2", "ep2-dp4-shard0", "ep2-dp4-shard1", "ep2-dp4-gpt-oss"])
+                                      ("hf_mixtral_two_experts", 4), ("hf_gpt_oss_one_expert", 4),
+                                      ("hf_granitemoe_labels", 4)],
+                         ids=["ep2-dp2", "ep2-dp4-shard0", "ep2-dp4-shard1", "ep2-dp4-gpt-oss", "ep2-dp4-granitemoe"])
 def test_hf_safetensors_into_ep2(tmp_path: Path, name: str, dp: int) -> None:
     """``weights=`` an HF MoE safetensors file, the model built on meta at ep=2 over dp: each rank's experts come
     from the file (weights unlike the module's own initialisation) and train as one process loaded by
     ``from_pretrained``. Over dp=4 each expert has two replicas: FSDP2 cuts the banks while they are still on the
     meta device (along the experts, or along the next dim where a rank keeps one expert) and each rank reads only
     its quarter of every bank (the dense weights first, the experts after). gpt-oss: transposed banks with biases,
-    held as banks in its files too."""
+    held as banks in its files too; GraniteMoE: banks held in its files under other names (transformers' renames)."""
     torch.manual_seed(123)  # not the seed the runs build their modules with
     MODELS[name]().model.save_pretrained(tmp_path / "hf")
     run_ranks(ROOT / "tests" / "distributed" / "worker_moe_weights.py", dp,
