@@ -41,6 +41,9 @@ LAYOUTS = {"experts replicated (tp=4)": {"tp": 4, "tp_plan": {"model.model.layer
            "EP (ep=4, dp=4, dense no_shard)": {"ep": 4, "dp_sharding": "no_shard"},
            "EP (ep=2, dp=4, 2 replicas)": {"ep": 2},
            "EP (ep=2, dp=4, experts whole)": {"ep": 2, "experts_whole": True},
+           "EP (ep=2, dp=4, 2 replicas, shard_grad_op)": {"ep": 2, "dp_sharding": "shard_grad_op"},
+           "EP (ep=2, dp=4, experts whole, shard_grad_op)": {"ep": 2, "dp_sharding": "shard_grad_op",
+                                                              "experts_whole": True},
            "EP (ep=2, dp=4, no_shard)": {"ep": 2, "dp_sharding": "no_shard"},
            "EP (ep=2 x tp=2, dp=2)": {"tp": 2, "ep": 2}}
 VOCAB, SEQ, BATCH, HIDDEN, LAYERS, TOP_K = 1024, 128, 8, 256, 4, 2
@@ -154,6 +157,11 @@ def main() -> None:
           f"/ no_shard (experts and dense parameters whole) "
           f"{sharded / step.get('EP (ep=2, dp=4, no_shard)', float('nan')):.3f}; / ep=4 over dp=4 (the same dense "
           f"FSDP2, experts never gathered) {sharded / step.get('EP (ep=4, dp=4)', float('nan')):.3f}")
+    kept = step.get("EP (ep=2, dp=4, 2 replicas, shard_grad_op)", float("nan"))
+    kept_whole = step.get("EP (ep=2, dp=4, experts whole, shard_grad_op)", float("nan"))
+    print(f"the same with dp_sharding='shard_grad_op' (parameters kept gathered from forward to backward: one "
+          f"all-gather less), sharded / whole {kept / kept_whole:.3f}; / full_shard with experts whole "
+          f"{kept / step.get('EP (ep=2, dp=4, experts whole)', float('nan')):.3f}")
 
 
 if __name__ == "__main__":

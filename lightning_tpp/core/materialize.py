@@ -99,8 +99,9 @@ def materialize(module: nn.Module, *, device: torch.device, names: ParamNames, s
                 leave: Collection[str] = ()) -> list[str]:
     """Allocate (and unless ``initialize=False``, initialise) every meta tensor of ``module`` in place; returns the
     names of the modules materialised. A module whose own tensors are all ``loaded`` (single-device names a weights
-    file fills afterwards) is only allocated; the modules named in ``leave`` stay on the meta device. A weight several modules share is initialised by the module of its
-    single-device (first) name when that module is here, else by the first one met."""
+    file fills afterwards) is only allocated; the modules named in ``leave`` stay on the meta device. A weight
+    several modules share is initialised by the module of its single-device (first) name when that module is here,
+    else by the first one met."""
     modules = list(module.named_modules())
     owner_of: dict[int, str] = {}
     for name, m in modules:
