@@ -141,14 +141,14 @@ def main() -> None:
     rows = {name: (*r[0][:3], statistics.median(x[3] for x in r), *r[0][4:]) for name, r in runs.items()}
     if args.repeat > 1:
         for name, r in runs.items():
-            print(f"{name:32} step (s) per run: {', '.join(f'{x[3]:.3f}' for x in r)}")
+            print(f"{name:46} step (s) per run: {', '.join(f'{x[3]:.3f}' for x in r)}")
     base = rows.get("experts replicated (tp=4)", (0, 0, 0, float("nan")))[3]
     tp = rows.get("expert-TP (tp=4)", (0, 0, 0, float("nan")))[3]
-    print(f"{'layout':32} {'experts/rank':>12} {'/ goal':>6} {'params/rank':>11} {'step (s)':>8} {'/ repl.':>7} "
+    print(f"{'layout':46} {'experts/rank':>12} {'/ goal':>6} {'params/rank':>11} {'step (s)':>8} {'/ repl.':>7} "
           f"{'/ ETP':>6} {'a2a MB/step':>11} {'/ analytic':>10}")
     for name, (experts, goal, params, step, sent, analytic) in rows.items():
         traffic = f"{sent / 1e6:11.2f} {sent / analytic:10.2f}" if analytic else f"{'-':>11} {'-':>10}"
-        print(f"{name:32} {experts:12.3f} {experts / goal:6.3f} {params:11.3f} {step:8.3f} {step / base:7.2f} "
+        print(f"{name:46} {experts:12.3f} {experts / goal:6.3f} {params:11.3f} {step:8.3f} {step / base:7.2f} "
               f"{step / tp:6.2f} {traffic}")
     step = {name: row[3] for name, row in rows.items()}
     sharded = step.get("EP (ep=2, dp=4, 2 replicas)", float("nan"))
