@@ -138,7 +138,7 @@ def test_tokens_per_expert_are_logged(tmp_path: Path, compiled: bool) -> None:
     from lightning_tpp.integration.compile_metrics import dynamo_counts
 
     for name, layer in [("hf_mixtral_labels", "model.model.model.layers.1.mlp"), ("list_moe", "model.blocks.1.moe")]:
-        breaks = dynamo_counts()[1]
+        graphs, breaks, _ = dynamo_counts()
         try:
             trainer = _fit_logging(name, tmp_path, compiled)
         finally:
@@ -151,7 +151,7 @@ def test_tokens_per_expert_are_logged(tmp_path: Path, compiled: bool) -> None:
         assert float(metrics["moe/imbalance"]) >= float(metrics[f"moe/{layer}/imbalance"])
         assert float(metrics[f"moe/{layer}/idle_experts"]) == sum(c == 0 for c in counts)
         if compiled and name == "hf_mixtral_labels":
-            assert trainer.strategy.parallel_state.compiled and dynamo_counts()[0] > 0
+            assert trainer.strategy.parallel_state.compiled and dynamo_counts()[0] > graphs
             assert dynamo_counts()[1] == breaks, dynamo_counts()[2]
 
 
