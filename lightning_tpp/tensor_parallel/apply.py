@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_tpp._compat import MHA_FAST_PATH_FLAG
 from lightning_tpp.core.dp_shard import local, shard_dp_like
-from lightning_tpp.core.comm import TPGroup, TPScope, gather_summed, gather_with_spec, tokens_sharded
+from lightning_tpp.core.comm import TPGroup, TPScope, copy_to_tp, gather_summed, gather_with_spec, tokens_sharded
 from lightning_tpp.core.grads import all_reduce_coalesced
 from lightning_tpp.core.params import ShardIndex, ShardInfo
 from lightning_tpp.core.sharding import ShardSpec, shard_tensor
@@ -225,6 +225,23 @@ class _WholeWidth:
         return out.narrow(-1, group.rank * local, local).contiguous()
 
 
+class _SummedTail:
+    """Mixin for a layer whole on every rank whose output's last columns every head reads, outside the column layers
+    (MLA's shared rope key: the rest of ``kv_a_proj_with_mqa``'s output reaches the heads through ``kv_b_proj``,
+    whose input gradient is summed over tp already). Those columns pass through ``copy_to_tp``: each rank's heads
+    give a part of their gradient, summed over tp in backward."""
+
+    _tpp_tail: tuple[int, TPGroup]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().forward(*args, **kwargs)  # type: ignore[misc]
+        columns, group = self._tpp_tail
+        if not isinstance(out, Tensor) or out.shape[-1] < columns:
+            return out
+        kept, tail = out.split([out.shape[-1] - columns, columns], dim=-1)
+        return torch.cat([kept, copy_to_tp(tail, group)], dim=-1)
+
+
 @dataclasses.dataclass(eq=False)
 class _Width:
     group: TPGroup
@@ -337,6 +354,10 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
         else:
             swap_class(block, _TPBlock)
     _declared_partials(plan, states, modules)
+    for name, columns in plan.summed_tail.items():  # inside a planned block only: outside, every head is here
+        if name in modules and any(name.startswith(f"{b}.") for b in states):
+            modules[name]._tpp_tail = (columns, group)
+            swap_class(modules[name], _SummedTail)
     rejoin = {n for info in plan.blocks.values() for n in info.rejoin}
     for name, style in plan.styles.items():
         if style in ("mha", "replicate"):

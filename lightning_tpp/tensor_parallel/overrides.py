@@ -52,6 +52,13 @@ def overlay(model: nn.Module, plan: TPPlan, overrides: Mapping[str, str], *, sou
                                             f"{[n for n in names if n][:5]}")
         for name in modules:
             if fnmatch.fnmatchcase(name, pattern) and name not in remote:
+                tail = _rope_columns(modules, name) if raw == "mla_kv_a_proj" and not strict else None
+                if tail is not None:  # whole on every rank, its rope columns' gradient summed over tp
+                    plan.summed_tail[name] = tail
+                    plan.notes.append(f"{name}: Hugging Face style 'mla_kv_a_proj': whole on every rank, the "
+                                      f"gradient of its last {tail} columns (the rope key every head reads) summed "
+                                      f"over tp")
+                    continue
                 style = raw if strict else _HF_STYLES.get(raw)  # (a module held by another stage is skipped)
                 if style == "rowwise" and isinstance(modules[name], nn.Embedding):
                     style = "vocab"
@@ -88,6 +95,17 @@ def overlay(model: nn.Module, plan: TPPlan, overrides: Mapping[str, str], *, sou
                               f"not supported here, and half of a plan does not fit together; left as planned")
             continue
         _set_style(plan, name, modules[name], style, source)
+
+
+def _rope_columns(modules: Mapping[str, nn.Module], name: str) -> Optional[int]:
+    """The rope key's width of an MLA attention (``qk_rope_head_dim`` on the attention holding ``name``, or on its
+    config): the last columns of ``kv_a_proj_with_mqa``'s output, which bypass ``kv_b_proj`` and reach every head."""
+    owner = modules.get(name.rpartition(".")[0])
+    for where in (owner, getattr(owner, "config", None)):
+        value = getattr(where, "qk_rope_head_dim", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def _set_style(plan: TPPlan, name: str, m: nn.Module, style: str, source: str) -> None:

@@ -63,6 +63,9 @@ class TPPlan:
     # modules a Hugging Face plan marks "replicated_with_grad_allreduce" (Qwen3's per-head q_norm / k_norm): whole on
     # every rank, each rank's gradient a part (its heads), summed over tp inside a planned block
     grad_allreduce: list[str] = field(default_factory=list)
+    # a layer inside a planned block whose output's last n columns every head reads (MLA's shared rope key:
+    # DeepSeek's kv_a_proj_with_mqa, Hugging Face's "mla_kv_a_proj"): their gradient is summed over tp
+    summed_tail: dict[str, int] = field(default_factory=dict)
 
     def block_of(self, layer: str) -> Optional[str]:
         for name, block in self.blocks.items():

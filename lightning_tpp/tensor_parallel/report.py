@@ -144,8 +144,9 @@ def whole_kinds(model: nn.Module, plan: TPPlan, tp: int, shards: ShardIndex, blo
                 continue
             own = [p for p in m.parameters(recurse=False) if p not in shards]
             numel = sum(p.numel() for c in layers for p in c.parameters()) + sum(p.numel() for p in own)
-            why = plan.whole.get(name) or next((w for n, w in plan.whole.items() if n.startswith(f"{name} (")),
-                                               "no attention or MLP layout recognised in its forward")
+            why = "layers its tensor-parallel plan leaves whole beside those it cuts" if name in plan.blocks else \
+                plan.whole.get(name) or next((w for n, w in plan.whole.items() if n.startswith(f"{name} (")),
+                                             "no attention or MLP layout recognised in its forward")
             kind = kinds.setdefault(original_class(m).__name__, [0, 0, why])
             kind[0], kind[1] = kind[0] + 1, kind[1] + numel
     listed = sorted(((n, c, k / max(total, 1), why) for n, (c, k, why) in kinds.items() if k >= least * total),

@@ -23,14 +23,18 @@ def _launch(tmp: Path, models: list[str], *, tp: int = 1, pp: int = 1, extra: tu
 
 def test_expert_tensor_parallel_tp2(tmp_path: Path) -> None:
     """Each expert's intermediate features cut over tp=2 (the router replicated): at most 0.65 of the parameters on
-    a rank, and losses, gradients and updated parameters (by original name) equal one process's."""
+    a rank, and losses, gradients and updated parameters (by original name) equal one process's. DeepSeek-V3's MLA
+    attention is cut by heads too (Hugging Face's plan: q_b_proj and kv_b_proj by columns, o_proj by rows,
+    kv_a_proj_with_mqa whole with its rope key's gradient summed over tp): its first-call gradient check refuses the
+    block without that sum (the input's gradient 1.8e-4 off)."""
     _launch(tmp_path, MOE, tp=2)
     for name in MOE:
         ref = reference(name)
         for rank in range(2):
             record = load_record(tmp_path / f"{name}.rank{rank}.pt")
             assert_parity(record, ref, where=f"{name} tp=2 rank {rank}")
-            assert record.local_fraction <= 0.65, (name, record.local_fraction)
+            assert record.local_fraction <= (0.56 if name == "hf_deepseek_v3_labels" else 0.65), \
+                (name, record.local_fraction)
 
 
 def test_moe_tp2_pp2(tmp_path: Path) -> None:

@@ -75,7 +75,7 @@ def test_parity_no_verify_declared_partials(tmp_path: Path) -> None:
 SEQUENCE_PARALLEL = ["nanogpt", "llama", "hf_llama", "hf_gpt2", "flat_gpt", "split_gpt", "encoder", "seq2seq",
                      "hf_gemma", "hf_bert", "litgpt", "hf_phi3", "hf_neox", "conditioned", "nested_lists", "hf_qwen3",
                      "post_norm", "hf_mixtral_labels", "hf_jamba", "cp_hf_llama_hidden", "hf_olmo2",
-                     "wide_qk_norm"]
+                     "wide_qk_norm", "hf_deepseek_v3_labels"]
 
 
 def test_parity_sequence_parallel(tmp_path: Path) -> None:
@@ -87,7 +87,9 @@ def test_parity_sequence_parallel(tmp_path: Path) -> None:
     query/key norms and a norm after an MLP's row layer (each rank's gradient a part, found by the gradient check and
     summed over tp), expert banks cut over tp inside a block on sequence shards (Mixtral with its router's auxiliary
     loss, whose logits each rank records for its own tokens; Jamba's Mamba and attention layers): the bank runs on
-    every rank's tokens and reduce-scatters, the router logits are gathered as one process records them."""
+    every rank's tokens and reduce-scatters, the router logits are gathered as one process records them;
+    DeepSeek-V3's MLA attention cut by heads (its low-rank projections whole, the shared rope key's gradient summed
+    over tp)."""
     _run(tmp_path, SEQUENCE_PARALLEL, 2, 1, ["--sequence-parallel"])
     for name in SEQUENCE_PARALLEL:
         ref = reference(name, 1)
