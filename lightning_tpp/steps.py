@@ -226,7 +226,8 @@ def _tp_plan(s: Setup) -> None:
     assert s.map is not None and s.state is not None
     config, stages = s.config, s.state.stages
     if s.plan is not None:  # made on another copy: applied by name
-        s.state.plan = TPPlan(dict(s.plan.styles), dict(s.plan.blocks))
+        s.state.plan = TPPlan(dict(s.plan.styles), dict(s.plan.blocks), grad_allreduce=list(s.plan.grad_allreduce),
+                              summed_tail=dict(s.plan.summed_tail))
         return
     remote = _remote(s)
     plan = detect(s.module, config.tp, check=False, remote=stages.remote_twins() if stages is not None else remote)
