@@ -5,7 +5,8 @@ dropped, so the result is one process's.
 One MoE call on a rank of an ep group of P ranks (E experts, L = E / P on each)::
 
     x (T, H), index (T, k), weight (T, k)        routed by the model's own router, outside the bank
-      tp > 1: this tp rank's slice of the tokens (the tokens are replicated over tp; each expert sees each once)
+      tp > 1: this tp rank's slice of the tokens (the tokens are replicated over tp; each expert sees each once),
+              unless the tp ranks hold different tokens (sequence parallelism: each its sequence shard, all of it)
     rows = (token, slot) pairs, sorted by expert          counts (E,) -> rows per destination rank
     counts  --all_to_all-->  rows per (source rank, local expert)
     x[rows] --all_to_all-->  received rows   --bank.forward(rows, local expert, weight 1)-->  outputs
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_tpp.core.comm import TPGroup, copy_to_tp, reduce_from_tp
+from lightning_tpp.core.comm import TPGroup, copy_to_tp, reduce_from_tp, tokens_sharded_over
 
 
 @dataclass
@@ -106,7 +107,9 @@ def dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, ind
     bank's own forward on the rows this rank received (``params``: the bank's, for ``_Joined``); what is sent is
     counted in ``traffic``."""
     tokens, k = index.shape
-    if tp.size > 1:  # each tp rank sends a slice of the (replicated) tokens; f here, g at the end
+    # each tp rank sends a slice of the tokens, replicated over tp; f here, g at the end. Under sequence parallelism
+    # the tp ranks hold different tokens already (their sequence shards): each sends its own, as at tp = 1
+    if tp.size > 1 and tokens_sharded_over() is None:
         x, weight = copy_to_tp(x, tp), copy_to_tp(weight, tp)
         mine = torch.tensor_split(torch.arange(tokens, device=x.device), tp.size)[tp.rank]
         xs, index, weight = x[mine], index[mine], weight[mine]

@@ -91,6 +91,18 @@ def test_ep2_over_tp2(tmp_path: Path) -> None:
             assert record.local_fraction <= 0.65, (name, record.local_fraction)
 
 
+def test_ep2_over_tp2_sequence_parallel(tmp_path: Path) -> None:
+    """ep drawn from tp under sequence parallelism: the tp ranks hold different tokens (their sequence shards), so
+    each sends all of its own (no slice of replicated tokens, no sum over tp after). Mixtral, and DeepSeek-V3 with its
+    MLA attention cut by heads, at parity with one process."""
+    models = ["hf_mixtral_labels", "hf_deepseek_v3_labels"]
+    _launch(tmp_path, models, ep=2, tp=2, extra=("--sequence-parallel",))
+    for name in models:
+        ref = _reference(name, dp=1)
+        for rank in range(2):
+            assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), ref, where=f"{name} ep=2 tp=2 sp rank {rank}")
+
+
 def test_ep2_pp2(tmp_path: Path) -> None:
     """MoE blocks in pipeline stages, each stage's ep group its dp ranks (one micro-batch: the loss is a function of
     the batch it sees)."""
