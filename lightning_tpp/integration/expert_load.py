@@ -60,11 +60,8 @@ class ExpertLoad:
     def _bank_hook(self, layer: MoELayer) -> Any:
         # traced inside a compiled block (compile=): the count stays on the device, in a tensor the graph adds to
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            index = None
-            for t in (*args, *kwargs.values()):
-                if isinstance(t, Tensor) and not t.is_floating_point() and not t.is_meta:
-                    index = t
-                    break
+            index = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)
+                          and not t.is_floating_point() and not t.is_meta), None)
             if index is not None and self._counting(module):
                 ids = index.flatten().long()
                 # sentinels (an expert held elsewhere) go to a last bin that is dropped
@@ -76,11 +73,7 @@ class ExpertLoad:
 
     def _expert_hook(self, layer: MoELayer, e: int) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            x = None
-            for t in (*args, *kwargs.values()):
-                if isinstance(t, Tensor):
-                    x = t
-                    break
+            x = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)), None)
             if x is not None and not x.is_meta and self._counting(module):
                 self._tokens(layer.name, x.device)[e] += x.numel() // max(x.shape[-1], 1) if x.dim() > 1 else x.numel()
         return hook
