@@ -34,6 +34,7 @@ Live steps touch other ranks, real tensors or the user's files: the planner's me
 from __future__ import annotations
 
 import fnmatch
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
@@ -498,8 +499,8 @@ def _read_after_sharding(s: Setup) -> list[str]:
     loaded = s.meta.loaded
 
     def from_file(name: str) -> bool:
-        own = [*s.module.get_submodule(name).named_parameters(recurse=False),
-               *s.module.get_submodule(name).named_buffers(recurse=False)]
+        bank = s.module.get_submodule(name)
+        own = chain(bank.named_parameters(recurse=False), bank.named_buffers(recurse=False))
         return all(t.is_meta and f"{name}.{n}" in loaded for n, t in own)
 
     return [name for name in experts.banks if from_file(name)]
@@ -531,28 +532,26 @@ def _report(s: Setup) -> None:
 
 
 def _weights(s: Setup) -> None:
-    state, config = s.state, s.config
-    assert state is not None
-    if config.weights is None:
-        return
-    unread = set(s.unread)
-    _load(s, lambda name: name.rpartition(".")[0] not in unread)
+    if s.config.weights is not None:
+        _load(s, banks_left=False)
 
 
 def _expert_weights(s: Setup) -> None:
     """The banks left unread (``_read_after_sharding``), now FSDP2's shards: each rank reads its part of its
     experts from ``weights=``."""
     if s.unread:
-        unread = set(s.unread)
-        _load(s, lambda name: name.rpartition(".")[0] in unread)
+        _load(s, banks_left=True)
 
 
-def _load(s: Setup, select: Callable[[str], bool]) -> None:
+def _load(s: Setup, *, banks_left: bool) -> None:
+    """``weights=`` into this rank's entries: those of the banks left unread (``banks_left``), or all the others."""
     state, config = s.state, s.config
     assert state is not None and config.weights is not None
+    unread = set(s.unread)
     loaded = load_weights(s.module, config.weights, names=state.names, shards=state.shards, tp_rank=s.groups.tp.rank,
                           tp_size=s.groups.tp.size, prefix=config.weights_prefix,
-                          strict=getattr(s.module, "strict_loading", True), select=select)
+                          strict=getattr(s.module, "strict_loading", True),
+                          select=lambda name: (name.rpartition(".")[0] in unread) == banks_left)
     state.loaded.append(loaded)
     rank_zero_info(loaded.describe())
 

@@ -76,8 +76,9 @@ def boxes(dest: Tensor, spec: Optional[ShardSpec], full_shape: Sequence[int], ra
         rank, world = spec.placed(rank, world)
     if not full:
         return [((), (), dest)]
-    if spec is None or world == 1:
-        cut, pieces = (window[0] if window else 0), [(0, full[window[0] if window else 0])]
+    if spec is None or world == 1:  # this rank holds it whole: one piece, along the window's dim
+        cut = window[0] if window is not None else 0
+        pieces = [(0, full[cut])]
     else:
         cut, pieces = spec.dim, spec.pieces(full[spec.dim], rank, world)
     wdim, wstart = window if window is not None else (cut, 0)

@@ -355,7 +355,7 @@ def apply_plan(model: nn.Module, plan: TPPlan, group: TPGroup, *, verify: bool =
             swap_class(block, _TPBlock)
     _declared_partials(plan, states, modules)
     for name, columns in plan.summed_tail.items():  # inside a planned block only: outside, every head is here
-        if name in modules and any(name.startswith(f"{b}.") for b in states):
+        if name in modules and _owner(name, states) is not None:
             modules[name]._tpp_tail = (columns, group)
             swap_class(modules[name], _SummedTail)
     rejoin = {n for info in plan.blocks.values() for n in info.rejoin}
@@ -405,10 +405,15 @@ def _declared_partials(plan: TPPlan, states: dict[str, BlockState], modules: dic
     (:func:`verify_block_gradients`) confirms or corrects each. Outside a planned block (its attention left whole)
     such a parameter sees every head and stays as it is."""
     for name in plan.grad_allreduce:
-        owner = max((b for b in states if name.startswith(f"{b}.")), key=len, default=None)
+        owner = _owner(name, states)
         if owner is None or name not in modules:
             continue
         _declare_partial(states[owner].partial, modules[name])
+
+
+def _owner(name: str, states: dict[str, BlockState]) -> Optional[str]:
+    """The innermost planned block holding the module ``name``, if any."""
+    return max((b for b in states if name.startswith(f"{b}.")), key=len, default=None)
 
 
 def _declare_partial(partial: list[tuple[nn.Module, str]], module: nn.Module) -> None:
