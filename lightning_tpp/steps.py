@@ -20,12 +20,13 @@ from what setup does. A new capability is a new step::
     engine            batch statistics deferred; dispatchers, tied weights, the engine            (live)
     compile           compile=: the blocks to compile after the first step (regional)            (live)
     materialize       a meta-built model: this rank's shards allocated and initialised (banks     (live)
-                      that FSDP2 shards over their replicas and weights= fills: left for later)
+                      that FSDP2 shards over their replicas: left on meta for later)
     report            the plan table, the partition                                               (live)
     weights           weights= loaded into this rank's shards                                     (live)
     split             the experts split over ep (sharded over their replicas, or reduced apart)   (live)
     dp                FSDP2 over dp (after the precision plugin fixed the dtype)                  (live)
-    expert_weights    weights= read into the banks left for later: each rank its part only       (live)
+    expert_shards     the banks left for later, now FSDP2's shards: each rank initialises or     (live)
+                      reads (weights=) its part only
     reduction         the per-step gradient reduction, built once                                 (live)
 
 Live steps touch other ranks, real tensors or the user's files: the planner's meta copies stop before them.
@@ -43,7 +44,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_tpp.checkpoint.weights import covered_names, load_weights
+from lightning_tpp.checkpoint.weights import covered_names, fill_from_whole, load_weights
 from lightning_tpp.config import TensorPipeConfig
 from lightning_tpp.context_parallel import (
     ContextParallelError,
@@ -54,7 +55,7 @@ from lightning_tpp.context_parallel import (
 )
 from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.core.grads import broadcast_module
-from lightning_tpp.core.materialize import has_meta, materialize
+from lightning_tpp.core.materialize import has_meta, initialise_whole, materialize
 from lightning_tpp.core.mesh import MeshDims, replica_mesh
 from lightning_tpp.core.recompute import recompute_blocks
 from lightning_tpp.data_parallel import ExpertShards, shard_over_dp, sharded_numel, sync_batchnorm_over_dp
@@ -108,7 +109,7 @@ class Setup:
     split: list[nn.Parameter] = field(default_factory=list)  # experts split over ep: outside the dp units
     context_runs: list[list[str]] = field(default_factory=list)  # cp > 1: the runs of blocks, read on the whole model
     context_heads: list[str] = field(default_factory=list)  # ... and the LM heads whose columns cp cuts
-    unread: list[str] = field(default_factory=list)  # banks left on meta until FSDP2 cut them (weights= fills them)
+    deferred: list[str] = field(default_factory=list)  # banks left on meta until FSDP2 cut them
 
     @property
     def pp_rank(self) -> int:
@@ -470,9 +471,9 @@ def _materialize(s: Setup) -> None:
     state = s.state
     if s.meta is None or state is None:
         return
-    s.unread = _read_after_sharding(s)
+    s.deferred = _sharded_on_meta(s)
     materialize(s.module, device=s.meta.device, names=state.names, shards=state.shards, tp_rank=s.groups.tp.rank,
-                tp_size=s.groups.tp.size, base_seed=s.meta.base_seed, loaded=s.meta.loaded, leave=s.unread)
+                tp_size=s.groups.tp.size, base_seed=s.meta.base_seed, loaded=s.meta.loaded, leave=s.deferred)
     if state.stages is not None:
         assert state.engine is not None
         send_tied(s.module, state.stages, state.engine, s.dims, s.dims.coords(s.rank))
@@ -489,21 +490,19 @@ def _experts_over_replicas(s: Setup) -> Optional[ExpertShards]:
     return ExpertShards(tuple(banks), ep.mesh["edp"], float(ep.dp)) if banks else None
 
 
-def _read_after_sharding(s: Setup) -> list[str]:
-    """Banks built on the meta device whose every tensor ``weights=`` fills, and that FSDP2 shards over their
-    replicas: left unallocated until it has, so that each rank reads and holds only its part of its experts (not
-    the ``experts / ep`` it computes with)."""
+def _sharded_on_meta(s: Setup) -> list[str]:
+    """Banks built on the meta device that FSDP2 shards over their replicas: left unallocated until it has, so
+    that no rank ever holds more of its experts than its part (not the ``experts / ep`` it computes with, for every
+    layer at once)."""
     experts = _experts_over_replicas(s)
-    if s.meta is None or s.config.weights is None or experts is None:
+    if s.meta is None or experts is None:
         return []
-    loaded = s.meta.loaded
 
-    def from_file(name: str) -> bool:
+    def on_meta(name: str) -> bool:
         bank = s.module.get_submodule(name)
-        own = chain(bank.named_parameters(recurse=False), bank.named_buffers(recurse=False))
-        return all(t.is_meta and f"{name}.{n}" in loaded for n, t in own)
+        return all(t.is_meta for t in chain(bank.parameters(recurse=False), bank.buffers(recurse=False)))
 
-    return [name for name in experts.banks if from_file(name)]
+    return [name for name in experts.banks if on_meta(name)]
 
 
 def _report(s: Setup) -> None:
@@ -536,22 +535,35 @@ def _weights(s: Setup) -> None:
         _load(s, banks_left=False)
 
 
-def _expert_weights(s: Setup) -> None:
-    """The banks left unread (``_read_after_sharding``), now FSDP2's shards: each rank reads its part of its
-    experts from ``weights=``."""
-    if s.unread:
+def _expert_shards(s: Setup) -> None:
+    """The banks left on the meta device (``_sharded_on_meta``), now FSDP2's shards (allocated, uninitialised):
+    each rank fills its part of its experts. A bank is initialised at full size one at a time, as ``materialize``
+    does (the same values in every layout), and this rank's part kept; then ``weights=`` reads what it fills."""
+    state, meta = s.state, s.meta
+    if not s.deferred or state is None or meta is None:
+        return
+    for name in s.deferred:
+        bank = s.module.get_submodule(name)
+        own = dict(chain(bank.named_parameters(recurse=False), bank.named_buffers(recurse=False)))
+        if all(f"{name}.{n}" in meta.loaded for n in own):
+            continue
+        whole = initialise_whole(s.module, name, {n: (state.shards.full_shape(t), t.dtype) for n, t in own.items()},
+                                 base_seed=meta.base_seed, device=meta.device)
+        for n, t in own.items():
+            fill_from_whole(f"{name}.{n}", t, whole.pop(n), state.shards.spec(t), s.groups.tp.rank, s.groups.tp.size)
+    if s.config.weights is not None:
         _load(s, banks_left=True)
 
 
 def _load(s: Setup, *, banks_left: bool) -> None:
-    """``weights=`` into this rank's entries: those of the banks left unread (``banks_left``), or all the others."""
+    """``weights=`` into this rank's entries: those of the banks left on meta (``banks_left``), or all the others."""
     state, config = s.state, s.config
     assert state is not None and config.weights is not None
-    unread = set(s.unread)
+    deferred = set(s.deferred)
     loaded = load_weights(s.module, config.weights, names=state.names, shards=state.shards, tp_rank=s.groups.tp.rank,
                           tp_size=s.groups.tp.size, prefix=config.weights_prefix,
                           strict=getattr(s.module, "strict_loading", True),
-                          select=lambda name: (name.rpartition(".")[0] in unread) == banks_left)
+                          select=lambda name: (name.rpartition(".")[0] in deferred) == banks_left)
     state.loaded.append(loaded)
     rank_zero_info(loaded.describe())
 
@@ -586,7 +598,7 @@ def _dp(s: Setup) -> None:
                                   # they would be computed cp times; FSDP2 gathers the head instead
                                   vocab_exchange=config.vocab_exchange and s.dims.cp == 1 and dense,
                                   tp_blocks=[b.name for b in state.tp_blocks], quiet=checks_off,
-                                  allocate=s.meta.device if s.unread and s.meta is not None else None)
+                                  allocate=s.meta.device if s.deferred and s.meta is not None else None)
     if dense:  # FSDP2 gathers a unit for backward when its output's gradient arrives: a loss computed from the
         # head's shards would bypass that output (a head computed over dp has no such hook)
         no_loss_parallel(s.module, keep=tuple(r.name for r in dp.rows))
@@ -637,6 +649,6 @@ STEPS: tuple[Step, ...] = (
     Step("weights", _weights, live=True),
     Step("split", _split, live=True),
     Step("dp", _dp, live=True),
-    Step("expert_weights", _expert_weights, live=True),
+    Step("expert_shards", _expert_shards, live=True),
     Step("reduction", _reduction, live=True),
 )

@@ -346,6 +346,16 @@ def load_weights(module: nn.Module, source: PathLike, *, names: ParamNames, shar
     return LoadedWeights(opened.kind, str(source), chosen, filled, files, read)
 
 
+def fill_from_whole(name: str, tensor: Tensor, whole: Tensor, spec: Optional[ShardSpec], tp_rank: int,
+                    tp_size: int) -> None:
+    """This rank's part of ``tensor`` (cut by ``spec``, and by FSDP2 where it is a ``DTensor``) copied from the
+    single-device tensor ``whole``: what reading it from a file would put there."""
+    dest, window = _local_part(name, tensor)
+    with torch.no_grad():
+        for offsets, sizes, view in boxes(dest, spec, tuple(whole.shape), tp_rank, tp_size, window):
+            view.copy_(whole[_index(offsets, sizes)])
+
+
 def _local_part(name: str, tensor: Tensor) -> tuple[Tensor, Optional[tuple[int, int]]]:
     """Where a tensor's values go: itself, or for a ``DTensor`` sharded over one mesh dimension (FSDP2: its shard
     is a ``torch.chunk`` of the rank's tensor along the placement's dim) its local part and where that starts."""

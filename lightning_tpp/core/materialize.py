@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from itertools import chain
-from typing import Collection, Optional
+from typing import Collection, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -94,6 +94,58 @@ def _hf_roots(module: nn.Module) -> dict[str, nn.Module]:
     return roots
 
 
+def _initialise(m: nn.Module, name: str, full: dict[str, Tensor], root: Optional[nn.Module], base_seed: int,
+                device: torch.device) -> Optional[str]:
+    """``m``'s own initialiser run on the full-size tensors ``full`` (by attribute), under the seed of its
+    single-device ``name``. Returns None, "none" (no initialiser) or the attributes it left unwritten."""
+    view = _scratch_view(m, full)
+    init = module_initializer(view, root)
+    if init is None:
+        return "none"
+    sentinels = {n: _sentinel(t) for n, t in full.items()}
+    for n, t in full.items():
+        if sentinels[n] is not None:
+            t.fill_(sentinels[n])
+    with seeded(module_seed(base_seed, name), device), torch.no_grad():
+        init()
+    left = [n for n, t in full.items() if _unwritten(t, sentinels[n])]
+    return ", ".join(left) if left else None
+
+
+def _what(m: nn.Module, name: str, problem: str, full: Mapping[str, Tensor]) -> str:
+    return f"{name or '<root>'} ({type(m).__name__}: {', '.join(full) if problem == 'none' else problem})"
+
+
+def _raise_if(no_initializer: Sequence[str], unwritten: Sequence[str]) -> None:
+    if not no_initializer and not unwritten:
+        return
+    parts = []
+    if no_initializer:
+        parts.append("these modules own tensors built on the meta device but define no reset_parameters() to "
+                     "initialise them: " + "; ".join(no_initializer))
+    if unwritten:
+        parts.append("these modules' initialisers left tensors (partly) unwritten: " + "; ".join(unwritten))
+    raise UninitializedParametersError(
+        "cannot initialise the model built on the meta device: " + ". ".join(parts) + ". Give each such module a "
+        "reset_parameters() that fills all its own parameters and buffers in place (as torch.nn layers do), or "
+        "build it outside the meta device (outside configure_model / init_module(empty_init=True)), or pass "
+        "weights= to load them from a file")
+
+
+def initialise_whole(module: nn.Module, name: str, like: Mapping[str, tuple[Sequence[int], torch.dtype]], *,
+                     base_seed: int, device: torch.device) -> dict[str, Tensor]:
+    """The submodule ``name``'s own tensors (attribute -> single-device shape, dtype) initialised at full size as
+    :func:`materialize` initialises them (the same seed, so the same values), for a caller that keeps a part of
+    each: a module left on the meta device (``materialize(leave=)``) and sharded since."""
+    m = module.get_submodule(name)
+    full = {n: torch.empty(tuple(shape), dtype=dtype, device=device) for n, (shape, dtype) in like.items()}
+    problem = _initialise(m, name, full, _hf_roots(module).get(name), base_seed, device)
+    if problem is not None:
+        _raise_if([_what(m, name, problem, full)] if problem == "none" else [],
+                  [_what(m, name, problem, full)] if problem != "none" else [])
+    return full
+
+
 def materialize(module: nn.Module, *, device: torch.device, names: ParamNames, shards: ShardIndex, tp_rank: int,
                 tp_size: int, base_seed: int, initialize: bool = True, loaded: Collection[str] = (),
                 leave: Collection[str] = ()) -> list[str]:
@@ -122,20 +174,12 @@ def materialize(module: nn.Module, *, device: torch.device, names: ParamNames, s
         shape = (lambda t: shards.full_shape(t)) if init_here else (lambda t: tuple(t.shape))
         full = {n: torch.empty(shape(t), dtype=t.dtype, device=device) for n, t in own}
         if init_here:
-            view = _scratch_view(m, full)
-            init = module_initializer(view, roots.get(name))
-            if init is None:
-                no_initializer.append(f"{name or '<root>'} ({type(m).__name__}: {', '.join(n for n, _ in own)})")
+            problem = _initialise(m, name, full, roots.get(name), base_seed, device)
+            if problem == "none":
+                no_initializer.append(_what(m, name, problem, full))
                 continue
-            sentinels = {n: _sentinel(t) for n, t in full.items()}
-            for n, t in full.items():
-                if sentinels[n] is not None:
-                    t.fill_(sentinels[n])
-            with seeded(module_seed(base_seed, name), device), torch.no_grad():
-                init()
-            left = [n for n, t in full.items() if _unwritten(t, sentinels[n])]
-            if left:
-                unwritten.append(f"{name or '<root>'} ({type(m).__name__}: {', '.join(left)})")
+            if problem is not None:
+                unwritten.append(_what(m, name, problem, full))
         for n, t in own:
             spec = shards.spec(t)
             local = full[n] if spec is None or not init_here else shard_tensor(full[n], spec, tp_rank, tp_size)
@@ -143,16 +187,5 @@ def materialize(module: nn.Module, *, device: torch.device, names: ParamNames, s
                                      if isinstance(t, nn.Parameter) else local)
         del full
         done.append(name)
-    if no_initializer or unwritten:
-        parts = []
-        if no_initializer:
-            parts.append("these modules own tensors built on the meta device but define no reset_parameters() to "
-                         "initialise them: " + "; ".join(no_initializer))
-        if unwritten:
-            parts.append("these modules' initialisers left tensors (partly) unwritten: " + "; ".join(unwritten))
-        raise UninitializedParametersError(
-            "cannot initialise the model built on the meta device: " + ". ".join(parts) + ". Give each such module a "
-            "reset_parameters() that fills all its own parameters and buffers in place (as torch.nn layers do), or "
-            "build it outside the meta device (outside configure_model / init_module(empty_init=True)), or pass "
-            "weights= to load them from a file")
+    _raise_if(no_initializer, unwritten)
     return done

@@ -266,10 +266,39 @@ def test_hf_safetensors_into_ep2(tmp_path: Path, name: str, dp: int) -> None:
     ref.buffers = ref.buffers[dp - 1::dp]
     for rank in range(dp):
         saved = torch.load(tmp_path / f"weights.rank{rank}.pt", weights_only=True)
-        reads, held, whole = saved.pop("reads"), saved.pop("held"), saved.pop("whole")
+        reads, held, whole, most = saved.pop("reads"), saved.pop("held"), saved.pop("whole"), saved.pop("most")
         assert_parity(Record(**saved), ref, where=f"{name} weights= at ep=2 dp={dp} rank {rank}")
         assert held == whole // dp, (rank, held, whole)  # experts / (ep x replicas)
+        assert most == held, (rank, most, held)  # never more of them at any point of setup
         if dp == 2:
             assert len(reads) == 1, reads
         else:  # the banks read after FSDP2 cut them: exactly the bytes held, nothing of the other replica's part
             assert len(reads) == 2 and reads[1][1] == held, (reads, held)
+
+
+@pytest.mark.parametrize("name", ["hf_mixtral_labels", "hf_gpt_oss_one_expert"], ids=["shard0", "shard1-gpt-oss"])
+def test_meta_built_experts_initialised_in_their_shards(tmp_path: Path, name: str) -> None:
+    """Built on meta without ``weights=`` at ep=2 over dp=4 (2 replicas): the banks stay on the meta device until
+    FSDP2 has cut them, then each rank initialises each bank at full size one at a time (as one process does, the
+    same seed) and keeps its part. No rank holds more of its experts than that part after any setup step (it held
+    its ``experts / ep`` of every layer at once before FSDP2), and the run trains as one process built on meta."""
+    import torch.distributed as dist
+
+    from lightning_tpp import TensorPipeStrategy
+
+    run_ranks(ROOT / "tests" / "distributed" / "worker_moe_weights.py", 4, [str(tmp_path), "-", "4", name],
+              timeout=300).check()
+    try:
+        ref = train(name, strategy=TensorPipeStrategy(print_plan=False), meta=True, dp=4, replicas_apart=True,
+                    accumulate=4, steps=2)
+    finally:
+        if dist.is_initialized():  # the one-rank group Lightning left
+            dist.destroy_process_group()
+    ref.losses = torch.tensor(ref.losses).view(-1, 4).sum(dim=1).tolist()
+    ref.buffers = ref.buffers[3::4]
+    for rank in range(4):
+        saved = torch.load(tmp_path / f"weights.rank{rank}.pt", weights_only=True)
+        reads, held, whole, most = saved.pop("reads"), saved.pop("held"), saved.pop("whole"), saved.pop("most")
+        assert_parity(Record(**saved), ref, where=f"{name} built on meta at ep=2 dp=4 rank {rank}")
+        assert reads == [] and held == whole // 4, (rank, reads, held, whole)
+        assert most == held, (rank, most, held)
