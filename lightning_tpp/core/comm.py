@@ -159,13 +159,13 @@ def _seq_reduce_scatter(x: Tensor, group: TPGroup, dim: int = SEQ_DIM) -> Tensor
 
 class _ScatterSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: TPGroup) -> Tensor:
-        ctx.group = group
-        return _seq_part(x, group)
+    def forward(ctx: Any, x: Tensor, group: TPGroup, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _seq_part(x, group, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return all_gather_seq(grad, ctx.group), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return all_gather_seq(grad, ctx.group, ctx.dim), None, None
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -206,17 +206,17 @@ class _SeqAlias(torch.autograd.Function):
     tensor); backward reduce-scatters their partial input gradients straight to ``shard``'s gradient."""
 
     @staticmethod
-    def forward(ctx: Any, shard: Tensor, whole: Tensor, group: TPGroup) -> Tensor:
-        ctx.group = group
+    def forward(ctx: Any, shard: Tensor, whole: Tensor, group: TPGroup, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
         return whole.view_as(whole)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _seq_reduce_scatter(grad, ctx.group), None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return _seq_reduce_scatter(grad, ctx.group, ctx.dim), None, None, None
 
 
-def seq_alias(shard: Tensor, whole: Tensor, group: TPGroup) -> Tensor:
-    return _SeqAlias.apply(shard, whole.detach(), group)
+def seq_alias(shard: Tensor, whole: Tensor, group: TPGroup, dim: int = SEQ_DIM) -> Tensor:
+    return _SeqAlias.apply(shard, whole.detach(), group, dim)
 
 
 def scatter_seq(x: Tensor, group: TPGroup) -> Tensor:
@@ -224,15 +224,20 @@ def scatter_seq(x: Tensor, group: TPGroup) -> Tensor:
         raise ValueError(f"sequence parallelism cuts dim {SEQ_DIM} (the sequence) of the blocks' input, "
                          f"(batch, sequence, features), into tp={group.size} parts, but its shape is "
                          f"{tuple(x.shape)}; use a sequence length divisible by tp, or sequence_parallel=False")
-    return _ScatterSeq.apply(x, group)
+    return _ScatterSeq.apply(x, group, SEQ_DIM)
+
+
+def scatter_tokens(x: Tensor, group: TPGroup) -> Tensor:
+    """This rank's part of flattened tokens (dim 0), all of which every rank holds; backward all-gathers."""
+    return _ScatterSeq.apply(x, group, 0)
 
 
 def gather_seq(x: Tensor, group: TPGroup, dim: int = SEQ_DIM) -> Tensor:
     return _GatherSeq.apply(x, group, dim)
 
 
-def reduce_scatter_seq(x: Tensor, group: TPGroup) -> Tensor:
-    return _ReduceScatterSeq.apply(x, group, SEQ_DIM)
+def reduce_scatter_seq(x: Tensor, group: TPGroup, dim: int = SEQ_DIM) -> Tensor:
+    return _ReduceScatterSeq.apply(x, group, dim)
 
 
 # A layer cut over tp inside a block that runs on sequence shards (sequence parallelism) and that takes the block's

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from lightning_tpp._compat import enclosing_saved_tensors_hooks, tree_map
-from lightning_tpp.core.comm import (TPGroup, all_gather_seq, gather_seq, reduce_scatter_seq, scatter_seq, seq_alias,
-                                     tokens_sharded)
+from lightning_tpp.core.comm import (TPGroup, all_gather_seq, gather_seq, reduce_scatter_seq, scatter_seq,
+                                     scatter_tokens, seq_alias, tokens_sharded)
 from lightning_tpp.core.walk import Scoped
 
 
@@ -29,13 +29,32 @@ class _Region:
     group: TPGroup
     shard: torch.Size
     regather: bool = True  # gathered inputs saved for backward as shards (off inside activation checkpointing)
-    gathered: list[list[Any]] = field(default_factory=list)
+    gathered: list[list[Any]] = field(default_factory=list)  # [shard, whole, alias, _Regathered, dim]
 
     @property
     def whole(self) -> torch.Size:
         s = list(self.shard)
         s[1] *= self.group.size
         return torch.Size(s)
+
+    @property
+    def flat(self) -> torch.Size:
+        """The shard's tokens flattened, (batch x sequence shard, features): what a Mixture-of-experts block hands
+        its shared expert (Qwen2-MoE), gathered and cut along dim 0 instead."""
+        return torch.Size((self.shard[:-1].numel(), self.shard[-1])) if len(self.shard) == 3 else self.shard
+
+    @property
+    def flat_whole(self) -> torch.Size:
+        return torch.Size((self.flat[0] * self.group.size, self.flat[1])) if len(self.shard) == 3 else self.whole
+
+    def dim_of(self, shape: torch.Size, shard: bool) -> Optional[int]:
+        """The dim along which a tensor of ``shape`` is the stream's (``shard``: this rank's part, else whole): the
+        sequence's, 0 for flattened tokens, or None."""
+        if shape == (self.shard if shard else self.whole):
+            return 1
+        if len(self.shard) == 3 and shape == (self.flat if shard else self.flat_whole):
+            return 0
+        return None
 
 
 _REGION: Scoped[Optional[_Region]] = Scoped("lightning_tpp_sp_region", None)
@@ -81,10 +100,11 @@ def block_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     def fn(t: Any) -> Any:
         if not isinstance(t, Tensor):
             return t
-        if t.shape != region.shard:  # a side input: replicated inside the block, so its gradient is whole here
+        dim = region.dim_of(t.shape, shard=True)
+        if dim is None:  # a side input: replicated inside the block, so its gradient is whole here
             return _ShareGrad.apply(t, region.group.size) if t.requires_grad and torch.is_grad_enabled() else t
-        whole = gather_seq(t, region.group)
-        region.gathered.append([t, whole, None, None])
+        whole = gather_seq(t, region.group, dim)
+        region.gathered.append([t, whole, None, None, dim])
         return whole
 
     return tuple(fn(a) for a in args), {k: fn(v) for k, v in kwargs.items()}
@@ -109,14 +129,14 @@ class _Regathered:
     rank's shard and gathered again the first time backward asks (Megatron-SP): ``1/tp`` of it stays saved. The
     shard goes through the enclosing saved-tensor hooks (``unpack`` is theirs)."""
 
-    __slots__ = ("packed", "unpack", "group", "whole")
+    __slots__ = ("packed", "unpack", "group", "dim", "whole")
 
-    def __init__(self, packed: Any, unpack: Any, group: TPGroup) -> None:
-        self.packed, self.unpack, self.group, self.whole = packed, unpack, group, None
+    def __init__(self, packed: Any, unpack: Any, group: TPGroup, dim: int) -> None:
+        self.packed, self.unpack, self.group, self.dim, self.whole = packed, unpack, group, dim, None
 
     def get(self) -> Tensor:
         if self.whole is None:
-            self.whole = all_gather_seq(self.unpack(self.packed), self.group)
+            self.whole = all_gather_seq(self.unpack(self.packed), self.group, self.dim)
         return self.whole
 
 
@@ -140,7 +160,7 @@ def saved_as_shards() -> contextlib.AbstractContextManager:
         if entry is None or t.dtype != entry[1].dtype:
             return False, outer_pack(t)
         if entry[3] is None:
-            entry[3] = _Regathered(outer_pack(entry[0].detach()), outer_unpack, region.group)
+            entry[3] = _Regathered(outer_pack(entry[0].detach()), outer_unpack, region.group, entry[4])
         return True, (entry[3], t.shape, t.stride(), t.storage_offset())
 
     def unpack(packed: Any) -> Tensor:
@@ -163,7 +183,7 @@ def column_input(x: Tensor) -> Optional[Tensor]:
     for entry in region.gathered:
         if entry[1] is x:
             if entry[2] is None:
-                entry[2] = seq_alias(entry[0], x, region.group)
+                entry[2] = seq_alias(entry[0], x, region.group, entry[4])
             return entry[2]
     return None
 
@@ -173,14 +193,17 @@ def block_output(out: Any) -> Any:
     region = _REGION.get()
     if region is None:
         return out
-    whole = region.whole
-    return tree_map(lambda t: scatter_seq(t, region.group) if isinstance(t, Tensor) and t.shape == whole else t, out)
+
+    def cut(t: Any) -> Any:
+        dim = region.dim_of(t.shape, shard=False) if isinstance(t, Tensor) else None
+        return t if dim is None else scatter_seq(t, region.group) if dim == 1 else scatter_tokens(t, region.group)
+
+    return tree_map(cut, out)
 
 
 def row_reduce(y: Tensor) -> Optional[Tensor]:
     """A row-parallel layer's partial sums reduce-scattered over the sequence, inside the region; ``None`` outside
     it (the layer all-reduces)."""
     region = _REGION.get()
-    if region is None or y.shape != region.whole:
-        return None
-    return reduce_scatter_seq(y, region.group)
+    dim = region.dim_of(y.shape, shard=False) if region is not None else None
+    return None if dim is None else reduce_scatter_seq(y, region.group, dim)

@@ -75,7 +75,7 @@ def test_parity_no_verify_declared_partials(tmp_path: Path) -> None:
 SEQUENCE_PARALLEL = ["nanogpt", "llama", "hf_llama", "hf_gpt2", "flat_gpt", "split_gpt", "encoder", "seq2seq",
                      "hf_gemma", "hf_bert", "litgpt", "hf_phi3", "hf_neox", "conditioned", "nested_lists", "hf_qwen3",
                      "post_norm", "hf_mixtral_labels", "hf_jamba", "cp_hf_llama_hidden", "hf_olmo2",
-                     "wide_qk_norm", "hf_deepseek_v3_labels"]
+                     "wide_qk_norm", "hf_deepseek_v3_labels", "hf_qwen2_moe_labels"]
 
 
 def test_parity_sequence_parallel(tmp_path: Path) -> None:
@@ -89,7 +89,8 @@ def test_parity_sequence_parallel(tmp_path: Path) -> None:
     loss, whose logits each rank records for its own tokens; Jamba's Mamba and attention layers): the bank runs on
     every rank's tokens and reduce-scatters, the router logits are gathered as one process records them;
     DeepSeek-V3's MLA attention cut by heads (its low-rank projections whole, the shared rope key's gradient summed
-    over tp)."""
+    over tp); Qwen2-MoE's tensor-parallel shared expert, handed the block's tokens flattened (gathered and cut back
+    along the tokens, dim 0)."""
     _run(tmp_path, SEQUENCE_PARALLEL, 2, 1, ["--sequence-parallel"])
     for name in SEQUENCE_PARALLEL:
         ref = reference(name, 1)
