@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -23,6 +24,7 @@ from lightning_tpp._compat import hf_output_collector, outside_function_modes, o
 from lightning_tpp.core.comm import TPGroup, all_reduce_flag, gather_with_spec
 from lightning_tpp.core.dp_shard import fsdp_classes_hidden, gather_dp, is_dp_sharded
 from lightning_tpp.core.params import ShardIndex
+from lightning_tpp.core.sharding import ShardSpec
 from lightning_tpp.core.swap import slots, unswap
 from lightning_tpp.core.walk import VERIFYING, tensors_in
 
@@ -80,6 +82,37 @@ def _drop_fsdp_hooks(module: nn.Module) -> None:
             where = getattr(getattr(hook, "__func__", hook), "__module__", "") or ""
             if where.startswith(("torch.distributed", "lightning_tpp.")):
                 del hooks[key]
+
+
+def _from_torch_distributed(hook: Any) -> bool:
+    return (getattr(getattr(hook, "__func__", hook), "__module__", "") or "").startswith("torch.distributed")
+
+
+@contextlib.contextmanager
+def _inner_units_gathered(module: nn.Module) -> Iterator[None]:
+    """The FSDP2 units inside ``module`` (an expert bank sharded over its replicas, inside a block checked whole)
+    gathered, and their FSDP2 hooks off, for a check's forward and backward. Through its hooks, the check's own
+    backward would fire FSDP2's end-of-backward callback, which reshards every unit: the enclosing block's too, in
+    the middle of its forward (its weights' storage freed)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
+    saved = []
+    for unit in units:
+        unit.unshard()
+        for hooks in (unit._forward_pre_hooks, unit._forward_hooks):
+            saved.append((hooks, dict(hooks)))
+            for key in [k for k, h in hooks.items() if _from_torch_distributed(h)]:
+                del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, before in saved:
+            added = {k: h for k, h in hooks.items() if k not in before}
+            hooks.clear()
+            hooks.update({**before, **added})
+        for unit in units:
+            unit.reshard()
 
 
 def isolated(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -346,10 +379,11 @@ def check_gradients(module: nn.Module, args: tuple, kwargs: dict, *, group: TPGr
     """
     problem = None
     with outside_function_modes(), outside_saved_tensors_hooks(), against_reference(module, group, shards) as ref, \
-            _verifying(mark_parallel), _records_kept():
+            _inner_units_gathered(module), _verifying(mark_parallel), _records_kept():
         try:
             ref_params = dict(ref.named_parameters())
-            named = [(n, q) for n, q in module.named_parameters() if q.requires_grad and n in ref_params]
+            named = [(n, q) for n, q in module.named_parameters()
+                     if q.requires_grad and n in ref_params and _gradient_of_group(shards.spec(q), group)]
             for n, _ in named:  # the gathered copies of shards (replicated parameters are the module's own)
                 ref_params[n].requires_grad_(True)
             a, k, inputs = _leaves(args, kwargs)
@@ -375,6 +409,17 @@ def check_gradients(module: nn.Module, args: tuple, kwargs: dict, *, group: TPGr
             problem = f"its backward raised {type(err).__name__}: {err}"
     if not _agreed(problem is None, group, ()):
         raise mismatch.raised(problem)
+
+
+def _gradient_of_group(spec: Optional[ShardSpec], group: TPGroup) -> bool:
+    """Whether a parameter's gradient comes from the checked group's inputs alone. Experts split over an ep group
+    that spans replicas (ep drawn from tp and dp) sum rows from the other replicas' batches, which the original, run
+    on this replica's inputs, never sees: their gradients are left out (the inputs' gradients still cover the
+    exchange's backward)."""
+    over = spec.over if spec is not None else None
+    if over is None or over.group is None or group.group is None:
+        return True
+    return set(dist.get_process_group_ranks(over.group)) <= set(dist.get_process_group_ranks(group.group))
 
 
 def _first_gradient_difference(inputs: list[tuple[Key, Tensor]], named: list[tuple[str, Tensor]],

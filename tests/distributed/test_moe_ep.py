@@ -103,6 +103,23 @@ def test_ep2_over_tp2_sequence_parallel(tmp_path: Path) -> None:
             assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), ref, where=f"{name} ep=2 tp=2 sp rank {rank}")
 
 
+@pytest.mark.parametrize("ep, models, extra", [
+    (2, ["hf_mixtral_labels", "hf_qwen2_moe_labels"], ("--activation-checkpointing",)),
+    (4, ["hf_mixtral_labels", "hf_deepseek_v3_labels"], ())], ids=["ep2-recomputed", "ep4"])
+def test_ep_over_tp2_dp2_sequence_parallel(tmp_path: Path, ep: int, models: list[str], extra: tuple) -> None:
+    """Megatron's layout, ep with tp, sequence parallelism and dp, each block checked whole on its first call. ep=2:
+    the tp pairs, each bank sharded over its 2 replicas by FSDP2, a unit inside the block's unit: the check's own
+    backward went through the bank's FSDP2 hooks, whose end-of-backward callback resharded the enclosing block in
+    the middle of its forward ("setStorage ... storage of size 0"). ep=4: the group spans both replicas, so each
+    expert's gradient sums the other replica's rows, which the check's original (this replica's inputs) never sees:
+    it refused the block (0.127 off). Qwen2-MoE: its tensor-parallel shared expert takes the tokens flattened."""
+    _launch(tmp_path, models, ep=ep, dp=2, tp=2, extra=("--sequence-parallel", *extra))
+    for name in models:
+        ref = _reference(name, dp=2)
+        for rank in range(4):
+            assert_parity(load_record(tmp_path / f"{name}.rank{rank}.pt"), ref, where=f"{name} ep={ep} sp rank {rank}")
+
+
 def test_ep2_pp2(tmp_path: Path) -> None:
     """MoE blocks in pipeline stages, each stage's ep group its dp ranks (one micro-batch: the loss is a function of
     the batch it sees)."""
