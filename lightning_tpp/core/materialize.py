@@ -140,9 +140,10 @@ def initialise_whole(module: nn.Module, name: str, like: Mapping[str, tuple[Sequ
     m = module.get_submodule(name)
     full = {n: torch.empty(tuple(shape), dtype=dtype, device=device) for n, (shape, dtype) in like.items()}
     problem = _initialise(m, name, full, _hf_roots(module).get(name), base_seed, device)
-    if problem is not None:
-        _raise_if([_what(m, name, problem, full)] if problem == "none" else [],
-                  [_what(m, name, problem, full)] if problem != "none" else [])
+    if problem == "none":
+        _raise_if([_what(m, name, problem, full)], [])
+    elif problem is not None:
+        _raise_if([], [_what(m, name, problem, full)])
     return full
 
 

@@ -79,13 +79,12 @@ def _drop_fsdp_hooks(module: nn.Module) -> None:
     reshard the original's parameters; the strategy's own hooks (reads guarded over dp) belong to the original."""
     for hooks in (module._forward_pre_hooks, module._forward_hooks):
         for key, hook in list(hooks.items()):
-            where = getattr(getattr(hook, "__func__", hook), "__module__", "") or ""
-            if where.startswith(("torch.distributed", "lightning_tpp.")):
+            if _hook_from(hook, ("torch.distributed", "lightning_tpp.")):
                 del hooks[key]
 
 
-def _from_torch_distributed(hook: Any) -> bool:
-    return (getattr(getattr(hook, "__func__", hook), "__module__", "") or "").startswith("torch.distributed")
+def _hook_from(hook: Any, packages: tuple[str, ...]) -> bool:
+    return (getattr(getattr(hook, "__func__", hook), "__module__", "") or "").startswith(packages)
 
 
 @contextlib.contextmanager
@@ -102,7 +101,7 @@ def _inner_units_gathered(module: nn.Module) -> Iterator[None]:
         unit.unshard()
         for hooks in (unit._forward_pre_hooks, unit._forward_hooks):
             saved.append((hooks, dict(hooks)))
-            for key in [k for k, h in hooks.items() if _from_torch_distributed(h)]:
+            for key in [k for k, h in hooks.items() if _hook_from(h, ("torch.distributed",))]:
                 del hooks[key]
     try:
         yield

@@ -41,11 +41,11 @@ class _Region:
     def flat(self) -> torch.Size:
         """The shard's tokens flattened, (batch x sequence shard, features): what a Mixture-of-experts block hands
         its shared expert (Qwen2-MoE), gathered and cut along dim 0 instead."""
-        return torch.Size((self.shard[:-1].numel(), self.shard[-1])) if len(self.shard) == 3 else self.shard
+        return torch.Size((self.shard[:-1].numel(), self.shard[-1]))
 
     @property
     def flat_whole(self) -> torch.Size:
-        return torch.Size((self.flat[0] * self.group.size, self.flat[1])) if len(self.shard) == 3 else self.whole
+        return torch.Size((self.flat[0] * self.group.size, self.flat[1]))
 
     def dim_of(self, shape: torch.Size, shard: bool) -> Optional[int]:
         """The dim along which a tensor of ``shape`` is the stream's (``shard``: this rank's part, else whole): the
