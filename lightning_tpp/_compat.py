@@ -316,6 +316,26 @@ def allow_graphs_per_function(n: int) -> None:
     config.recompile_limit = max(config.recompile_limit, n)
 
 
+def functional_collectives() -> Any:
+    """torch's functional collectives (``torch.distributed._functional_collectives``), which dynamo traces."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def known_size(n: Any) -> None:
+    """Tells the compiler that ``n`` (an unbacked symbol read from a tensor) is a size: not negative."""
+    torch._check(n >= 0)
+
+
+def capture_scalar_outputs() -> None:
+    """dynamo traces a tensor's ``.tolist()`` / ``.item()`` as unbacked symbols instead of breaking the graph (the
+    expert exchange's split sizes, read from the routing)."""
+    import torch._dynamo.config as config
+
+    config.capture_scalar_outputs = True
+
+
 def maybe_mark_dynamic(t: Any, dim: int) -> None:
     """dynamo compiles ``t``'s size along ``dim`` as a symbol, unless the graph needs it as a constant."""
     torch._dynamo.maybe_mark_dynamic(t, dim)

@@ -29,20 +29,33 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_tpp._compat import functional_collectives, known_size
 from lightning_tpp.core.comm import TPGroup, copy_to_tp, reduce_from_tp, tokens_sharded_over
 
 
 @dataclass
 class Traffic:
     """What this rank's exchanges sent to other ranks (rows to experts and back, forward and backward) and the time
-    spent in them since the last reset: the ``moe/all_to_all_*`` metrics."""
+    spent in them since the last reset: the ``moe/all_to_all_*`` metrics. Exchanges inside a compiled block add
+    their bytes to a tensor on the device instead (``pending``, made by the first, eager call; read when the metric
+    is: no host sync per call), and no time."""
 
-    bytes: int = 0
+    sent: int = 0
     seconds: float = 0.0
     calls: int = 0
+    pending: Optional[Tensor] = None
+
+    @property
+    def bytes(self) -> int:
+        if self.pending is not None:
+            self.sent += int(self.pending.item())
+            self.pending.zero_()
+        return self.sent
 
     def reset(self) -> None:
-        self.bytes, self.seconds, self.calls = 0, 0.0, 0
+        self.sent, self.seconds, self.calls = 0, 0.0, 0
+        if self.pending is not None:
+            self.pending.zero_()
 
 
 def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group: TPGroup,
@@ -55,8 +68,10 @@ def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group: TPG
     start = time.perf_counter()
     dist.all_to_all_single(out, wire.contiguous(), out_splits, in_splits, group=group.group)
     if traffic is not None:  # rows that leave this rank
+        if traffic.pending is None:  # for the exchanges traced later (compile=)
+            traffic.pending = torch.zeros((), dtype=torch.long, device=x.device)
         row = math.prod(wire.shape[1:]) * wire.element_size()  # a rank may send no row at all
-        traffic.bytes += (sum(in_splits) - in_splits[group.rank]) * row
+        traffic.sent += (sum(in_splits) - in_splits[group.rank]) * row
         traffic.seconds += time.perf_counter() - start
         traffic.calls += 1
     return out.to(x.dtype)
@@ -99,13 +114,29 @@ def _counts_exchange(counts: Tensor, group: TPGroup) -> Tensor:
     return out.view(p, -1)
 
 
-@torch.compiler.disable  # compile=: eagerly between the block's graphs (row counts known only from the routing)
 def dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, index: Tensor, weight: Tensor, *,
              experts: int, ep: TPGroup, tp: TPGroup, params: list[Tensor], traffic: Optional[Traffic] = None,
-             ) -> Tensor:
+             traced: bool = True) -> Tensor:
     """The routed layer's output for ``x`` (T, H): ``compute(rows, local_index (N, 1), ones (N, 1))`` runs the
     bank's own forward on the rows this rank received (``params``: the bank's, for ``_Joined``); what is sent is
-    counted in ``traffic``."""
+    counted in ``traffic``. ``traced=False``: never inside a compiled graph."""
+    if traced and torch.compiler.is_compiling() and torch.is_grad_enabled():  # compile=, training: in the graph
+        return _dispatch(compute, x, index, weight, experts=experts, ep=ep, tp=tp, params=params, traffic=traffic,
+                         traced=True)
+    return _eager(compute, x, index, weight, experts=experts, ep=ep, tp=tp, params=params, traffic=traffic)
+
+
+# compile=, without gradients (validation): eagerly between the block's graphs. Traced without gradients, torch
+# 2.13 ran the graph wrong: a fake tensor of the experts' output of shape (N, 16, 4) where it is (N, 4) (a 2-expert
+# Mixtral bank), and in a whole Mixtral block "Split sizes doesn't match total dim 0 size" at the return exchange
+@torch.compiler.disable
+def _eager(*args: Any, **kwargs: Any) -> Tensor:
+    return _dispatch(*args, traced=False, **kwargs)
+
+
+def _dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, index: Tensor, weight: Tensor, *,
+              experts: int, ep: TPGroup, tp: TPGroup, params: list[Tensor], traffic: Optional[Traffic],
+              traced: bool) -> Tensor:
     tokens, k = index.shape
     # each tp rank sends a slice of the tokens, replicated over tp; f here, g at the end. Under sequence parallelism
     # the tp ranks hold different tokens already (their sequence shards): each sends its own, as at tp = 1
@@ -119,6 +150,9 @@ def dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, ind
     flat = index.reshape(-1)
     token = torch.arange(xs.shape[0], device=x.device).repeat_interleave(k)
     order = torch.argsort(flat, stable=True)
+    if traced:
+        return _traced(compute, x, xs, weight, mine, token, order, flat, experts=experts, ep=ep, tp=tp,
+                       params=params, traffic=traffic)
     if x.is_meta:  # shapes only (the memory planner): the rows spread evenly over the experts and ranks
         counts = torch.full((experts,), flat.numel() // experts) + (torch.arange(experts) < flat.numel() % experts)
         received = counts.view(ep.size, local)[ep.rank].repeat(ep.size, 1)
@@ -134,9 +168,46 @@ def dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, ind
     done = compute(rows, which[:, None], ones)
     done = _Joined.apply(done, *(t for t in (rows, *params) if t.requires_grad))
     back = _AllToAll.apply(done, in_splits, out_splits, ep, traffic)
+    return _combined(back, x, xs, weight, mine, token, order, tp)
+
+
+def _combined(back: Tensor, x: Tensor, xs: Tensor, weight: Tensor, mine: Optional[Tensor], token: Tensor,
+              order: Tensor, tp: TPGroup) -> Tensor:
+    """The rows back from the experts, unsorted, weighted and added per token (and summed over tp)."""
     unsorted = back.index_select(0, torch.argsort(order))
     weighted = unsorted * weight.reshape(-1, 1)
     out = xs.new_zeros(xs.shape).index_add(0, token, weighted.to(xs.dtype))
     if mine is None:
         return out
     return reduce_from_tp(x.new_zeros(x.shape).index_add(0, mine, out), tp)
+
+
+def _traced(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, xs: Tensor, weight: Tensor,
+            mine: Optional[Tensor], token: Tensor, order: Tensor, flat: Tensor, *, experts: int, ep: TPGroup,
+            tp: TPGroup, params: list[Tensor], traffic: Optional[Traffic]) -> Tensor:
+    """:func:`dispatch` inside a compiled block (``compile=``): the same exchange with torch's functional
+    collectives, which dynamo traces, their split sizes read from the routing as unbacked symbols
+    (``capture_scalar_outputs``, set by ``compile=`` under ep): one graph across the block, the exchange in it."""
+    funcol = functional_collectives()
+    local = experts // ep.size
+    counts = torch.zeros(experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    received = funcol.all_to_all_single(counts, None, None, ep.group).view(ep.size, local)
+    sent = counts.view(ep.size, local).sum(1)
+    in_splits, out_splits = sent.tolist(), received.sum(1).tolist()
+    for n in (*in_splits, *out_splits):
+        known_size(n)
+    wire = xs.float() if xs.device.type == "cpu" and xs.dtype in (torch.bfloat16, torch.float16) else xs
+    rows = funcol.all_to_all_single_autograd(wire[token[order]], out_splits, in_splits, ep.group).to(x.dtype)
+    which = torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(
+        received.reshape(-1).to(x.device), output_size=sum(out_splits))
+    ones = torch.ones((rows.shape[0], 1), dtype=weight.dtype, device=x.device)
+    done = compute(rows, which[:, None], ones)
+    done = _Joined.apply(done, *(t for t in (rows, *params) if t.requires_grad))
+    wire = done.float() if done.device.type == "cpu" and done.dtype in (torch.bfloat16, torch.float16) else done
+    back = funcol.all_to_all_single_autograd(wire, in_splits, out_splits, ep.group).to(done.dtype)
+    if traffic is not None and traffic.pending is not None:  # rows that leave this rank, out and back, in forward
+        # and backward (traced with gradients only)
+        row = math.prod(wire.shape[1:]) * wire.element_size()
+        out = (sent.sum() - sent[ep.rank]) + (received.sum() - received[ep.rank].sum())
+        traffic.pending.add_(2 * row * out.to(traffic.pending.device))
+    return _combined(back, x, xs, weight, mine, token, order, tp)

@@ -96,6 +96,9 @@ class EPBank:
     tp: TPGroup
     shards: ShardIndex
     verify_pending: bool
+    # compile=: the exchange traced in the block's graph; off inside a recomputed block, whose recomputation then
+    # saved fewer tensors than its forward (CheckpointError: 37 against 40 for a Mixtral block)
+    traced: bool = True
 
 
 class _EPExperts:
@@ -116,7 +119,7 @@ class _EPExperts:
         st = self._tpp_ep
         params = [p for p in self._parameters.values() if p is not None]  # type: ignore[attr-defined]
         return dispatch(self._local_forward, x, index, weight, experts=st.experts, ep=st.group, tp=st.tp,
-                        params=params, traffic=getattr(st.group, "traffic", None))
+                        params=params, traffic=getattr(st.group, "traffic", None), traced=st.traced)
 
     def _local_forward(self, rows: Tensor, index: Tensor, weight: Tensor) -> Tensor:
         return super().forward(rows, index, weight)  # type: ignore[misc]
@@ -188,6 +191,10 @@ def _verify(module: nn.Module, x: Tensor, index: Tensor, weight: Tensor) -> None
 
 def _replicas(group: TPGroup) -> Optional[ProcessGroup]:
     return group.replicas if isinstance(group, ExpertGroup) else None
+
+
+def is_split_bank(module: nn.Module) -> bool:
+    return isinstance(module, _EPExperts)
 
 
 def split_banks(model: nn.Module) -> list[str]:

@@ -29,13 +29,14 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_tpp._compat import (allow_graphs_per_function, compile_call, dynamo_counters, hf_records_outside_graphs,
-                                   maybe_mark_dynamic, tree_flatten)
+from lightning_tpp._compat import (allow_graphs_per_function, capture_scalar_outputs, compile_call, dynamo_counters,
+                                   hf_records_outside_graphs, maybe_mark_dynamic, tree_flatten)
 from lightning_tpp.context_parallel.blocks import compile_positions
 from lightning_tpp.core.comm import TPGroup, all_reduce_flag
 from lightning_tpp.core.reference import _records_kept, evaluating, first_difference, isolated
 from lightning_tpp.core.recompute import compile_inside, is_recomputed
 from lightning_tpp.core.walk import get_arg, stream_index
+from lightning_tpp.experts.expert_parallel import is_split_bank
 from lightning_tpp.pipeline.metrics import is_logging_step
 from lightning_tpp.pipeline.stage import compile_dispatched
 from lightning_tpp.tensor_parallel.sequence import compile_sequence
@@ -53,9 +54,12 @@ def dynamo_counts() -> tuple[int, int, dict[str, int]]:
 def _compare(block: nn.Module, eager: Callable[..., Any], graph: Callable[..., Any], args: tuple,
              kwargs: dict) -> Optional[str]:
     """The first difference between a block's compiled call and its eager one on copies of this call's inputs, in
-    eval mode (no dropout draw to match) under ``inference_mode`` (a validation pass's graph, compiled here once)."""
+    eval mode (no dropout draw to match) under ``inference_mode`` (a validation pass's graph, compiled here once).
+    A block holding experts split over ep runs with gradients on instead: its graph then holds the traced exchange,
+    as in training (without gradients the exchange runs eagerly, ``experts.dispatch``)."""
+    exchange = any(is_split_bank(m) and m._tpp_ep.traced for m in block.modules())
     try:
-        with torch.inference_mode(), evaluating(block), _records_kept():
+        with torch.enable_grad() if exchange else torch.inference_mode(), evaluating(block), _records_kept():
             a, k = isolated(args, kwargs)
             want = eager(*a, **k)
             a, k = isolated(args, kwargs)
@@ -142,6 +146,8 @@ class Compiled:
 
     def _compile_blocks(self) -> None:
         allow_graphs_per_function(2 * len(self.blocks) + 8)  # a training and an evaluation graph per block
+        if any(is_split_bank(m) for name in self.blocks for m in self.module.get_submodule(name).modules()):
+            capture_scalar_outputs()  # the expert exchange traced: its split sizes are read from the routing
         # dynamic=False: every size a constant (a new one recompiles); True: dynamo marks every size itself
         before = _mark_varying if self.options.get("dynamic") is None else (lambda args, kwargs: None)
         for name in self.blocks:
@@ -151,6 +157,9 @@ class Compiled:
                 pass
             elif is_recomputed(block):
                 compile_inside(block, make)
+                for m in block.modules():
+                    if is_split_bank(m):
+                        m._tpp_ep.traced = False  # see EPBank.traced
             elif not compile_dispatched(block, make):
                 compile_call(block, make)
 

@@ -87,8 +87,8 @@ def test_no_recompile_over_epochs_with_a_short_batch_validation_and_predict(tmp_
 
 
 def test_compiled_experts_over_ep2_and_bf16(tmp_path: Path) -> None:
-    """Mixtral with ep=2 drawn from dp=2 (the experts' all-to-all, of data-dependent sizes, inside the compiled blocks;
-    the dense parameters FSDP2-sharded), and Hugging Face Llama at tp=2 in bf16-mixed (autocast inside the graphs),
+    """Mixtral with ep=2 drawn from dp=2 (the experts' all-to-all, of data-dependent sizes, traced inside the
+    compiled blocks with functional collectives: no graph break; the dense parameters FSDP2-sharded), and Hugging Face Llama at tp=2 in bf16-mixed (autocast inside the graphs),
     each compiled after the first step against one eager process: fp32 at rtol 1e-5; bf16 against one eager bf16
     process at bf16's tolerance, as the eager tp2 bf16 test compares."""
     from launch import ROOT, run_ranks
@@ -102,8 +102,17 @@ def test_compiled_experts_over_ep2_and_bf16(tmp_path: Path) -> None:
     for rank in range(2):
         assert_parity(load_record(tmp_path / "ep" / f"hf_mixtral_labels.rank{rank}.pt"), ref,
                       where=f"compiled hf_mixtral_labels ep=2 dp=2 rank {rank}", **FP32)
-    for info in _compiled(tmp_path / "ep", "hf_mixtral_labels", 2):
-        assert info["compiled"] and info["graphs"] > 0 and info["recompiles"] == 0, info
+    for info in _compiled(tmp_path / "ep", "hf_mixtral_labels", 2):  # the exchange traced: one graph per block
+        assert info["compiled"] and info["graphs"] > 0 and info["breaks"] == 0 and info["recompiles"] == 0, info
+    # recomputed blocks (activation checkpointing) keep the exchange eager between their graphs
+    (tmp_path / "ep_recomputed").mkdir()
+    _launch(tmp_path / "ep_recomputed", ["hf_mixtral_labels"], ep=2, dp=2,
+            extra=(*COMPILE, "--steps", "3", "--activation-checkpointing"))
+    for rank in range(2):
+        assert_parity(load_record(tmp_path / "ep_recomputed" / f"hf_mixtral_labels.rank{rank}.pt"), ref,
+                      where=f"compiled, recomputed hf_mixtral_labels ep=2 dp=2 rank {rank}", **FP32)
+    for info in _compiled(tmp_path / "ep_recomputed", "hf_mixtral_labels", 2):
+        assert info["compiled"] and info["recompiles"] == 0, info
     run_ranks(ROOT / "tests" / "parity.py", 2, ["--models", "hf_llama", "--tp", "2", "--out", str(tmp_path / "bf16"),
                                                  "--steps", "3", "--precision", "bf16-mixed", *COMPILE],
               timeout=400).check()
