@@ -319,3 +319,17 @@ def test_meta_built_experts_initialised_in_their_shards(tmp_path: Path, name: st
         assert_parity(Record(**saved), ref, where=f"{name} built on meta at ep=2 dp=4 rank {rank}")
         assert reads == [] and held == whole // 4, (rank, reads, held, whole)
         assert most == held, (rank, most, held)
+
+
+def test_traced_exchange_equals_eager_and_counts_its_bytes(tmp_path: Path) -> None:
+    """The expert exchange compiled (``compile=`` traces it with functional collectives, its split sizes unbacked
+    symbols) against the eager one, at ep=2 on three calls whose row counts differ between ranks and calls: the same
+    outputs and gradients (inputs and experts), one graph and no graph break, and the same bytes counted as sent
+    (the traced exchange adds them on the device)."""
+    import json
+
+    run_ranks(ROOT / "tests" / "distributed" / "worker_traced_exchange.py", 2, [str(tmp_path)], timeout=300).check()
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["agree"] == [True, True, True] and got["breaks"] == 0 and got["graphs"] >= 1, got
+        assert all(eager == traced > 0 for eager, traced in got["sent"]), got
