@@ -35,8 +35,8 @@ Live steps touch other ranks, real tensors or the user's files: the planner's me
 from __future__ import annotations
 
 import fnmatch
-from itertools import chain
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
@@ -228,8 +228,7 @@ def _tp_plan(s: Setup) -> None:
     assert s.map is not None and s.state is not None
     config, stages = s.config, s.state.stages
     if s.plan is not None:  # made on another copy: applied by name
-        s.state.plan = TPPlan(dict(s.plan.styles), dict(s.plan.blocks), grad_allreduce=list(s.plan.grad_allreduce),
-                              summed_tail=dict(s.plan.summed_tail))
+        s.state.plan = s.plan.to_apply()
         return
     remote = _remote(s)
     plan = detect(s.module, config.tp, check=False, remote=stages.remote_twins() if stages is not None else remote)

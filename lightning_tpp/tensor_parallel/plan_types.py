@@ -67,6 +67,12 @@ class TPPlan:
     # DeepSeek's kv_a_proj_with_mqa, Hugging Face's "mla_kv_a_proj"): their gradient is summed over tp
     summed_tail: dict[str, int] = field(default_factory=dict)
 
+    def to_apply(self) -> TPPlan:
+        """A copy of what applying the plan reads (not the notes of how it was found), for another copy of the
+        model that applies it by name."""
+        return TPPlan(dict(self.styles), dict(self.blocks), grad_allreduce=list(self.grad_allreduce),
+                      summed_tail=dict(self.summed_tail))
+
     def block_of(self, layer: str) -> Optional[str]:
         for name, block in self.blocks.items():
             if layer in block.layers or layer == name:
