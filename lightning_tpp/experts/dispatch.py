@@ -126,9 +126,10 @@ def dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, ind
     return _eager(compute, x, index, weight, experts=experts, ep=ep, tp=tp, params=params, traffic=traffic)
 
 
-# compile=, without gradients (validation): eagerly between the block's graphs. Traced without gradients, torch
-# 2.13 ran the graph wrong: a fake tensor of the experts' output of shape (N, 16, 4) where it is (N, 4) (a 2-expert
-# Mixtral bank), and in a whole Mixtral block "Split sizes doesn't match total dim 0 size" at the return exchange
+# Every exchange not traced: outside compile=, and under it without gradients (validation) or in a recomputed block
+# (EPBank.traced), where it runs eagerly between the block's graphs. Traced without gradients, torch 2.13 ran the
+# graph wrong: a fake tensor of the experts' output of shape (N, 16, 4) where it is (N, 4) (a 2-expert Mixtral
+# bank), and in a whole Mixtral block "Split sizes doesn't match total dim 0 size" at the return exchange
 @torch.compiler.disable
 def _eager(*args: Any, **kwargs: Any) -> Tensor:
     return _dispatch(*args, traced=False, **kwargs)

@@ -36,7 +36,7 @@ from lightning_tpp.core.comm import TPGroup, all_reduce_flag
 from lightning_tpp.core.reference import _records_kept, evaluating, first_difference, isolated
 from lightning_tpp.core.recompute import compile_inside, is_recomputed
 from lightning_tpp.core.walk import get_arg, stream_index
-from lightning_tpp.experts.expert_parallel import is_split_bank
+from lightning_tpp.experts.expert_parallel import is_split_bank, keep_exchange_eager, traces_exchange
 from lightning_tpp.pipeline.metrics import is_logging_step
 from lightning_tpp.pipeline.stage import compile_dispatched
 from lightning_tpp.tensor_parallel.sequence import compile_sequence
@@ -57,9 +57,9 @@ def _compare(block: nn.Module, eager: Callable[..., Any], graph: Callable[..., A
     eval mode (no dropout draw to match) under ``inference_mode`` (a validation pass's graph, compiled here once).
     A block holding experts split over ep runs with gradients on instead: its graph then holds the traced exchange,
     as in training (without gradients the exchange runs eagerly, ``experts.dispatch``)."""
-    exchange = any(is_split_bank(m) and m._tpp_ep.traced for m in block.modules())
     try:
-        with torch.enable_grad() if exchange else torch.inference_mode(), evaluating(block), _records_kept():
+        with torch.enable_grad() if traces_exchange(block) else torch.inference_mode(), evaluating(block), \
+                _records_kept():
             a, k = isolated(args, kwargs)
             want = eager(*a, **k)
             a, k = isolated(args, kwargs)
@@ -157,9 +157,7 @@ class Compiled:
                 pass
             elif is_recomputed(block):
                 compile_inside(block, make)
-                for m in block.modules():
-                    if is_split_bank(m):
-                        m._tpp_ep.traced = False  # see EPBank.traced
+                keep_exchange_eager(block)
             elif not compile_dispatched(block, make):
                 compile_call(block, make)
 
