@@ -38,7 +38,7 @@ __all__ = [
     "allow_graphs_per_function", "attention_with_lse", "attention_with_lse_backward", "caching_save_planner",
     "collect_rng_states", "compile_call", "dcp_metadata_path", "default_store", "distributed_is_initialized",
     "drop_persistent_iterator", "drop_save_plan_cache", "flatten_dense_tensors", "fsdp_lazy_init", "fsdp_reduce_now",
-    "fsdp_sharded_params", "fsdp_state", "function_modes", "get_layout",
+    "fsdp_gathered", "fsdp_sharded_params", "fsdp_state", "function_modes", "get_layout",
     "hf_install_output_hook", "hf_output_collector", "in_backward", "init_dist_connection", "layer_sync_requested",
     "maybe_mark_dynamic", "optimizer_to_device", "optimizers_to_device", "requested_weights_only", "run_data_source",
     "set_rank_zero", "set_rng_states", "storage_key", "sync_ddp_if_available", "tree_flatten", "tree_map",
@@ -399,6 +399,12 @@ def hf_install_output_hook(module: Any, key: str, recorder: Any) -> None:
 def fsdp_state(module: Any) -> Any:
     """The FSDP2 state of a ``fully_shard`` unit (what a ``deepcopy`` of the unit must share, not copy)."""
     return module._get_fsdp_state()
+
+
+def fsdp_gathered(module: Any) -> bool:
+    """Whether a ``fully_shard`` unit's parameters are gathered now (inside its forward, or kept from it)."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return bool(groups) and all(group.is_unsharded for group in groups)
 
 
 def fsdp_sharded_params(module: Any) -> list[tuple[Any, Any]]:

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lightning_tpp._compat import hf_output_collector, outside_function_modes, outside_saved_tensors_hooks, tree_flatten
+from lightning_tpp._compat import (fsdp_gathered, hf_output_collector, outside_function_modes, outside_saved_tensors_hooks,
+                                   tree_flatten)
 from lightning_tpp.core.comm import TPGroup, all_reduce_flag, gather_with_spec
 from lightning_tpp.core.dp_shard import fsdp_classes_hidden, gather_dp, is_dp_sharded
 from lightning_tpp.core.params import ShardIndex
@@ -88,14 +89,16 @@ def _hook_from(hook: Any, packages: tuple[str, ...]) -> bool:
 
 
 @contextlib.contextmanager
-def _inner_units_gathered(module: nn.Module) -> Iterator[None]:
-    """The FSDP2 units inside ``module`` (an expert bank sharded over its replicas, inside a block checked whole)
-    gathered, and their FSDP2 hooks off, for a check's forward and backward. Through its hooks, the check's own
-    backward would fire FSDP2's end-of-backward callback, which reshards every unit: the enclosing block's too, in
-    the middle of its forward (its weights' storage freed)."""
+def units_gathered(module: nn.Module, *, itself: bool = False) -> Iterator[None]:
+    """The FSDP2 units inside ``module`` (an expert bank sharded over its replicas, inside a block checked whole; with
+    ``itself``, ``module`` too) gathered, and their FSDP2 hooks off, for a check's forward and backward; after it,
+    those that were sharded before are sharded again. Through its hooks, the check's own backward would fire FSDP2's
+    end-of-backward callback, which reshards every unit: the enclosing block's too, in the middle of its forward (its
+    weights' storage freed)."""
     from torch.distributed.fsdp import FSDPModule
 
-    units = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
+    units = [m for m in module.modules() if (itself or m is not module) and isinstance(m, FSDPModule)]
+    sharded = [unit for unit in units if not fsdp_gathered(unit)]
     saved = []
     for unit in units:
         unit.unshard()
@@ -110,7 +113,7 @@ def _inner_units_gathered(module: nn.Module) -> Iterator[None]:
             added = {k: h for k, h in hooks.items() if k not in before}
             hooks.clear()
             hooks.update({**before, **added})
-        for unit in units:
+        for unit in sharded:
             unit.reshard()
 
 
@@ -378,7 +381,7 @@ def check_gradients(module: nn.Module, args: tuple, kwargs: dict, *, group: TPGr
     """
     problem = None
     with outside_function_modes(), outside_saved_tensors_hooks(), against_reference(module, group, shards) as ref, \
-            _inner_units_gathered(module), _verifying(mark_parallel), _records_kept():
+            units_gathered(module), _verifying(mark_parallel), _records_kept():
         try:
             ref_params = dict(ref.named_parameters())
             named = [(n, q) for n, q in module.named_parameters()

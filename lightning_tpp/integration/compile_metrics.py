@@ -22,18 +22,21 @@ Cumulative, this rank's (dynamo's counters are per process)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_tpp._compat import (allow_graphs_per_function, capture_scalar_outputs, compile_call, dynamo_counters,
-                                   hf_records_outside_graphs, maybe_mark_dynamic, tree_flatten)
+                                   hf_records_outside_graphs, maybe_mark_dynamic, outside_saved_tensors_hooks,
+                                   tree_flatten, tree_unflatten)
 from lightning_tpp.context_parallel.blocks import compile_positions
 from lightning_tpp.core.comm import TPGroup, all_reduce_flag
-from lightning_tpp.core.reference import _records_kept, evaluating, first_difference, isolated
+from lightning_tpp.core.reference import (_graded, _leaves, _records_kept, evaluating, first_difference, isolated,
+                                          units_gathered)
 from lightning_tpp.core.recompute import compile_inside, is_recomputed
 from lightning_tpp.core.walk import get_arg, stream_index
 from lightning_tpp.experts.expert_parallel import is_split_bank, keep_exchange_eager, traces_exchange
@@ -51,22 +54,115 @@ def dynamo_counts() -> tuple[int, int, dict[str, int]]:
     return int(counters["stats"]["unique_graphs"]), sum(breaks.values()), breaks
 
 
-def _compare(block: nn.Module, eager: Callable[..., Any], graph: Callable[..., Any], args: tuple,
-             kwargs: dict) -> Optional[str]:
-    """The first difference between a block's compiled call and its eager one on copies of this call's inputs, in
-    eval mode (no dropout draw to match) under ``inference_mode`` (a validation pass's graph, compiled here once).
-    A block holding experts split over ep runs with gradients on instead: its graph then holds the traced exchange,
-    as in training (without gradients the exchange runs eagerly, ``experts.dispatch``)."""
+def _compare(block: nn.Module, eager: Callable[..., Any], graph: Callable[..., Any], args: tuple, kwargs: dict,
+             before: Callable[[tuple, dict], None]) -> Optional[str]:
+    """The first difference between a block's compiled call and its eager one on copies of this call's inputs (their
+    varying sizes marked by ``before``, as the call's are): in the block's own mode, with gradients, so that the graph
+    compared is the one the steps run, forward and backward (:func:`_trained_difference`). A block that draws random
+    numbers there (dropout, a router's noise: the generator moved in its eager call) is compared in eval mode
+    instead, its forward only: a compiled graph's draws are not eager's (inductor makes its own). That runs under
+    ``inference_mode`` (a validation pass's graph, compiled here once), or with gradients for a block holding experts
+    split over ep (its graph then holds the traced exchange, as in training; without gradients the exchange runs
+    eagerly, ``experts.dispatch``)."""
     try:
+        problem = _trained_difference(block, eager, graph, args, kwargs, before)
+        if problem is not _DREW:
+            return problem
         with torch.enable_grad() if traces_exchange(block) else torch.inference_mode(), evaluating(block), \
                 _records_kept():
             a, k = isolated(args, kwargs)
             want = eager(*a, **k)
             a, k = isolated(args, kwargs)
             got = graph(*a, **k)
-        return first_difference(got, want, TPGroup(None, 0, 1))
+        return first_difference(got, want, _ALONE)
     except Exception as err:  # noqa: BLE001 - reported on every rank, with the block's name
         return f"it raised {type(err).__name__}: {err}"
+
+
+_DREW = "random draws"  # _trained_difference: the eager call drew random numbers (nothing compared)
+_ALONE = TPGroup(None, 0, 1)  # the two calls are this rank's: compared as they are
+
+
+def _trained_difference(block: nn.Module, eager: Callable[..., Any], graph: Callable[..., Any], args: tuple,
+                        kwargs: dict, before: Callable[[tuple, dict], None]) -> Optional[str]:
+    """The block's eager call, then its compiled one, with gradients, each on its own leaf copies of the inputs: the
+    outputs, then the gradients of the inputs and of the block's parameters for one random output gradient (the same
+    for both; each call's backward runs before the next call, whose buffer updates would invalidate what it saved).
+    FSDP2's units in the block are gathered with their hooks off (:func:`units_gathered`), outside the saved tensors'
+    hooks of a recomputed block's checkpoint; each call starts from the block's buffers as they were (a norm's
+    running statistics, updated in training mode), and they, the random generators and the layers' records are as
+    before after. Returns :data:`_DREW` where the eager call drew random numbers."""
+    device = next((p.device for p in block.parameters()), torch.device("cpu"))
+    with units_gathered(block, itself=True), outside_saved_tensors_hooks(), _records_kept(), \
+            _buffers_kept(block) as restore, torch.enable_grad(), \
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        params = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
+        start = _generators(device)
+        cotangent: list[Tensor] = []
+
+        def run(call: Callable[..., Any]) -> tuple[Any, Optional[tuple]]:
+            a, k, inputs = _leaves(args, kwargs)
+            before(a, k)
+            out = call(*a, **k)
+            graded = _graded(out)
+            if graded is None:
+                return out, None
+            if not cotangent:
+                gen = torch.Generator(device="cpu").manual_seed(20261)
+                cotangent.append(torch.randn(graded.shape, generator=gen, dtype=torch.float32).to(graded))
+            if graded.shape != cotangent[0].shape:
+                return out, None
+            names = [f"input {key[1]!r}" for key, _ in inputs] + [repr(n) for n, _ in params]
+            grads = torch.autograd.grad(graded, [t for _, t in inputs] + [p for _, p in params], cotangent[0],
+                                        allow_unused=True)
+            return _detached(out), tuple(zip(names, grads))
+
+        want, theirs = run(eager)
+        if any(not torch.equal(x, y) for x, y in zip(start, _generators(device))):
+            return _DREW
+        restore()
+        got, mine = run(graph)
+    problem = first_difference(got, want, _ALONE)
+    if problem is not None or theirs is None or mine is None:
+        return problem
+    for (name, w), (_, g) in zip(theirs, mine):
+        if (g is None) != (w is None):
+            return f"gradient of {name}: {'none' if g is None else 'one'} compiled, {'none' if w is None else 'one'} " \
+                   f"eagerly"
+        problem = first_difference(g, w, _ALONE, f"gradient of {name}") if g is not None else None
+        if problem is not None:
+            return problem
+    return None
+
+
+def _detached(out: Any) -> Any:
+    leaves, spec = tree_flatten(out)
+    return tree_unflatten([t.detach() if isinstance(t, Tensor) else t for t in leaves], spec)
+
+
+def _generators(device: torch.device) -> list[Tensor]:
+    """The states of the random generators a block's call on ``device`` may draw from."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+@contextlib.contextmanager
+def _buffers_kept(block: nn.Module) -> Iterator[Callable[[], None]]:
+    """The block's buffers put back after a check's calls (a norm's running statistics, updated in training mode);
+    the function given puts them back in between."""
+    saved = [(b, b.clone()) for b in block.buffers() if not b.is_meta]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+    try:
+        yield restore
+    finally:
+        restore()
 
 
 def _mark_varying(args: tuple, kwargs: dict) -> None:
@@ -118,7 +214,7 @@ class Compiled:
             before(args, kwargs)
             if pending[0]:
                 pending[0] = False
-                problem = _compare(block, eager, graph, args, kwargs)
+                problem = _compare(block, eager, graph, args, kwargs, before)
                 if problem is not None:
                     self.problems.append(f"{name!r} ({type(block).__name__}): {problem}")
             return graph(*args, **kwargs)

@@ -59,10 +59,10 @@ def test_compiled_tp2_pp2_and_dp2_at_parity(tmp_path: Path) -> None:
 def test_no_recompile_over_epochs_with_a_short_batch_validation_and_predict(tmp_path: Path) -> None:
     """Two epochs of batches of 6, 6 and 3 samples with a validation pass (6, 3) after each, then ``predict``, at
     tp=2 (no batch size equals a count of heads: a per-head test of the shape would fix it as a constant). Compiled,
-    the blocks compile their training graphs in the first compiled step (with the evaluation graphs of their
-    first-call checks), any other evaluation graph in the first validation batch, and nothing after, the short
-    batches included (the batch and sequence sizes are compiled as symbols); every loss, validation loss and
-    prediction equals the eager run's."""
+    the blocks compile their training graphs in the first compiled step (their first compiled call's check runs the
+    training graph, forward and backward: it compiles no graph of its own), their evaluation graphs in the first
+    validation batch, and nothing after, the short batches included (the batch and sequence sizes are compiled as
+    symbols); every loss, validation loss and prediction equals the eager run's."""
     from launch import ROOT, run_ranks
 
     run_ranks(ROOT / "tests" / "distributed" / "worker_compile_epoch.py", 2, [str(tmp_path), "2"],
@@ -70,10 +70,11 @@ def test_no_recompile_over_epochs_with_a_short_batch_validation_and_predict(tmp_
     for rank in range(2):
         rec = json.loads((tmp_path / f"rank{rank}.json").read_text())
         eager, compiled = rec["eager"], rec["compiled"]
-        # the first compiled training step (its training graphs, and the evaluation graphs of its first-call checks),
-        # the first validation batch (its graphs, if the checks' differ)
+        # the first compiled training step (a training graph per block), the first validation batch (an evaluation
+        # graph per block)
         first = {("train", 0, 1), ("val", 0, 0)}
-        assert [n for phase, epoch, batch, n in compiled["graphs"] if (phase, epoch, batch) == ("train", 0, 1)][0], rec
+        made = {(phase, epoch, batch): n for phase, epoch, batch, n in compiled["graphs"]}
+        assert made[("train", 0, 1)] == made[("val", 0, 0)] == 2, rec
         again = [(phase, epoch, batch, n) for phase, epoch, batch, n in compiled["graphs"]
                  if (phase, epoch, batch) not in first and n]
         assert not again, f"rank {rank}: recompiled in {again}"
