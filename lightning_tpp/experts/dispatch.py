@@ -106,6 +106,15 @@ class _Joined(torch.autograd.Function):
         return (grad, *(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.shapes))
 
 
+def _joined(out: Tensor, rows: Tensor, params: list[Tensor]) -> Tensor:
+    """``out`` tied to ``rows`` and ``params`` (:class:`_Joined`) where autograd records: without gradients there is
+    nothing to tie, and traced there, dynamo ran ``_Joined.forward`` on its arguments shifted by one (the tie returned
+    the first parameter in place of ``out``; torch 2.13)."""
+    if not torch.is_grad_enabled():
+        return out
+    return _Joined.apply(out, *(t for t in (rows, *params) if t.requires_grad))
+
+
 def _counts_exchange(counts: Tensor, group: TPGroup) -> Tensor:
     """(E,) rows per expert from this rank -> (P, L) rows each source rank sends for each local expert."""
     p = group.size
@@ -120,16 +129,14 @@ def dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, ind
     """The routed layer's output for ``x`` (T, H): ``compute(rows, local_index (N, 1), ones (N, 1))`` runs the
     bank's own forward on the rows this rank received (``params``: the bank's, for ``_Joined``); what is sent is
     counted in ``traffic``. ``traced=False``: never inside a compiled graph."""
-    if traced and torch.compiler.is_compiling() and torch.is_grad_enabled():  # compile=, training: in the graph
+    if traced and torch.compiler.is_compiling():  # compile=: in the graph
         return _dispatch(compute, x, index, weight, experts=experts, ep=ep, tp=tp, params=params, traffic=traffic,
                          traced=True)
     return _eager(compute, x, index, weight, experts=experts, ep=ep, tp=tp, params=params, traffic=traffic)
 
 
-# Every exchange not traced: outside compile=, and under it without gradients (validation) or in a recomputed block
-# (EPBank.traced), where it runs eagerly between the block's graphs. Traced without gradients, torch 2.13 ran the
-# graph wrong: a fake tensor of the experts' output of shape (N, 16, 4) where it is (N, 4) (a 2-expert Mixtral
-# bank), and in a whole Mixtral block "Split sizes doesn't match total dim 0 size" at the return exchange
+# Every exchange not traced: outside compile=, and under it in a recomputed block (EPBank.traced), where it runs
+# eagerly between the block's graphs
 @torch.compiler.disable
 def _eager(*args: Any, **kwargs: Any) -> Tensor:
     return _dispatch(*args, traced=False, **kwargs)
@@ -166,8 +173,7 @@ def _dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, in
     which = torch.arange(local, device=received.device).repeat(ep.size).repeat_interleave(received.reshape(-1))
     which = which.to(x.device)
     ones = torch.ones((rows.shape[0], 1), dtype=weight.dtype, device=x.device)
-    done = compute(rows, which[:, None], ones)
-    done = _Joined.apply(done, *(t for t in (rows, *params) if t.requires_grad))
+    done = _joined(compute(rows, which[:, None], ones), rows, params)
     back = _AllToAll.apply(done, in_splits, out_splits, ep, traffic)
     return _combined(back, x, xs, weight, mine, token, order, tp)
 
@@ -202,13 +208,12 @@ def _traced(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, xs: 
     which = torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(
         received.reshape(-1).to(x.device), output_size=sum(out_splits))
     ones = torch.ones((rows.shape[0], 1), dtype=weight.dtype, device=x.device)
-    done = compute(rows, which[:, None], ones)
-    done = _Joined.apply(done, *(t for t in (rows, *params) if t.requires_grad))
+    done = _joined(compute(rows, which[:, None], ones), rows, params)
     wire = done.float() if done.device.type == "cpu" and done.dtype in (torch.bfloat16, torch.float16) else done
     back = funcol.all_to_all_single_autograd(wire, in_splits, out_splits, ep.group).to(done.dtype)
     if traffic is not None and traffic.pending is not None:  # rows that leave this rank, out and back, in forward
-        # and backward (traced with gradients only)
+        # (and in backward, with gradients)
         row = math.prod(wire.shape[1:]) * wire.element_size()
         out = (sent.sum() - sent[ep.rank]) + (received.sum() - received[ep.rank].sum())
-        traffic.pending.add_(2 * row * out.to(traffic.pending.device))
+        traffic.pending.add_((2 if torch.is_grad_enabled() else 1) * row * out.to(traffic.pending.device))
     return _combined(back, x, xs, weight, mine, token, order, tp)

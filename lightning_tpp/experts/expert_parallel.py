@@ -197,11 +197,6 @@ def is_split_bank(module: nn.Module) -> bool:
     return isinstance(module, _EPExperts)
 
 
-def traces_exchange(module: nn.Module) -> bool:
-    """Whether a bank split over ep sits in ``module`` whose exchange is traced in a compiled graph."""
-    return any(isinstance(m, _EPExperts) and m._tpp_ep.traced for m in module.modules())
-
-
 def keep_exchange_eager(module: nn.Module) -> None:
     """The banks split over ep in ``module`` exchange eagerly between its compiled graphs (see ``EPBank.traced``)."""
     for m in module.modules():

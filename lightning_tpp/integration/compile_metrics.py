@@ -39,7 +39,7 @@ from lightning_tpp.core.reference import (_graded, _leaves, _records_kept, evalu
                                           units_gathered)
 from lightning_tpp.core.recompute import compile_inside, is_recomputed
 from lightning_tpp.core.walk import get_arg, stream_index
-from lightning_tpp.experts.expert_parallel import is_split_bank, keep_exchange_eager, traces_exchange
+from lightning_tpp.experts.expert_parallel import is_split_bank, keep_exchange_eager
 from lightning_tpp.pipeline.metrics import is_logging_step
 from lightning_tpp.pipeline.stage import compile_dispatched
 from lightning_tpp.tensor_parallel.sequence import compile_sequence
@@ -61,15 +61,12 @@ def _compare(block: nn.Module, eager: Callable[..., Any], graph: Callable[..., A
     compared is the one the steps run, forward and backward (:func:`_trained_difference`). A block that draws random
     numbers there (dropout, a router's noise: the generator moved in its eager call) is compared in eval mode
     instead, its forward only: a compiled graph's draws are not eager's (inductor makes its own). That runs under
-    ``inference_mode`` (a validation pass's graph, compiled here once), or with gradients for a block holding experts
-    split over ep (its graph then holds the traced exchange, as in training; without gradients the exchange runs
-    eagerly, ``experts.dispatch``)."""
+    ``inference_mode`` (a validation pass's graph, compiled here once)."""
     try:
         problem = _trained_difference(block, eager, graph, args, kwargs, before)
         if problem is not _DREW:
             return problem
-        with torch.enable_grad() if traces_exchange(block) else torch.inference_mode(), evaluating(block), \
-                _records_kept():
+        with torch.inference_mode(), evaluating(block), _records_kept():
             a, k = isolated(args, kwargs)
             want = eager(*a, **k)
             a, k = isolated(args, kwargs)
@@ -126,10 +123,11 @@ def _trained_difference(block: nn.Module, eager: Callable[..., Any], graph: Call
     if problem is not None or theirs is None or mine is None:
         return problem
     for (name, w), (_, g) in zip(theirs, mine):
-        if (g is None) != (w is None):
-            return f"gradient of {name}: {'none' if g is None else 'one'} compiled, {'none' if w is None else 'one'} " \
-                   f"eagerly"
-        problem = first_difference(g, w, _ALONE, f"gradient of {name}") if g is not None else None
+        if g is None and w is None:
+            continue
+        # no gradient is a zero one (a compiled graph's backward gives zeros for an input its output does not read)
+        problem = first_difference(torch.zeros_like(w) if g is None else g, torch.zeros_like(g) if w is None else w,
+                                   _ALONE, f"gradient of {name}")
         if problem is not None:
             return problem
     return None
