@@ -124,22 +124,13 @@ def _counts_exchange(counts: Tensor, group: TPGroup) -> Tensor:
 
 
 def dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, index: Tensor, weight: Tensor, *,
-             experts: int, ep: TPGroup, tp: TPGroup, params: list[Tensor], traffic: Optional[Traffic] = None,
-             traced: bool = True) -> Tensor:
+             experts: int, ep: TPGroup, tp: TPGroup, params: list[Tensor], traffic: Optional[Traffic] = None) -> Tensor:
     """The routed layer's output for ``x`` (T, H): ``compute(rows, local_index (N, 1), ones (N, 1))`` runs the
     bank's own forward on the rows this rank received (``params``: the bank's, for ``_Joined``); what is sent is
-    counted in ``traffic``. ``traced=False``: never inside a compiled graph."""
-    if traced and torch.compiler.is_compiling():  # compile=: in the graph
-        return _dispatch(compute, x, index, weight, experts=experts, ep=ep, tp=tp, params=params, traffic=traffic,
-                         traced=True)
-    return _eager(compute, x, index, weight, experts=experts, ep=ep, tp=tp, params=params, traffic=traffic)
-
-
-# Every exchange not traced: outside compile=, and under it in a recomputed block (EPBank.traced), where it runs
-# eagerly between the block's graphs
-@torch.compiler.disable
-def _eager(*args: Any, **kwargs: Any) -> Tensor:
-    return _dispatch(*args, traced=False, **kwargs)
+    counted in ``traffic``. Inside a compiled block (``compile=``) the exchange is traced in its graph."""
+    traced = torch.compiler.is_compiling()
+    return _dispatch(compute, x, index, weight, experts=experts, ep=ep, tp=tp, params=params, traffic=traffic,
+                     traced=traced)
 
 
 def _dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, index: Tensor, weight: Tensor, *,

@@ -96,9 +96,6 @@ class EPBank:
     tp: TPGroup
     shards: ShardIndex
     verify_pending: bool
-    # compile=: the exchange traced in the block's graph; off inside a recomputed block, whose recomputation then
-    # saved fewer tensors than its forward (CheckpointError: 37 against 40 for a Mixtral block)
-    traced: bool = True
 
 
 class _EPExperts:
@@ -119,7 +116,7 @@ class _EPExperts:
         st = self._tpp_ep
         params = [p for p in self._parameters.values() if p is not None]  # type: ignore[attr-defined]
         return dispatch(self._local_forward, x, index, weight, experts=st.experts, ep=st.group, tp=st.tp,
-                        params=params, traffic=getattr(st.group, "traffic", None), traced=st.traced)
+                        params=params, traffic=getattr(st.group, "traffic", None))
 
     def _local_forward(self, rows: Tensor, index: Tensor, weight: Tensor) -> Tensor:
         return super().forward(rows, index, weight)  # type: ignore[misc]
@@ -195,13 +192,6 @@ def _replicas(group: TPGroup) -> Optional[ProcessGroup]:
 
 def is_split_bank(module: nn.Module) -> bool:
     return isinstance(module, _EPExperts)
-
-
-def keep_exchange_eager(module: nn.Module) -> None:
-    """The banks split over ep in ``module`` exchange eagerly between its compiled graphs (see ``EPBank.traced``)."""
-    for m in module.modules():
-        if isinstance(m, _EPExperts):
-            m._tpp_ep.traced = False
 
 
 def split_banks(model: nn.Module) -> list[str]:

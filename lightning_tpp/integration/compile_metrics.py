@@ -39,7 +39,7 @@ from lightning_tpp.core.reference import (_graded, _leaves, _records_kept, evalu
                                           units_gathered)
 from lightning_tpp.core.recompute import compile_inside, is_recomputed
 from lightning_tpp.core.walk import get_arg, stream_index
-from lightning_tpp.experts.expert_parallel import is_split_bank, keep_exchange_eager
+from lightning_tpp.experts.expert_parallel import is_split_bank
 from lightning_tpp.pipeline.metrics import is_logging_step
 from lightning_tpp.pipeline.stage import compile_dispatched
 from lightning_tpp.tensor_parallel.sequence import compile_sequence
@@ -251,7 +251,6 @@ class Compiled:
                 pass
             elif is_recomputed(block):
                 compile_inside(block, make)
-                keep_exchange_eager(block)
             elif not compile_dispatched(block, make):
                 compile_call(block, make)
 
