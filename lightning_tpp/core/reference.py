@@ -134,6 +134,15 @@ def _local_slice(got: Tensor, want: Tensor, group: TPGroup) -> Optional[Tensor]:
     return want.narrow(diff[0], group.rank * n, n)
 
 
+def _low_precision(t: Tensor) -> bool:
+    """Whether ``t`` holds values of low precision: half-precision values, values computed under autocast (a
+    parameter's float32 gradient from bf16 products), or float32 products on a GPU that runs them in TF32
+    (``torch.set_float32_matmul_precision("high")``): two kernels' roundings then differ well above 1e-4."""
+    kind = t.device.type
+    return t.dtype in (torch.float16, torch.bfloat16) or (kind != "meta" and torch.is_autocast_enabled(kind)) or \
+        (kind == "cuda" and torch.get_float32_matmul_precision() != "highest")
+
+
 def first_difference(got: Any, want: Any, group: TPGroup, path: str = "output") -> Optional[str]:
     """None when ``got`` matches ``want``; else a description of the first difference."""
     if isinstance(want, Tensor):
@@ -143,8 +152,7 @@ def first_difference(got: Any, want: Any, group: TPGroup, path: str = "output") 
                 return f"{path}: shape {tuple(got.shape)} does not match the original's"
         if not isinstance(got, Tensor):
             return f"{path}: {type(got).__name__} instead of a tensor"
-        low = want.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled("cpu")
-        rtol = 2e-2 if low else 1e-4
+        rtol = 2e-2 if _low_precision(want) else 1e-4
         scale = max(1.0, float(want.abs().max())) if want.numel() and want.is_floating_point() else 1.0
         if want.is_floating_point() and not torch.allclose(got.float(), want.float(), rtol=rtol, atol=rtol * scale,
                                                            equal_nan=True):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from lightning_tpp.core.comm import TPGroup
 from lightning_tpp.integration.compile_metrics import _DREW, _compare, _trained_difference
 
 
@@ -72,3 +73,15 @@ def test_running_statistics_kept() -> None:
     mean, count = block.norm.running_mean.clone(), int(block.norm.num_batches_tracked)
     assert _compare(block, block._call_impl, graph, (_input(),), {}, _none) is None
     assert torch.equal(block.norm.running_mean, mean) and int(block.norm.num_batches_tracked) == count
+
+
+def test_tolerance_of_values_computed_in_low_precision() -> None:
+    """A float32 gradient computed from bf16 products under autocast (the compiled check compares such gradients)
+    is compared at bf16's tolerance; plain float32 at 1e-4."""
+    from lightning_tpp.core.reference import first_difference
+
+    want = torch.linspace(1, 2, 8)
+    got = want * (1 + 3e-3)
+    assert first_difference(got, want, TPGroup(None, 0, 1)) is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert first_difference(got, want, TPGroup(None, 0, 1)) is None
