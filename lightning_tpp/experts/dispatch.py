@@ -58,12 +58,17 @@ class Traffic:
             self.pending.zero_()
 
 
+def _on_wire(t: Tensor) -> Tensor:
+    """``t`` as the exchange carries it: half precision in fp32 on the CPU (gloo)."""
+    return t.float() if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) else t
+
+
 def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group: TPGroup,
               traffic: Optional[Traffic] = None) -> Tensor:
     """All-to-all of rows with the given split sizes (gloo: half precision carried in fp32)."""
     if x.is_meta:
         return x.new_empty((sum(out_splits), *x.shape[1:]))
-    wire = x.float() if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) else x
+    wire = _on_wire(x)
     out = wire.new_empty((sum(out_splits), *x.shape[1:]))
     start = time.perf_counter()
     dist.all_to_all_single(out, wire.contiguous(), out_splits, in_splits, group=group.group)
@@ -128,14 +133,6 @@ def dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, ind
     """The routed layer's output for ``x`` (T, H): ``compute(rows, local_index (N, 1), ones (N, 1))`` runs the
     bank's own forward on the rows this rank received (``params``: the bank's, for ``_Joined``); what is sent is
     counted in ``traffic``. Inside a compiled block (``compile=``) the exchange is traced in its graph."""
-    traced = torch.compiler.is_compiling()
-    return _dispatch(compute, x, index, weight, experts=experts, ep=ep, tp=tp, params=params, traffic=traffic,
-                     traced=traced)
-
-
-def _dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, index: Tensor, weight: Tensor, *,
-              experts: int, ep: TPGroup, tp: TPGroup, params: list[Tensor], traffic: Optional[Traffic],
-              traced: bool) -> Tensor:
     tokens, k = index.shape
     # each tp rank sends a slice of the tokens, replicated over tp; f here, g at the end. Under sequence parallelism
     # the tp ranks hold different tokens already (their sequence shards): each sends its own, as at tp = 1
@@ -149,7 +146,7 @@ def _dispatch(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, in
     flat = index.reshape(-1)
     token = torch.arange(xs.shape[0], device=x.device).repeat_interleave(k)
     order = torch.argsort(flat, stable=True)
-    if traced:
+    if torch.compiler.is_compiling():
         return _traced(compute, x, xs, weight, mine, token, order, flat, experts=experts, ep=ep, tp=tp,
                        params=params, traffic=traffic)
     if x.is_meta:  # shapes only (the memory planner): the rows spread evenly over the experts and ranks
@@ -194,13 +191,13 @@ def _traced(compute: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, xs: 
     in_splits, out_splits = sent.tolist(), received.sum(1).tolist()
     for n in (*in_splits, *out_splits):
         known_size(n)
-    wire = xs.float() if xs.device.type == "cpu" and xs.dtype in (torch.bfloat16, torch.float16) else xs
+    wire = _on_wire(xs)
     rows = funcol.all_to_all_single_autograd(wire[token[order]], out_splits, in_splits, ep.group).to(x.dtype)
     which = torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(
         received.reshape(-1).to(x.device), output_size=sum(out_splits))
     ones = torch.ones((rows.shape[0], 1), dtype=weight.dtype, device=x.device)
     done = _joined(compute(rows, which[:, None], ones), rows, params)
-    wire = done.float() if done.device.type == "cpu" and done.dtype in (torch.bfloat16, torch.float16) else done
+    wire = _on_wire(done)
     back = funcol.all_to_all_single_autograd(wire, in_splits, out_splits, ep.group).to(done.dtype)
     if traffic is not None and traffic.pending is not None:  # rows that leave this rank, out and back, in forward
         # (and in backward, with gradients)
