@@ -362,6 +362,13 @@ def _leaves(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[tuple[Key, Ten
             {n: leaf(("kw", n), v) for n, v in kwargs.items()}, made)
 
 
+def output_gradient(like: Tensor) -> Tensor:
+    """The random output gradient a gradient check differentiates with: the same on every rank and in every call (its
+    own generator), of ``like``'s shape, dtype and device."""
+    gen = torch.Generator(device="cpu").manual_seed(20261)
+    return torch.randn(like.shape, generator=gen, dtype=torch.float32).to(like)
+
+
 def _graded(out: Any) -> Optional[Tensor]:
     """The output that is differentiated: the first tensor of it that has a gradient."""
     return next((t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.requires_grad), None)
@@ -404,8 +411,7 @@ def check_gradients(module: nn.Module, args: tuple, kwargs: dict, *, group: TPGr
                 with _verifying():
                     want = _graded(reference(ref, a, k))
             if got is not None and want is not None and (got.shape == want.shape or output_dim is not None):
-                gen = torch.Generator(device="cpu").manual_seed(20261)
-                cotangent = torch.randn(want.shape, generator=gen, dtype=torch.float32).to(want)
+                cotangent = output_gradient(want)
                 part = cotangent if got.shape == want.shape else \
                     cotangent.narrow(output_dim, group.rank * got.shape[output_dim], got.shape[output_dim])
                 mine = torch.autograd.grad(got, [t for _, t in inputs] + [q for _, q in named], part,

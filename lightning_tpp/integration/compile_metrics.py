@@ -36,7 +36,7 @@ from lightning_tpp._compat import (allow_graphs_per_function, capture_scalar_out
 from lightning_tpp.context_parallel.blocks import compile_positions
 from lightning_tpp.core.comm import TPGroup, all_reduce_flag
 from lightning_tpp.core.reference import (_graded, _leaves, _records_kept, evaluating, first_difference, isolated,
-                                          units_gathered)
+                                          output_gradient, units_gathered)
 from lightning_tpp.core.recompute import compile_inside, is_recomputed
 from lightning_tpp.core.walk import get_arg, stream_index
 from lightning_tpp.experts.expert_parallel import is_split_bank
@@ -105,8 +105,7 @@ def _trained_difference(block: nn.Module, eager: Callable[..., Any], graph: Call
             if graded is None:
                 return out, None
             if not cotangent:
-                gen = torch.Generator(device="cpu").manual_seed(20261)
-                cotangent.append(torch.randn(graded.shape, generator=gen, dtype=torch.float32).to(graded))
+                cotangent.append(output_gradient(graded))
             if graded.shape != cotangent[0].shape:
                 return out, None
             names = [f"input {key[1]!r}" for key, _ in inputs] + [repr(n) for n, _ in params]
