@@ -8,7 +8,7 @@ import contextlib
 import inspect
 import sys
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -454,26 +454,26 @@ def _refs_of_a_local() -> int:
 _REFS_OF_A_LOCAL = _refs_of_a_local()
 
 
-def in_place_reduce_scatter() -> Any:
-    """An FSDP2 reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) for gloo, one per unit, which has no
-    reduce-scatter of its own: gloo's ``reduce_scatter_tensor`` clones the whole input and all-reduces the clone. This
-    one all-reduces FSDP2's input buffer in place (FSDP2 never reads it again), copies out this rank's part and frees
-    the buffer (FSDP2 keeps it alive until the next unit's reduction, for stream safety that a CPU does not need).
+def gloo_reduce_scatter(reduce_scatter_into: Callable[[torch.Tensor, torch.Tensor, Any], None]) -> Any:
+    """An FSDP2 reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) for gloo, one per unit: each rank's part of
+    FSDP2's input buffer sent to it directly by ``reduce_scatter_into(out, inp, group)`` (``core.collectives``'s;
+    gloo's own ``reduce_scatter_tensor`` clones the whole input and all-reduces the clone, then walks a ring), and the
+    buffer freed after (FSDP2 keeps it alive until the next unit's reduction, for stream safety that a CPU does not need).
 
     It also frees the unit's unsharded gradient that FSDP2 leaks through the reduce-scatter (``_leaks_last_gradient``):
     ``track`` (a post-accumulate-grad hook on the unit's gathered parameters) remembers each gradient weakly, and when
     FSDP2 allocates the reduce-scatter's output (after its copy-in and after it cleared its list of gradients), a
     gradient whose only Python reference left is that loop variable gets its storage released. A gradient anything
-    else still holds (a user's hook) is left alone. Same bytes on the wire; for a single-parameter unit such as a
-    vocabulary matrix, the reduction's peak drops from three gradient-sized buffers (gradient, input, output / 2
-    each) to two. None where torch's interface is missing (the default is kept)."""
+    else still holds (a user's hook) is left alone. For a single-parameter unit such as a vocabulary matrix, the
+    reduction's peak drops from three gradient-sized buffers (gradient, input, output / 2 each) to two (the receives
+    land in the output). None where torch's interface is missing (the default is kept)."""
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
     except ImportError:  # pragma: no cover - an older or newer torch
         return None
     leaks = _leaks_last_gradient()
 
-    class InPlaceReduceScatter(ReduceScatter):
+    class GlooReduceScatter(ReduceScatter):
         def __init__(self) -> None:
             self.grads: dict[int, weakref.ref] = {}
             self.allocations = 0  # FSDP2 allocates twice per reduction: the input (before its copy-in), the output
@@ -506,19 +506,38 @@ def in_place_reduce_scatter() -> Any:
             if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and not premul:
                 raise ValueError(f"reduce-scatter over gloo: reduce op {op} is not supported (SUM, AVG or "
                                  f"PREMUL_SUM)")
-            dist.all_reduce(input_tensor, group=group)
-            output_tensor.copy_(input_tensor.view(dist.get_world_size(group), -1)[dist.get_rank(group)])
+            reduce_scatter_into(output_tensor, input_tensor, group)
             if premul:
                 output_tensor.mul_(op.factor)
             elif op == dist.ReduceOp.AVG:
                 output_tensor.div_(dist.get_world_size(group))
             input_tensor.untyped_storage().resize_(0)
 
-    return InPlaceReduceScatter()
+    return GlooReduceScatter()
+
+
+def gloo_all_gather(all_gather_into: Callable[[torch.Tensor, torch.Tensor, Any], None]) -> Any:
+    """An FSDP2 all-gather (``FSDPModule.set_custom_all_gather``) for gloo: each rank's shard sent to every other
+    directly by ``all_gather_into(out, inp, group)`` (``core.collectives``'s) instead of gloo's ring. Synchronous (a CPU's gather does not
+    overlap compute: FSDP2 waits for it before the forward anyway). None where torch's interface is missing."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+    except ImportError:  # pragma: no cover - an older or newer torch
+        return None
+
+    class GlooAllGather(AllGather):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                     async_op: bool = False) -> None:
+            all_gather_into(output_tensor, input_tensor, group)
+
+    return GlooAllGather()
 
 
 def fsdp_track_gradients(unit: Any, comm: Any) -> None:
-    """Give ``comm.track`` (``in_place_reduce_scatter``) every gradient autograd accumulates into ``unit``'s gathered
+    """Give ``comm.track`` (``gloo_reduce_scatter``) every gradient autograd accumulates into ``unit``'s gathered
     parameters. FSDP2 creates them at the unit's first gather, so the hooks are registered at its first forward."""
 
     def register(module: Any, args: Any) -> None:

@@ -58,8 +58,10 @@ from lightning_tpp._compat import (
     fsdp_reduce_now,
     fsdp_sharded_params,
     fsdp_track_gradients,
-    in_place_reduce_scatter,
+    gloo_all_gather,
+    gloo_reduce_scatter,
 )
+from lightning_tpp.core.collectives import all_gather_into, reduce_scatter_into
 from lightning_tpp.core.materialize import has_meta
 from lightning_tpp.data_parallel.reads import ReadGuard, Reads, find_reads, guard_reads
 from lightning_tpp.data_parallel.rows import RowsOverDP, candidates, shard_rows_over_dp
@@ -251,9 +253,10 @@ def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str],
     # a bank made a unit of its own is a leaf to the units around it (FSDP2 skips a nested unit's parameters)
     ignored = {module.get_parameter(n) for n in replicated} | set(moved.values()) | \
         {p for p in keep if id(p) not in sharded_experts}
-    # gloo (CPU): a reduce-scatter that neither clones its input nor keeps it (nor the gradient FSDP2 leaks through
-    # it), no all-gather buffer kept for overlap, no all-gather issued ahead in backward (a CPU collective does not
-    # overlap compute: the next unit's gathered parameters would only sit beside this unit's weight and gradient)
+    # gloo (CPU): an all-gather and a reduce-scatter sent point to point, the latter neither keeping its input nor
+    # the gradient FSDP2 leaks through it, no all-gather buffer kept for overlap, no all-gather issued ahead in
+    # backward (a CPU collective does not overlap compute: the next unit's gathered parameters would only sit beside
+    # this unit's weight and gradient)
     cpu = dist.get_backend(mesh.get_group()) == "gloo"
     for name in [*banks, *units]:
         bank = name in banks
@@ -265,11 +268,8 @@ def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str],
             modules[name].set_gradient_divide_factor(experts.divide)  # type: ignore[union-attr]
             if allocate is not None and has_meta(modules[name]):
                 _allocate(modules[name], allocate)
-        reduce_scatter = in_place_reduce_scatter() if cpu else None
-        if reduce_scatter is not None:
-            modules[name].set_custom_reduce_scatter(reduce_scatter)
-            fsdp_track_gradients(modules[name], reduce_scatter)
         if cpu:
+            _gloo_collectives(modules[name])
             fsdp_drop_gather_keepalive(modules[name])
             fsdp_no_backward_prefetch(modules[name])
     # one root enclosing every unit (FSDP2 shares its per-step state through the root): the LightningModule, with its
@@ -282,6 +282,17 @@ def shard_over_dp(module: nn.Module, mesh: DeviceMesh, *, blocks: Sequence[str],
     guard = guard_reads(module, [modules[n] for n in units], rows)
     return DPShards(sharding, [*banks, *units], replicated, replaced, [modules[n] for n in [*banks, *units]], rows,
                     banks, reads, guard)
+
+
+def _gloo_collectives(unit: nn.Module) -> None:
+    """``unit``'s all-gather and reduce-scatter over gloo sent point to point (``core.collectives``: about half gloo's
+    ring's time here), the reduce-scatter freeing its input and the gradient FSDP2 leaks through it."""
+    gather, reduce_scatter = gloo_all_gather(all_gather_into), gloo_reduce_scatter(reduce_scatter_into)
+    if gather is not None:
+        unit.set_custom_all_gather(gather)  # type: ignore[operator]
+    if reduce_scatter is not None:
+        unit.set_custom_reduce_scatter(reduce_scatter)  # type: ignore[operator]
+        fsdp_track_gradients(unit, reduce_scatter)
 
 
 def _allocate(unit: nn.Module, device: torch.device) -> None:

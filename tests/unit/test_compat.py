@@ -13,6 +13,7 @@ from lightning.pytorch import Trainer
 
 from lightning_tpp import _compat
 from lightning_tpp._compat import requested_weights_only
+from lightning_tpp.core.collectives import reduce_scatter_into
 
 
 def test_trainer_run_still_carries_weights_only() -> None:
@@ -343,7 +344,7 @@ def test_fsdp2_custom_comms_on_gloo(tmp_path: Path) -> None:
             for layer in model:
                 fully_shard(layer, mesh=mesh)
                 if custom:
-                    comm = _compat.in_place_reduce_scatter()
+                    comm = _compat.gloo_reduce_scatter(reduce_scatter_into)
                     assert comm is not None
                     layer.set_custom_reduce_scatter(comm)
                     _compat.fsdp_drop_gather_keepalive(layer)
@@ -369,7 +370,7 @@ def test_reduce_scatter_frees_the_gradient_fsdp2_leaks() -> None:
     from torch import nn
 
     assert _compat._leaks_last_gradient()
-    comm = _compat.in_place_reduce_scatter()
+    comm = _compat.gloo_reduce_scatter(reduce_scatter_into)
     leaked, held = nn.Parameter(torch.zeros(4, 3)), nn.Parameter(torch.zeros(2, 3))
     leaked.grad, held.grad = torch.ones(4, 3), torch.ones(2, 3)
     comm.track(leaked)
