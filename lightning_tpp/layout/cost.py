@@ -255,7 +255,8 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
     replicas = layout.replicas
     if layout.sharded:
         gathers = 2 if layout.dp_sharding == "full_shard" else 1
-        per_mb = gathers * dp_link.gather(largest, replicas) + dp_link.reduce_scatter(largest, replicas) + \
+        per_mb = gathers * dp_link.gather(largest, replicas, dp_link.param_gather_factor) + \
+            dp_link.reduce_scatter(largest, replicas, dp_link.grad_scatter_factor) + \
             times.copies(largest, gathers + 1, device)  # FSDP2's copy-in / copy-out around each collective
         fsdp = _exposed(per_mb * m * layout.accumulate, compute, device.overlap)
     elif replicas > 1:  # after backward: nothing left to hide it behind
@@ -271,7 +272,8 @@ def step_time(profile: ModelProfile, layout: Layout, device: DeviceSpec, times: 
     if layout.ep > 1 and expert_shard > 1:  # gathered and reduce-scattered per micro-batch, as the dense units
         bank = max(stage_experts)
         gathers = 2 if layout.dp_sharding == "full_shard" else 1
-        per_mb = gathers * dp_link.gather(bank, expert_shard) + dp_link.reduce_scatter(bank, expert_shard) + \
+        per_mb = gathers * dp_link.gather(bank, expert_shard, dp_link.param_gather_factor) + \
+            dp_link.reduce_scatter(bank, expert_shard, dp_link.grad_scatter_factor) + \
             times.copies(bank, gathers + 1, device)
         experts = _exposed(per_mb * m * layout.accumulate, compute, device.overlap)
     elif layout.ep > 1:  # whole on their replicas: summed once per step, after backward

@@ -18,6 +18,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_tpp.core.collectives import all_gather_into, reduce_scatter_into
+
 
 class UnknownDeviceError(ValueError):
     """A device name the cost model has no figures for."""
@@ -32,6 +34,9 @@ class Link:
     latency: float
     gather_factor: float = 1.0  # measured all-gather bandwidth term over the ring model's (gloo's is not a ring)
     scatter_factor: float = 1.0  # the same for reduce-scatter
+    # the same for FSDP2's, which the strategy sends itself (``core.collectives``: on gloo point to point)
+    param_gather_factor: float = 1.0
+    grad_scatter_factor: float = 1.0
 
     def p2p(self, nbytes: float) -> float:
         """One send of ``nbytes`` (a pipeline activation or its gradient)."""
@@ -57,9 +62,9 @@ class Link:
         factor = self.gather_factor if factor is None else factor
         return (ranks - 1) * self.latency + factor * (ranks - 1) / ranks * nbytes / self.bandwidth
 
-    def reduce_scatter(self, nbytes: float, ranks: int) -> float:
+    def reduce_scatter(self, nbytes: float, ranks: int, factor: Optional[float] = None) -> float:
         """Reduce-scatter of a ``nbytes`` tensor: as an all-gather of it, times ``scatter_factor``."""
-        return self.gather(nbytes, ranks, self.scatter_factor)
+        return self.gather(nbytes, ranks, self.scatter_factor if factor is None else factor)
 
 
 @dataclass(frozen=True)
@@ -144,15 +149,21 @@ def measure_link(group: Optional[dist.ProcessGroup] = None, *, small: int = 1024
     link = Link(bandwidth=1.0 / per_byte, latency=latency)
     if ranks <= 1:
         return link
-    # FSDP2's collectives, at the large size: measured, not assumed ring-efficient (on this machine's gloo the
-    # all-gather took 1.5x and the reduce-scatter 2-3x the ring model's time at 4-16 MB)
+    # FSDP2's collectives (what ``core.collectives`` sends: on gloo point to point, about half the time of gloo's
+    # own) and torch's all-gather and reduce-scatter (activations: cp's keys and values, sequence parallelism), at
+    # the large size: measured, not assumed to be the ring's (on this machine gloo's all-gather took 1.5x and its
+    # reduce-scatter 2-3x the ring model's time at 4-16 MB)
     n = large // ranks * ranks
     whole, shard = torch.ones(n, device=device), torch.ones(n // ranks, device=device)
     ring = (ranks - 1) / ranks * n * 4 / link.bandwidth
-    measured = [max(timed(run) - (ranks - 1) * latency, 0.0) / ring
-                for run in (lambda: dist.all_gather_single(whole, shard, group=group),
-                            lambda: dist.reduce_scatter_single(shard, whole, group=group))]
-    return replace(link, gather_factor=max(measured[0], 1.0), scatter_factor=max(measured[1], 1.0))
+    runs = {"gather_factor": lambda: dist.all_gather_single(whole, shard, group=group),
+            "scatter_factor": lambda: dist.reduce_scatter_single(shard, whole, group=group),
+            "param_gather_factor": lambda: all_gather_into(whole, shard, group),
+            "grad_scatter_factor": lambda: reduce_scatter_into(shard, whole, group)}
+    factors = {name: max(timed(run) - (ranks - 1) * latency, 0.0) / ring for name, run in runs.items()}
+    # torch's: never taken as better than the ring; the direct ones can be (one wait instead of k - 1)
+    return replace(link, **{name: max(f, 1.0 if name in ("gather_factor", "scatter_factor") else 0.1)
+                            for name, f in factors.items()})
 
 
 def backend_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:

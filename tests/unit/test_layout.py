@@ -602,10 +602,12 @@ def test_a_block_unlike_its_stack_is_timed_as_its_own_kind(llama4) -> None:
 
 def test_fsdp_collectives_at_their_measured_bandwidth(llama4) -> None:
     """All-gather and reduce-scatter cost their ring time with the bandwidth term scaled by the factor measured at
-    setup (gloo's are not rings), plus FSDP2's copy around each."""
-    link = Link(1e9, 1e-5, gather_factor=1.5, scatter_factor=3.0)
-    assert link.gather(4e6, 4) == pytest.approx(3e-5 + 1.5 * 0.75 * 4e6 / 1e9)
-    assert link.reduce_scatter(4e6, 4) == pytest.approx(3e-5 + 3.0 * 0.75 * 4e6 / 1e9)
+    setup (gloo's are not rings), plus FSDP2's copy around each: FSDP2's with the factors of what the strategy sends
+    (``core.collectives``), not those of torch's own (activations: cp, sequence parallelism)."""
+    link = Link(1e9, 1e-5, gather_factor=7.0, scatter_factor=9.0, param_gather_factor=1.5, grad_scatter_factor=3.0)
+    assert link.gather(4e6, 4) == pytest.approx(3e-5 + 7.0 * 0.75 * 4e6 / 1e9)
+    assert link.reduce_scatter(4e6, 4) == pytest.approx(3e-5 + 9.0 * 0.75 * 4e6 / 1e9)
+    assert link.reduce_scatter(4e6, 4, link.grad_scatter_factor) == pytest.approx(3e-5 + 3.0 * 0.75 * 4e6 / 1e9)
     _, profile = llama4
     times = BlockTimes(copy=1e-9)
     plain = DeviceSpec("t", flops=1e12, efficiency=0.5, memory=1e12, memory_bandwidth=1e10, intra=Link(1e9, 1e-5),
