@@ -53,11 +53,14 @@ def _share_own_chunk(chunks: tuple[Tensor, ...], group: Optional[ProcessGroup]) 
         work.wait()
 
 
-def _flat(t: Tensor, what: str) -> Tensor:
-    if not t.is_contiguous():
-        raise ValueError(f"{what}: a contiguous tensor is needed, got strides {t.stride()} for shape "
-                         f"{tuple(t.shape)}")
-    return t.view(-1)
+def _chunks(whole: Tensor, part: Tensor, group: Optional[ProcessGroup], what: str) -> tuple[tuple[Tensor, ...], int]:
+    """``whole`` cut into one chunk per rank of ``group`` (each ``part``'s size), and this rank's index."""
+    n = dist.get_world_size(group)
+    if whole.numel() != n * part.numel():
+        raise ValueError(f"{what}: {whole.numel()} elements are not {n} ranks x {part.numel()}")
+    if not (whole.is_contiguous() and part.is_contiguous()):
+        raise ValueError(f"{what}: contiguous tensors are needed")
+    return whole.view(-1).chunk(n), dist.get_rank(group)
 
 
 def reduce_scatter_into(out: Tensor, inp: Tensor, group: Optional[ProcessGroup]) -> None:
@@ -67,14 +70,9 @@ def reduce_scatter_into(out: Tensor, inp: Tensor, group: Optional[ProcessGroup])
     if not direct(group):
         dist.reduce_scatter_single(out, inp, group=group)
         return
-    n, r = dist.get_world_size(group), dist.get_rank(group)
-    if inp.numel() != n * out.numel():
-        raise ValueError(f"reduce_scatter_into: input of {inp.numel()} elements is not {n} x the output's "
-                         f"{out.numel()}")
-    chunks = _flat(inp, "reduce_scatter_into").chunk(n)
-    flat_out = _flat(out, "reduce_scatter_into")
-    _sum_own_chunk(chunks, group, flat_out)
-    flat_out.copy_(chunks[r])
+    chunks, r = _chunks(inp, out, group, "reduce_scatter_into")
+    _sum_own_chunk(chunks, group, out.view(-1))
+    out.view(-1).copy_(chunks[r])
 
 
 def all_gather_into(out: Tensor, inp: Tensor, group: Optional[ProcessGroup]) -> None:
@@ -82,10 +80,6 @@ def all_gather_into(out: Tensor, inp: Tensor, group: Optional[ProcessGroup]) -> 
     if not direct(group):
         dist.all_gather_single(out, inp, group=group)
         return
-    n, r = dist.get_world_size(group), dist.get_rank(group)
-    if out.numel() != n * inp.numel():
-        raise ValueError(f"all_gather_into: output of {out.numel()} elements is not {n} x the input's "
-                         f"{inp.numel()}")
-    chunks = _flat(out, "all_gather_into").chunk(n)
-    chunks[r].copy_(inp.reshape(-1))
+    chunks, r = _chunks(out, inp, group, "all_gather_into")
+    chunks[r].copy_(inp.view(-1))
     _share_own_chunk(chunks, group)

@@ -1,8 +1,8 @@
 """A rank of the point-to-point collectives check (4 ranks, gloo; ``core.collectives``): all-gather and reduce-scatter
 against what is computed here from every rank's input, over the world and over two 2-rank subgroups (group ranks are
-not global ranks), float32 and bfloat16. Then FSDP2 units given the strategy's gloo collectives
-(``data_parallel.fsdp``): gradients and updated parameters equal to FSDP2's own collectives', and none of gloo's
-collectives called in the step."""
+not global ranks), float32 and bfloat16, and sizes that do not divide refused by name. Then FSDP2 units given the
+strategy's gloo collectives (``data_parallel.fsdp``): gradients and updated parameters equal to FSDP2's own
+collectives', and none of gloo's collectives called in the step."""
 
 from __future__ import annotations
 
@@ -43,6 +43,13 @@ def check_collectives(group: dist.ProcessGroup, members: list[int]) -> list[str]
             all_gather_into(gathered, inputs[me], group)
             if not torch.equal(gathered, torch.cat(inputs)):
                 problems.append(f"all_gather_into {dtype} {numel} over {members}")
+    for call, whole in ((all_gather_into, torch.empty(n * 3 + 1)), (reduce_scatter_into, torch.empty(n * 3 + 1))):
+        try:
+            call(whole, torch.empty(3), group) if call is all_gather_into else call(torch.empty(3), whole, group)
+            problems.append(f"{call.__name__}: sizes {n * 3 + 1} and 3 accepted over {n} ranks")
+        except ValueError as e:
+            if f"{n * 3 + 1} elements are not {n} ranks x 3" not in str(e):
+                problems.append(f"{call.__name__}: {e}")
     return problems
 
 
