@@ -1,6 +1,7 @@
 """gloo's collectives against the strategy's point-to-point ones (``lightning_tpp.core.collectives``), not a test:
-the all-gather and reduce-scatter FSDP2 runs per unit, in CPU processes on this machine. Each size and kind alternates the two, round by round, so that both see the same machine; the median time
-of each and their ratio (direct / gloo: below 1 is faster) are printed.
+the all-gather and reduce-scatter FSDP2 runs per unit, in CPU processes on this machine. Each size and kind alternates
+the two, round by round, so that both see the same machine; the median time of each and their ratio (direct / gloo:
+below 1 is faster) are printed.
 
     python benchmarks/collectives.py                   # 2 and 4 processes, 0.5 / 6 / 24 MB; about a minute
     python benchmarks/collectives.py --ranks 4 --mb 1 96 --rounds 12

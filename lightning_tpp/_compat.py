@@ -458,7 +458,8 @@ def gloo_reduce_scatter(reduce_scatter_into: Callable[[torch.Tensor, torch.Tenso
     """An FSDP2 reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) for gloo, one per unit: each rank's part of
     FSDP2's input buffer sent to it directly by ``reduce_scatter_into(out, inp, group)`` (``core.collectives``'s;
     gloo's own ``reduce_scatter_tensor`` clones the whole input and all-reduces the clone, then walks a ring), and the
-    buffer freed after (FSDP2 keeps it alive until the next unit's reduction, for stream safety that a CPU does not need).
+    buffer freed after (FSDP2 keeps it alive until the next unit's reduction, for stream safety that a CPU does not
+    need).
 
     It also frees the unit's unsharded gradient that FSDP2 leaks through the reduce-scatter (``_leaks_last_gradient``):
     ``track`` (a post-accumulate-grad hook on the unit's gathered parameters) remembers each gradient weakly, and when
@@ -518,8 +519,9 @@ def gloo_reduce_scatter(reduce_scatter_into: Callable[[torch.Tensor, torch.Tenso
 
 def gloo_all_gather(all_gather_into: Callable[[torch.Tensor, torch.Tensor, Any], None]) -> Any:
     """An FSDP2 all-gather (``FSDPModule.set_custom_all_gather``) for gloo: each rank's shard sent to every other
-    directly by ``all_gather_into(out, inp, group)`` (``core.collectives``'s) instead of gloo's ring. Synchronous (a CPU's gather does not
-    overlap compute: FSDP2 waits for it before the forward anyway). None where torch's interface is missing."""
+    directly by ``all_gather_into(out, inp, group)`` (``core.collectives``'s) instead of gloo's ring. Synchronous (a
+    CPU's gather does not overlap compute: FSDP2 waits for it before the forward anyway). None where torch's
+    interface is missing."""
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
     except ImportError:  # pragma: no cover - an older or newer torch
