@@ -38,6 +38,7 @@ from lightning_tpp.core.comm import TPGroup, all_reduce_flag
 from lightning_tpp.core.reference import (_graded, _leaves, _records_kept, evaluating, first_difference, isolated,
                                           output_gradient, units_gathered)
 from lightning_tpp.core.recompute import compile_inside, is_recomputed
+from lightning_tpp.core.seeding import global_state_digest
 from lightning_tpp.core.walk import get_arg, stream_index
 from lightning_tpp.experts.expert_parallel import is_split_bank
 from lightning_tpp.pipeline.metrics import is_logging_step
@@ -94,7 +95,7 @@ def _trained_difference(block: nn.Module, eager: Callable[..., Any], graph: Call
             _buffers_kept(block) as restore, torch.enable_grad(), \
             torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
         params = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
-        start = _generators(device)
+        start = global_state_digest(device)
         cotangent: list[Tensor] = []
 
         def run(call: Callable[..., Any]) -> tuple[Any, Optional[tuple]]:
@@ -114,7 +115,7 @@ def _trained_difference(block: nn.Module, eager: Callable[..., Any], graph: Call
             return _detached(out), tuple(zip(names, grads))
 
         want, theirs = run(eager)
-        if any(not torch.equal(x, y) for x, y in zip(start, _generators(device))):
+        if global_state_digest(device) != start:
             return _DREW
         restore()
         got, mine = run(graph)
@@ -135,14 +136,6 @@ def _trained_difference(block: nn.Module, eager: Callable[..., Any], graph: Call
 def _detached(out: Any) -> Any:
     leaves, spec = tree_flatten(out)
     return tree_unflatten([t.detach() if isinstance(t, Tensor) else t for t in leaves], spec)
-
-
-def _generators(device: torch.device) -> list[Tensor]:
-    """The states of the random generators a block's call on ``device`` may draw from."""
-    states = [torch.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    return states
 
 
 @contextlib.contextmanager
