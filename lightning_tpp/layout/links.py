@@ -156,14 +156,14 @@ def measure_link(group: Optional[dist.ProcessGroup] = None, *, small: int = 1024
     n = large // ranks * ranks
     whole, shard = torch.ones(n, device=device), torch.ones(n // ranks, device=device)
     ring = (ranks - 1) / ranks * n * 4 / link.bandwidth
-    runs = {"gather_factor": lambda: dist.all_gather_single(whole, shard, group=group),
-            "scatter_factor": lambda: dist.reduce_scatter_single(shard, whole, group=group),
-            "param_gather_factor": lambda: all_gather_into(whole, shard, group),
-            "grad_scatter_factor": lambda: reduce_scatter_into(shard, whole, group)}
-    factors = {name: max(timed(run) - (ranks - 1) * latency, 0.0) / ring for name, run in runs.items()}
-    # torch's: never taken as better than the ring; the direct ones can be (one wait instead of k - 1)
-    return replace(link, **{name: max(f, 1.0 if name in ("gather_factor", "scatter_factor") else 0.1)
-                            for name, f in factors.items()})
+    # (collective, lowest factor): torch's never taken as better than the ring; the direct ones can be (one wait
+    # instead of k - 1)
+    runs = {"gather_factor": (lambda: dist.all_gather_single(whole, shard, group=group), 1.0),
+            "scatter_factor": (lambda: dist.reduce_scatter_single(shard, whole, group=group), 1.0),
+            "param_gather_factor": (lambda: all_gather_into(whole, shard, group), 0.1),
+            "grad_scatter_factor": (lambda: reduce_scatter_into(shard, whole, group), 0.1)}
+    return replace(link, **{name: max(max(timed(run) - (ranks - 1) * latency, 0.0) / ring, lowest)
+                            for name, (run, lowest) in runs.items()})
 
 
 def backend_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
