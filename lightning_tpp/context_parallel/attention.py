@@ -53,7 +53,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_tpp._compat import attention_with_lse, attention_with_lse_backward, function_modes
 from lightning_tpp.context_parallel.split import SeqLayout, gather_positions, local_positions, pad_to
 from lightning_tpp.core.comm import TPGroup, all_to_all_swap
-from lightning_tpp.core.walk import Scoped
+from lightning_tpp.core.walk import CONTEXT_ATTENTION, Scoped
 
 _SDPA = F.scaled_dot_product_attention
 _MHA = F.multi_head_attention_forward
@@ -63,7 +63,7 @@ _PRODUCTS: dict[Callable, tuple[str, ...]] = {
     torch.bmm: ("input", "mat2"), Tensor.bmm: ("input", "mat2"),
     torch.baddbmm: ("input", "batch1", "batch2"), Tensor.baddbmm: ("input", "batch1", "batch2"),
 }
-ACTIVE: Scoped[Optional["ContextAttention"]] = Scoped("tpp_cp_attention", None)
+ACTIVE: Scoped[Optional["ContextAttention"]] = CONTEXT_ATTENTION
 
 
 @dataclass

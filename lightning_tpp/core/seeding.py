@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import random
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,14 +73,20 @@ class OwnStream:
     seed: int = 0
     step: int = 0
     _calls: dict[tuple[str, bytes], int] = field(default_factory=dict)
+    # compile=: how a compiled block reaches this stream (``tensor_parallel.rng``'s key op takes plain values): its
+    # handle, and a tensor each key counts into, which keeps the op in its place in the graph (never merged with
+    # another call's, nor recomputed)
+    handle: int = field(default_factory=lambda: next(_HANDLES), compare=False, repr=False)
+    keyed: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int64), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _STREAMS[self.handle] = self
 
     def start_step(self, step: int) -> None:
         """A training batch begins (``step``: its index over the run, from the Trainer's progress)."""
         self.step = step
         self._calls.clear()  # (a second fit starts at batch 0 again: the calls of the first one are not this one's)
 
-    @torch.compiler.disable  # compile=: one graph break at the call; traced, the digest's hashing broke it 11 more
-    # times over two blocks (Seed-OSS with residual dropout at tp=2: 19 breaks, 8 with it disabled)
     def enter(self, block: str, device: torch.device, *, recomputing: bool) -> tuple[Any, ...]:
         """The key of this call of ``block``: a block called twice from one random state (weight sharing, a model
         run twice in a step with nothing drawn between) gets a different key each time; its recomputation must
@@ -97,6 +105,31 @@ class OwnStream:
             self._calls[(block, where)] = calls + 1
             occurrence = calls
         return (self.seed, self.step, block, where, occurrence)
+
+
+_HANDLES = itertools.count()
+_STREAMS: "weakref.WeakValueDictionary[int, OwnStream]" = weakref.WeakValueDictionary()
+
+
+def stream_by_handle(handle: int) -> OwnStream:
+    return _STREAMS[handle]
+
+
+@contextlib.contextmanager
+def calls_kept() -> Iterator[Callable[[], None]]:
+    """Every own stream's count of calls put back after (and in between, by the function given): a check's extra
+    calls of a block are not calls of the step, and would otherwise give the step's call another key than eager's."""
+    saved = [(stream, dict(stream._calls)) for stream in list(_STREAMS.values())]
+
+    def restore() -> None:
+        for stream, calls in saved:
+            stream._calls.clear()
+            stream._calls.update(calls)
+
+    try:
+        yield restore
+    finally:
+        restore()
 
 
 def agree_with_rank0(device: torch.device) -> None:

@@ -132,6 +132,10 @@ class Scoped(Generic[T]):
         self.value = token[0]
 
 
+# the context-parallel attention (a function mode) while a block runs on this rank's positions: it takes every
+# scaled_dot_product_attention call (in core: tensor parallelism's dropout over shards must leave those calls to it)
+CONTEXT_ATTENTION: Scoped[Optional[Any]] = Scoped("tpp_cp_attention", None)
+
 # True while a block is being verified: its extra forwards are not part of the model's run (a pipeline's dispatchers
 # pass them straight to the real modules instead of counting them as the step's calls)
 VERIFYING: Scoped[bool] = Scoped("lightning_tpp_verifying", False)

@@ -43,6 +43,7 @@ from lightning_tpp.core.walk import get_arg, stream_index
 from lightning_tpp.experts.expert_parallel import is_split_bank
 from lightning_tpp.pipeline.metrics import is_logging_step
 from lightning_tpp.pipeline.stage import compile_dispatched
+from lightning_tpp.tensor_parallel.rng import copies_followed, own_draws_kept
 from lightning_tpp.tensor_parallel.sequence import compile_sequence
 
 PREFIX = "compile/"
@@ -92,7 +93,7 @@ def _trained_difference(block: nn.Module, eager: Callable[..., Any], graph: Call
     before after. Returns :data:`_DREW` where the eager call drew random numbers."""
     device = next((p.device for p in block.parameters()), torch.device("cpu"))
     with units_gathered(block, itself=True), outside_saved_tensors_hooks(), _records_kept(), \
-            _buffers_kept(block) as restore, torch.enable_grad(), \
+            _buffers_kept(block) as restore, own_draws_kept() as recount, torch.enable_grad(), \
             torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
         params = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
         start = global_state_digest(device)
@@ -100,6 +101,7 @@ def _trained_difference(block: nn.Module, eager: Callable[..., Any], graph: Call
 
         def run(call: Callable[..., Any]) -> tuple[Any, Optional[tuple]]:
             a, k, inputs = _leaves(args, kwargs)
+            copies_followed(tree_flatten((args, kwargs))[0], tree_flatten((a, k))[0])
             before(a, k)
             out = call(*a, **k)
             graded = _graded(out)
@@ -118,6 +120,7 @@ def _trained_difference(block: nn.Module, eager: Callable[..., Any], graph: Call
         if global_state_digest(device) != start:
             return _DREW
         restore()
+        recount()  # dropout over tp shards: the same keys and draws, so the same masks, as the eager call
         got, mine = run(graph)
     problem = first_difference(got, want, _ALONE)
     if problem is not None or theirs is None or mine is None:

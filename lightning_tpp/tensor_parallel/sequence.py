@@ -142,7 +142,7 @@ class _SequenceElement:
                 out = forward(*args, **kwargs)
             else:  # dropout over the shards draws per tp rank, as over a column layer's output
                 with following(st.group.rank, st.group.stream, f"sequence:{st.name}") as draws:
-                    draws.mark(stream)
+                    draws.mark_input(stream)
                     out = forward(*args, **kwargs)
                 st.draws = st.draws or draws.dropped
         return map_first_tensor(out, lambda t: gather_seq(t, st.group)) if st.last else out

@@ -67,7 +67,44 @@ def test_masks_over_shards_leave_the_users_stream_alone(ranks: list[dict], seque
     the replicated ones draw from it as one process does, those over shards draw nothing from it (they used to take
     one draw each), recomputation included."""
     want = one_process_rng(sequence)
-    assert len(want) == 2 and len(set(want)) == (1 if sequence else 2)  # sequence shards: every dropout on shards
+    assert len(want) == 3 and len(set(want)) == (1 if sequence else 3)  # sequence shards: every dropout on shards
     for rank in range(2):
         for recompute in (False, True):
             assert ranks[rank][(recompute, sequence)]["rng"] == want, (rank, recompute)
+
+
+def _same_run(got: dict, want: dict, where: str) -> None:
+    assert got["losses"] == want["losses"], where
+    assert got["rng"] == want["rng"], f"{where}: the user's generator moved otherwise"
+    assert len(got["grads"]) == len(want["grads"]) == 3
+    for g, w in zip(got["grads"], want["grads"]):
+        for name in w:
+            torch.testing.assert_close(g[name], w[name], rtol=1e-6, atol=1e-7, msg=f"{where}: {name}")
+
+
+@pytest.mark.parametrize("sequence", [False, True], ids=["tp", "sequence_parallel"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recomputed"])
+def test_compiled_blocks_draw_the_eager_masks_without_a_graph_break(ranks: list[dict], recompute: bool,
+                                                                    sequence: bool) -> None:
+    """compile= (aot_eager, whose graphs run eager's kernels): dropout over tp shards (attention probabilities, the
+    MLP hidden; under sequence parallelism the residual too) is drawn inside the block's graph, from the same keys,
+    so the run is the eager one (losses, gradients, the user's generator), with no graph break and no recompile
+    after the first compiled step. Before, the stream's key broke the block's graph (the block fell back to eager
+    with other masks), and a recomputed block stopped the step (AmbiguousRecomputationError: the compiled check's
+    calls had been counted as the step's)."""
+    for rank in range(2):
+        got = ranks[rank][("compiled", recompute, sequence)]
+        _same_run(got, ranks[rank][(recompute, sequence)], f"rank {rank}")
+        assert (got["breaks"], got["recompiles"]) == (0, 0)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recomputed"])
+def test_compiled_attention_dropout_over_heads(ranks: list[dict], recompute: bool) -> None:
+    """``scaled_dot_product_attention(dropout_p=...)`` over this rank's heads (GPT-2 under SDPA), compiled: one
+    operator drawn from the rank's seed, its backward the attention again from that seed; the same run as eager's
+    (recomputed or not: the same masks), no graph break, no recompile."""
+    for rank in range(2):
+        got = ranks[rank][("sdpa compiled", recompute)]
+        _same_run(got, ranks[rank][("sdpa", False)], f"rank {rank}")
+        assert (got["breaks"], got["recompiles"]) == (0, 0)
+    assert ranks[0][("sdpa", False)]["losses"] == ranks[1][("sdpa", False)]["losses"]

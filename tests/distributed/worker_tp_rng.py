@@ -109,45 +109,86 @@ def one_process_rng(sequence: bool) -> list[str]:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             states.append(digest())
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()])
-    trainer.fit(module, torch.utils.data.DataLoader(token_dataset(16, SEQ), batch_size=4))
+    trainer.fit(module, torch.utils.data.DataLoader(token_dataset(24, SEQ), batch_size=4))
     return states
 
 
-def main() -> None:
-    from lightning_tpp import TensorPipeStrategy
+class SdpaDropBlock(nn.Module):
+    """GPT-2's block as Hugging Face runs it with SDPA: the attention dropout inside
+    ``scaled_dot_product_attention`` (over this rank's heads under tp), the MLP's output dropout (replicated)."""
 
+    def __init__(self, dim: int = 32, n_head: int = 4) -> None:
+        super().__init__()
+        self.n_head, self.n_embd = n_head, dim
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.o = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.attn_drop, self.resid_drop = nn.Dropout(0.3), nn.Dropout(0.3)  # attn_drop: its p, given to SDPA
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Dropout(0.0), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        qkv = self.qkv(self.ln1(x)).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in qkv)
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0,
+                                           is_causal=True)
+        x = x + self.resid_drop(self.o(a.transpose(1, 2).reshape(B, T, C)))
+        return x + self.resid_drop(self.mlp(self.ln2(x)))
+
+
+def train(block: type, recompute: bool, sequence: bool, compiled: bool) -> dict:
+    """Three steps at tp=2: the losses, gradients and the user's generator after each step; the masks of the eager
+    training forwards; under ``compile=`` (aot_eager: the graphs run eager's kernels, so eager's numbers) dynamo's
+    graph breaks and the recompiles after the first compiled step."""
+    from lightning_tpp import TensorPipeStrategy
+    from lightning_tpp.integration.compile_metrics import dynamo_counts
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    L.seed_everything(0, verbose=False)
+    module = Lit(block)
+    masks: dict[str, list[torch.Tensor]] = {"attn": [], "hidden": [], "resid": []}
+    for b in module.blocks if not compiled else ():  # training forwards only: not the check's nor a recomputation
+        for name, drop in (("attn", b.attn_drop), ("hidden", b.mlp[2]), ("resid", b.resid_drop)):
+            drop.register_forward_hook(lambda m, a, o, n=name: masks[n].append((o == 0).clone())
+                                       if m.training and torch._C._current_graph_task_id() == -1 else None)
+    losses: list[float] = []
+    grads: list[dict[str, torch.Tensor]] = []
+    rng: list[str] = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            losses.append(float(outputs["loss"]))
+            rng.append(digest())
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters()})
+
+    strategy = TensorPipeStrategy(tp=2, activation_checkpointing=recompute, sequence_parallel=sequence,
+                                  print_plan=False, compile={"backend": "aot_eager"} if compiled else False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, callbacks=[Record()])
+    trainer.fit(module, torch.utils.data.DataLoader(token_dataset(24, SEQ), batch_size=4))
+    result = {"masks": masks, "losses": losses, "grads": grads, "rng": rng,
+              "recomputed": len(strategy.parallel_state.recomputed)}
+    if compiled:
+        result["breaks"] = dynamo_counts()[1]
+        result["recompiles"] = strategy._compiled.recompiles
+    return result
+
+
+def main() -> None:
     out, rank = Path(sys.argv[1]), int(os.environ["LOCAL_RANK"])
     results = {}
     for recompute, sequence in ((False, False), (True, False), (False, True), (True, True)):
-        L.seed_everything(0, verbose=False)
-        module = Lit(SequenceDropBlock if sequence else DropBlock)
-        masks: dict[str, list[torch.Tensor]] = {"attn": [], "hidden": [], "resid": []}
-        for block in module.blocks:  # training forwards only: not the check's (eval) nor a recomputation in backward
-            for name, drop in (("attn", block.attn_drop), ("hidden", block.mlp[2]), ("resid", block.resid_drop)):
-                drop.register_forward_hook(lambda m, a, o, n=name: masks[n].append((o == 0).clone())
-                                           if m.training and torch._C._current_graph_task_id() == -1 else None)
-        losses: list[float] = []
-        grads: list[dict[str, torch.Tensor]] = []
-        rng: list[str] = []
-
-        class Record(L.Callback):
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-                losses.append(float(outputs["loss"]))
-                rng.append(digest())
-
-            def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-                grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters()})
-
-        strategy = TensorPipeStrategy(tp=2, activation_checkpointing=recompute, sequence_parallel=sequence,
-                                      print_plan=False)
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            use_distributed_sampler=False, callbacks=[Record()])
-        trainer.fit(module, torch.utils.data.DataLoader(token_dataset(16, SEQ), batch_size=4))
-        results[(recompute, sequence)] = {"masks": masks, "losses": losses, "grads": grads, "rng": rng,
-                              "recomputed": len(strategy.parallel_state.recomputed)}
+        block = SequenceDropBlock if sequence else DropBlock
+        results[(recompute, sequence)] = train(block, recompute, sequence, compiled=False)
+        results[("compiled", recompute, sequence)] = train(block, recompute, sequence, compiled=True)
+    results[("sdpa", False)] = train(SdpaDropBlock, False, False, compiled=False)
+    for recompute in (False, True):
+        results[("sdpa compiled", recompute)] = train(SdpaDropBlock, recompute, False, compiled=True)
     torch.save(results, out / f"tp_rng.rank{rank}.pt")
 
 
