@@ -514,7 +514,10 @@ def verify_block_gradients(block: nn.Module, args: tuple, kwargs: dict) -> None:
             st.partial.remove(entry)
         return first_difference(g, w, group, f"gradient of {name!r}") if how is None else None
 
-    check_gradients(block, args, kwargs, group=group, shards=st.shards, parallel=lambda a, k: block.forward(*a, **k),
+    # the tensor-parallel forward itself, not what wraps it (a pipeline unit's dispatch, a recomputed block's
+    # checkpoint: a checkpoint inside the check recomputed another forward in the check's backward, CheckpointError)
+    check_gradients(block, args, kwargs, group=group, shards=st.shards, parallel=lambda a, k: _TPBlock.forward(
+                        block, *a, **k),  # type: ignore[arg-type]
                     reference=_block_reference(st), replicated=replicated, mismatch=Mismatch(
                         f"tensor-parallel {st.info.kind} block", st.name, type(block).__name__,
                         _cause(st, "Its backward probably depends on something the automatic plan does not model"),

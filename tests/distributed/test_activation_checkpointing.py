@@ -52,6 +52,10 @@ def test_pp2_every_schedule(tmp_path: Path) -> None:
 
 def test_tp2_pp2_zero_bubble(tmp_path: Path) -> None:
     """Llama (rotary side inputs, GQA) over 4 ranks: tensor-parallel blocks recomputed inside pipeline units whose
-    backward is split into I and W."""
-    _launch(tmp_path, ["llama"], tp=2, pp=2, extra=("--schedule", "zero-bubble"))
-    _compare(tmp_path, "llama", "llama", tp=2, pp=2)
+    backward is split into I and W. A block with its layers inline (``flat_gpt``) is itself the tensor-parallel
+    block, the recomputed block and the pipeline unit: its first-call gradient check used to run through the unit's
+    checkpoint and stop the first step with a ``CheckpointError`` (another shape recomputed)."""
+    models = ["llama", "flat_gpt"]
+    _launch(tmp_path, models, tp=2, pp=2, extra=("--schedule", "zero-bubble"))
+    for name in models:
+        _compare(tmp_path, name, name, tp=2, pp=2)
