@@ -485,6 +485,21 @@ class FlatBlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 
 
+class MaskBlock(FlatBlock):
+    """FlatBlock with attention written by hand and its causal mask made where it is used, with no device named (on a
+    CPU run: the CPU, as one process runs it; a pipeline stage infers the shapes of a block it does not hold on
+    meta)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = (layer(h).view(B, S, -1, self.head_dim).transpose(1, 2) for layer in (self.q, self.k, self.v))
+        att = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5
+        att = att.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        x = x + self.o((att @ v).transpose(1, 2).reshape(B, S, -1))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
 # ---- attention spread over siblings: q/k/v in one child, the attention maths in another, the output at the block --
 class QKV(nn.Module):
     def __init__(self, dim: int) -> None:
@@ -765,6 +780,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "nanogpt4": lambda: NanoGPT(n_layer=4),
     "llama4": lambda: TinyLlama(n_layers=4),
     "flat_gpt": lambda: BlockGPT(lambda: FlatBlock(DIM, DIM // HEADS)),
+    "mask_gpt": lambda: BlockGPT(lambda: MaskBlock(DIM, DIM // HEADS)),
     "split_gpt": lambda: BlockGPT(lambda: SplitBlock(DIM, HEADS)),
     "litgpt": LitGPTModel,
     "hf_vit": HFViT,

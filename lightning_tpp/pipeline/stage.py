@@ -129,7 +129,9 @@ class StageRuntime:
         key = (id(twin), _signature(args), _signature(kwargs))
         if key not in self._shapes:
             margs, mkwargs = _to_meta(args, kwargs)
-            with torch.no_grad(), DataDependentOnMeta(), recorded(remove=True) as side:  # routed layers on meta
+            # routed layers on meta; so is what the block makes without naming a device (a causal mask built with
+            # torch.ones(T, T): on a CPU run the default device, which a meta input cannot meet)
+            with torch.no_grad(), torch.device("meta"), DataDependentOnMeta(), recorded(remove=True) as side:
                 out = twin(*margs, **mkwargs)
             self._shapes[key] = (out, side)
         return self._shapes[key]

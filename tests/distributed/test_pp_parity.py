@@ -18,7 +18,7 @@ from parity import assert_parity, load_record, merge_stages, train
 # mixed layers held as `net` beside an output norm, and as `encoder.layers` inside an encoder module between an
 # embedding and a head (its children are the blocks)
 PP2_MODELS = ["nanogpt", "llama", "encoder", "hf_gpt2", "hf_llama", "hf_llama_labels", "sequential", "llama_varlen",
-              "litgpt", "mlp", "hf_vit", "seq_in_module", "seq_nested"]
+              "litgpt", "mlp", "hf_vit", "seq_in_module", "seq_nested", "mask_gpt"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,8 +47,9 @@ def run_and_compare(tmp: Path, models: list[str], *, tp: int = 1, pp: int = 2, d
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble", "zb-drain", "zb-lead"])
 def test_pp2_every_schedule(tmp_path: Path, schedule: str) -> None:
     """Tied embeddings (nanoGPT, GPT-2), rotary side inputs (Llama), nn.TransformerEncoder, HF ModelOutput and a
-    loss computed inside the HF forward, a plain nn.Sequential (the model, or held inside a module), and a sequence
-    length that changes between steps."""
+    loss computed inside the HF forward, a plain nn.Sequential (the model, or held inside a module), a sequence
+    length that changes between steps, and a block that makes its causal mask without naming a device (mask_gpt:
+    its shapes are inferred on meta on the stage that does not hold it)."""
     run_and_compare(tmp_path, PP2_MODELS if schedule == "1f1b" else ["nanogpt", "llama", "hf_gpt2"],
                     extra=("--schedule", schedule))
 
