@@ -19,6 +19,7 @@ keys remains).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from functools import partial
 from dataclasses import dataclass, field
@@ -129,11 +130,13 @@ class StageRuntime:
         key = (id(twin), _signature(args), _signature(kwargs))
         if key not in self._shapes:
             margs, mkwargs = _to_meta(args, kwargs)
-            # routed layers on meta; so is what the block makes without naming a device (a causal mask built with
-            # torch.ones(T, T): on a CPU run the default device, which a meta input cannot meet)
-            with torch.no_grad(), torch.device("meta"), DataDependentOnMeta(), recorded(remove=True) as side:
-                out = twin(*margs, **mkwargs)
-            self._shapes[key] = (out, side)
+            try:
+                self._shapes[key] = _on_meta(twin, margs, mkwargs, contextlib.nullcontext())
+            except Exception as err:  # noqa: BLE001 - raised if the second try fails too
+                try:
+                    self._shapes[key] = _on_meta(twin, margs, mkwargs, torch.device("meta"))
+                except Exception:  # noqa: BLE001
+                    raise err from None
         return self._shapes[key]
 
     def zeros(self, meta: Any) -> Any:
@@ -266,6 +269,14 @@ def plan_routes(runtime: StageRuntime, calls: list[tuple[Key, frozenset]], resul
         route.runs = g == stages - 1 or bool(own)
         routes.append(route)
     return routes
+
+
+def _on_meta(twin: nn.Module, args: tuple, kwargs: dict, default_device: Any) -> tuple[Any, Any]:
+    """The block's meta twin run on meta inputs (routed layers on meta), and what its layers recorded. Tried first on
+    the default device as it is (a block may read a value it makes, ``.item()``), then with meta as the default (a
+    mask it makes without naming a device, on a CPU run, cannot meet a meta input)."""
+    with torch.no_grad(), default_device, DataDependentOnMeta(), recorded(remove=True) as side:
+        return twin(*args, **kwargs), side
 
 
 class _PipelineDispatch:
