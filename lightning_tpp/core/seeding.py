@@ -78,6 +78,7 @@ class OwnStream:
     # another call's, nor recomputed)
     handle: int = field(default_factory=lambda: next(_HANDLES), compare=False, repr=False)
     keyed: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int64), compare=False, repr=False)
+    device: str = field(default="", compare=False, repr=False)  # the generator it keys on, found at its first call
 
     def __post_init__(self) -> None:
         _STREAMS[self.handle] = self

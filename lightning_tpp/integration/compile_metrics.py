@@ -89,8 +89,9 @@ def _trained_difference(block: nn.Module, eager: Callable[..., Any], graph: Call
     for both; each call's backward runs before the next call, whose buffer updates would invalidate what it saved).
     FSDP2's units in the block are gathered with their hooks off (:func:`units_gathered`), outside the saved tensors'
     hooks of a recomputed block's checkpoint; each call starts from the block's buffers as they were (a norm's
-    running statistics, updated in training mode), and they, the random generators and the layers' records are as
-    before after. Returns :data:`_DREW` where the eager call drew random numbers."""
+    running statistics, updated in training mode) and from the strategy's own stream as it was (dropout over tp
+    shards: the same masks in both calls), and they, the random generators and the layers' records are as before
+    after. Returns :data:`_DREW` where the eager call drew random numbers from the global generators."""
     device = next((p.device for p in block.parameters()), torch.device("cpu"))
     with units_gathered(block, itself=True), outside_saved_tensors_hooks(), _records_kept(), \
             _buffers_kept(block) as restore, own_draws_kept() as recount, torch.enable_grad(), \

@@ -293,7 +293,9 @@ ACTIVE: Scoped[Optional[ShardedDraws]] = Scoped("lightning_tpp_sharded_draws", N
 def following(tp_rank: int, stream: OwnStream, block: str) -> Iterator[ShardedDraws]:
     """Follow sharded values for the duration of one forward of ``block`` (its name), drawing dropout over them from
     ``stream``."""
-    key = torch.ops.lightning_tpp.stream_key(stream.keyed, stream.handle, block, str(_stream_device()))
+    if not stream.device:  # (at the first call, eager: a compiled one then reads a string, not CUDA's state)
+        stream.device = str(_stream_device())
+    key = torch.ops.lightning_tpp.stream_key(stream.keyed, stream.handle, block, stream.device)
     mode = ShardedDraws(tp_rank, key, ACTIVE.get())
     token = ACTIVE.set(mode)
     try:
