@@ -332,7 +332,8 @@ def copies_followed(originals: list, copies: list) -> None:
     """A check's copies of a call's inputs (``copies``, each in the place of its original in ``originals``) stand
     for them in the block calls being followed: a marked input's copy is sharded too. (:func:`own_draws_kept` puts
     the originals back.)"""
-    swap = [(o, c) for o, c in zip(originals, copies) if isinstance(o, Tensor) and isinstance(c, Tensor)]
+    swap = [(o, c) for o, c in zip(originals, copies)
+            if isinstance(o, Tensor) and isinstance(c, Tensor) and o.shape == c.shape]
     mode = ACTIVE.get()
     while mode is not None:
         mode.traced = [next((c for o, c in swap if o is t), t) for t in mode.traced]
