@@ -49,7 +49,7 @@ from lightning_tpp.tensor_parallel.layers import (
     is_transposed_linear,
 )
 from lightning_tpp.tensor_parallel.heads import WholeHeads, to_local_heads
-from lightning_tpp.tensor_parallel.rng import following
+from lightning_tpp.tensor_parallel.rng import following, mark_sharded
 from lightning_tpp.tensor_parallel.sequence_region import (
     block_inputs,
     block_output,
@@ -222,7 +222,9 @@ class _WholeWidth:
             _declare_partial(width.block.partial, self)  # type: ignore[arg-type]
         group = width.group
         out = super().forward(gather_summed(x.contiguous(), group, x.dim() - 1), *args, **kwargs)  # type: ignore[misc]
-        return out.narrow(-1, group.rank * local, local).contiguous()
+        out = out.narrow(-1, group.rank * local, local).contiguous()
+        mark_sharded(out)  # this rank's columns (under compile=, nothing made through the gather's Function is known)
+        return out
 
 
 class _SummedTail:

@@ -137,6 +137,25 @@ class SdpaDropBlock(nn.Module):
         return x + self.resid_drop(self.mlp(self.ln2(x)))
 
 
+class QKNormDropBlock(SdpaDropBlock):
+    """OLMo-2's attention: an RMSNorm over every head's features of q and of k (run whole under tp, on gathered
+    columns, then cut back to this rank's), then SDPA with dropout over this rank's heads."""
+
+    def __init__(self, dim: int = 32, n_head: int = 4) -> None:
+        super().__init__(dim, n_head)
+        self.q_norm, self.k_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(self.n_embd, dim=2)
+        q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0,
+                                           is_causal=True)
+        x = x + self.resid_drop(self.o(a.transpose(1, 2).reshape(B, T, C)))
+        return x + self.resid_drop(self.mlp(self.ln2(x)))
+
+
 def train(block: type, recompute: bool, sequence: bool, compiled: bool) -> dict:
     """Three steps at tp=2: the losses, gradients and the user's generator after each step; the masks of the eager
     training forwards; under ``compile=`` (aot_eager: the graphs run eager's kernels, so eager's numbers) dynamo's
@@ -189,6 +208,8 @@ def main() -> None:
     results[("sdpa", False)] = train(SdpaDropBlock, False, False, compiled=False)
     for recompute in (False, True):
         results[("sdpa compiled", recompute)] = train(SdpaDropBlock, recompute, False, compiled=True)
+    results[("qknorm", False)] = train(QKNormDropBlock, False, False, compiled=False)
+    results[("qknorm compiled", False)] = train(QKNormDropBlock, False, False, compiled=True)
     torch.save(results, out / f"tp_rng.rank{rank}.pt")
 
 
