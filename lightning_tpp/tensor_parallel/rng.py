@@ -306,16 +306,21 @@ def following(tp_rank: int, stream: OwnStream, block: str) -> Iterator[ShardedDr
         mode.clear()
 
 
+def _followed() -> list[ShardedDraws]:
+    """The block calls being followed, innermost first (a tp block's, then the sequence-parallel block's around it)."""
+    modes, mode = [], ACTIVE.get()
+    while mode is not None:
+        modes.append(mode)
+        mode = mode.outer
+    return modes
+
+
 @contextlib.contextmanager
 def own_draws_kept() -> Iterator[Callable[[], None]]:
     """The strategy's own draws as they were after (and in between, by the function given): every stream's count of
     calls, and the draws and marks of the block calls being followed. A check's extra calls of a block then draw the
     masks the step's call draws, and leave it nothing of theirs (a compiled call would guard on them)."""
-    modes = []
-    mode = ACTIVE.get()
-    while mode is not None:
-        modes.append((mode, mode.draws, dict(mode.sharded), list(mode.traced)))
-        mode = mode.outer
+    modes = [(mode, mode.draws, dict(mode.sharded), list(mode.traced)) for mode in _followed()]
     with calls_kept() as recount:
         def restore() -> None:
             recount()
@@ -334,14 +339,12 @@ def copies_followed(originals: list, copies: list) -> None:
     the originals back.)"""
     swap = [(o, c) for o, c in zip(originals, copies)
             if isinstance(o, Tensor) and isinstance(c, Tensor) and o.shape == c.shape]
-    mode = ACTIVE.get()
-    while mode is not None:
+    for mode in _followed():
         mode.traced = [next((c for o, c in swap if o is t), t) for t in mode.traced]
         for o, c in swap:
             if mode.sharded.get(id(o)) is o:
                 del mode.sharded[id(o)]
                 mode.sharded[id(c)] = c
-        mode = mode.outer
 
 
 def mark_sharded(t: Tensor) -> None:
@@ -349,14 +352,10 @@ def mark_sharded(t: Tensor) -> None:
     block call being followed: a tensor-parallel block's and the sequence-parallel block around it. (Each also
     follows what every operation computes from its marks, but not through an autograd.Function under ``compile=``:
     a row layer's reduce-scatter is one.)"""
-    mode = ACTIVE.get()
-    while mode is not None:
+    for mode in _followed():
         mode.mark(t)
-        mode = mode.outer
 
 
 def mark_replicated(t: Tensor) -> None:
-    mode = ACTIVE.get()
-    while mode is not None:
+    for mode in _followed():
         mode.unmark(t)
-        mode = mode.outer
